@@ -1,0 +1,140 @@
+"""Ring (P2P) context-parallel attention, GQA/MQA-native, zigzag-balanced, comm overlapped with compute.
+
+Layout: q [b, s_local, hq, d], k/v [b, s_local, hkv, d], the sequence zigzag-sharded over the CP group
+(rank r holds global chunks r and 2P-1-r of 2P; see ``layouts``). Returns [b, s_local, hq, d].
+
+Forward: K/V (only the hkv real heads) travel around the ring; step i+1's exchange is posted before step
+i's block is computed. With causal masking each step does the same work on every rank:
+  step 0          own K/V, causal over the local 2c tokens (c = s_local / 2);
+  source < rank   all 2c queries x the source's first chunk (c keys), no mask;
+  source > rank   the second query chunk (c) x all 2c source keys, no mask.
+Partials are merged by log-sum-exp into float32 accumulators.
+
+Backward: K/V rotate again, together with float32 dK/dV accumulators that travel one step behind and
+arrive back at their owner after P exchanges; dQ accumulates locally in float32. Block gradients use the
+final (out, lse) of each row, so no forward state per step is stored.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .comm import RingExchange, group_size_and_rank
+from .kernels import AttentionKernel, default_softmax_scale, select_kernel
+from .merge import merge_attention_
+from .validation import check_attention_inputs
+
+Tensor = torch.Tensor
+
+
+def _accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _block_plan(step: int, rank: int, size: int, causal: bool, c: int):
+    """(q_slice, kv_slice, causal_block) for the block computed at ``step`` (source rank = rank - step)."""
+    full = slice(None)
+    if step == 0:
+        return full, full, causal
+    if not causal:
+        return full, full, False
+    source = (rank - step) % size
+    if source < rank:
+        return full, slice(0, c), False
+    return slice(c, None), full, False
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, scale, kernel: AttentionKernel):
+        size, rank = group_size_and_rank(group)
+        ring = RingExchange(group) if size > 1 else None
+        c = q.shape[1] // 2
+        acc_dtype = _accumulator_dtype(q.dtype)
+        acc_out = acc_lse = None
+        kv = (k, v)
+        for step in range(size):
+            pending = ring.start(kv) if step < size - 1 else None
+            qs, kvs, blk_causal = _block_plan(step, rank, size, causal, c)
+            out, lse = kernel.forward(q[:, qs], kv[0][:, kvs], kv[1][:, kvs], blk_causal, scale)
+            if step == 0:
+                acc_out, acc_lse = out.to(acc_dtype), lse.to(acc_dtype)
+            else:
+                merge_attention_(acc_out[:, qs], acc_lse[:, :, qs], out, lse)
+            if pending is not None:
+                kv = tuple(pending.wait())
+        out = acc_out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, acc_lse.float())
+        ctx.group, ctx.causal, ctx.scale, ctx.kernel = group, causal, scale, kernel
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, causal, scale, kernel = ctx.group, ctx.causal, ctx.scale, ctx.kernel
+        size, rank = group_size_and_rank(group)
+        ring = RingExchange(group) if size > 1 else None
+        c = q.shape[1] // 2
+        acc_dtype = _accumulator_dtype(q.dtype)
+        dout = dout.contiguous() if dout.stride(-1) != 1 else dout
+        dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+        kv = (k, v)
+        dkv_pending = None
+        dk_blk = dv_blk = None
+        for step in range(size):
+            kv_pending = ring.start(kv) if step < size - 1 else None
+            qs, kvs, blk_causal = _block_plan(step, rank, size, causal, c)
+            dq_i, dk_i, dv_i = kernel.backward(
+                dout[:, qs], q[:, qs], kv[0][:, kvs], kv[1][:, kvs], out[:, qs], lse[:, :, qs], blk_causal, scale
+            )
+            dq[:, qs].add_(dq_i)
+            if step == 0:
+                dk_blk = torch.zeros(k.shape, dtype=acc_dtype, device=k.device)
+                dv_blk = torch.zeros(v.shape, dtype=acc_dtype, device=v.device)
+            else:
+                # gradients of the block we now hold, accumulated by the ranks that held it before us
+                dk_blk, dv_blk = dkv_pending.wait()
+            dk_blk[:, kvs].add_(dk_i)
+            dv_blk[:, kvs].add_(dv_i)
+            if ring is not None:
+                dkv_pending = ring.start((dk_blk, dv_blk))
+            if kv_pending is not None:
+                kv = tuple(kv_pending.wait())
+        if ring is not None:
+            dk_blk, dv_blk = dkv_pending.wait()  # our own block, after a full lap
+        return dq.to(q.dtype), dk_blk.to(k.dtype), dv_blk.to(v.dtype), None, None, None, None
+
+
+def ring_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group: Optional[dist.ProcessGroup] = None,
+    causal: bool = True,
+    softmax_scale: Optional[float] = None,
+    *,
+    kernel: Optional[str] = None,
+    global_seq_len: Optional[int] = None,
+) -> Tensor:
+    """Exact attention over a zigzag-sharded sequence split across ``group`` (see module docstring).
+
+    ``group=None`` or a one-rank group computes plain (local) attention. ``kernel`` names a local kernel
+    (``kernels.KERNELS``) or "auto". ``global_seq_len``, if given, is checked against s_local * group size.
+    Raises ValueError on inconsistent inputs before communicating.
+    """
+    size, _ = group_size_and_rank(group)
+    check_attention_inputs(q, k, v, size, causal, global_seq_len, fn="ring_attention")
+    scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    kern = select_kernel(q.device, q.dtype, kernel)
+    return _RingAttention.apply(q, k, v, group if size > 1 else None, causal, scale, kern)
+
+
+def local_attention(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool = True, softmax_scale: Optional[float] = None, *,
+    kernel: Optional[str] = None,
+) -> Tensor:
+    """Differentiable single-device attention with the same layout and kernels (CP size 1)."""
+    return ring_attention(q, k, v, None, causal, softmax_scale, kernel=kernel)
