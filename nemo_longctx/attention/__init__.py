@@ -7,7 +7,7 @@ from .comm import ByteCounter, RingExchange, count_bytes_sent
 from .kernels import KERNELS, AttentionKernel, default_softmax_scale, select_kernel
 from .layouts import zigzag_indices, zigzag_position_ids, zigzag_shard, zigzag_unshard
 from .merge import merge_attention, merge_attention_
-from .ring import local_attention, ring_attention
+from .ring import local_attention, ring_attention, ring_attention_backward, ring_attention_forward
 from .validation import check_attention_inputs
 
 __all__ = [
@@ -22,6 +22,8 @@ __all__ = [
     "merge_attention",
     "merge_attention_",
     "ring_attention",
+    "ring_attention_backward",
+    "ring_attention_forward",
     "select_kernel",
     "zigzag_indices",
     "zigzag_position_ids",

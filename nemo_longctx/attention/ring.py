@@ -17,7 +17,7 @@ final (out, lse) of each row, so no forward state per step is stored.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -47,65 +47,81 @@ def _block_plan(step: int, rank: int, size: int, causal: bool, c: int):
     return slice(c, None), full, False
 
 
+def ring_attention_forward(
+    q: Tensor, k: Tensor, v: Tensor, group: Optional[dist.ProcessGroup], causal: bool, scale: float,
+    kernel: AttentionKernel,
+) -> Tuple[Tensor, Tensor]:
+    """Forward pass without autograd: returns (out [b, s_local, hq, d] in q.dtype, lse [b, hq, s_local] fp32)."""
+    size, rank = group_size_and_rank(group)
+    ring = RingExchange(group) if size > 1 else None
+    c = q.shape[1] // 2
+    acc_dtype = _accumulator_dtype(q.dtype)
+    acc_out = acc_lse = None
+    kv = (k, v)
+    for step in range(size):
+        pending = ring.start(kv) if step < size - 1 else None
+        qs, kvs, blk_causal = _block_plan(step, rank, size, causal, c)
+        out, lse = kernel.forward(q[:, qs], kv[0][:, kvs], kv[1][:, kvs], blk_causal, scale)
+        if step == 0:
+            acc_out, acc_lse = out.to(acc_dtype), lse.to(acc_dtype)
+        else:
+            merge_attention_(acc_out[:, qs], acc_lse[:, :, qs], out, lse)
+        if pending is not None:
+            kv = tuple(pending.wait())
+    return acc_out.to(q.dtype), acc_lse.float()
+
+
+def ring_attention_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+    group: Optional[dist.ProcessGroup], causal: bool, scale: float, kernel: AttentionKernel,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """Gradients (dq, dk, dv) given the forward's final ``out`` and ``lse`` (shapes as in the forward)."""
+    size, rank = group_size_and_rank(group)
+    ring = RingExchange(group) if size > 1 else None
+    c = q.shape[1] // 2
+    acc_dtype = _accumulator_dtype(q.dtype)
+    dout = dout.contiguous() if dout.stride(-1) != 1 else dout
+    dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+    kv = (k, v)
+    dkv_pending = None
+    dk_blk = dv_blk = None
+    for step in range(size):
+        kv_pending = ring.start(kv) if step < size - 1 else None
+        qs, kvs, blk_causal = _block_plan(step, rank, size, causal, c)
+        dq_i, dk_i, dv_i = kernel.backward(
+            dout[:, qs], q[:, qs], kv[0][:, kvs], kv[1][:, kvs], out[:, qs], lse[:, :, qs], blk_causal, scale
+        )
+        dq[:, qs].add_(dq_i)
+        if step == 0:
+            dk_blk = torch.zeros(k.shape, dtype=acc_dtype, device=k.device)
+            dv_blk = torch.zeros(v.shape, dtype=acc_dtype, device=v.device)
+        else:
+            # gradients of the block we now hold, accumulated by the ranks that held it before us
+            dk_blk, dv_blk = dkv_pending.wait()
+        dk_blk[:, kvs].add_(dk_i)
+        dv_blk[:, kvs].add_(dv_i)
+        if ring is not None:
+            dkv_pending = ring.start((dk_blk, dv_blk))
+        if kv_pending is not None:
+            kv = tuple(kv_pending.wait())
+    if ring is not None:
+        dk_blk, dv_blk = dkv_pending.wait()  # our own block, after a full lap
+    return dq.to(q.dtype), dk_blk.to(k.dtype), dv_blk.to(v.dtype)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, causal, scale, kernel: AttentionKernel):
-        size, rank = group_size_and_rank(group)
-        ring = RingExchange(group) if size > 1 else None
-        c = q.shape[1] // 2
-        acc_dtype = _accumulator_dtype(q.dtype)
-        acc_out = acc_lse = None
-        kv = (k, v)
-        for step in range(size):
-            pending = ring.start(kv) if step < size - 1 else None
-            qs, kvs, blk_causal = _block_plan(step, rank, size, causal, c)
-            out, lse = kernel.forward(q[:, qs], kv[0][:, kvs], kv[1][:, kvs], blk_causal, scale)
-            if step == 0:
-                acc_out, acc_lse = out.to(acc_dtype), lse.to(acc_dtype)
-            else:
-                merge_attention_(acc_out[:, qs], acc_lse[:, :, qs], out, lse)
-            if pending is not None:
-                kv = tuple(pending.wait())
-        out = acc_out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, acc_lse.float())
-        ctx.group, ctx.causal, ctx.scale, ctx.kernel = group, causal, scale, kernel
+        out, lse = ring_attention_forward(q, k, v, group, causal, scale, kernel)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (group, causal, scale, kernel)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        group, causal, scale, kernel = ctx.group, ctx.causal, ctx.scale, ctx.kernel
-        size, rank = group_size_and_rank(group)
-        ring = RingExchange(group) if size > 1 else None
-        c = q.shape[1] // 2
-        acc_dtype = _accumulator_dtype(q.dtype)
-        dout = dout.contiguous() if dout.stride(-1) != 1 else dout
-        dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
-        kv = (k, v)
-        dkv_pending = None
-        dk_blk = dv_blk = None
-        for step in range(size):
-            kv_pending = ring.start(kv) if step < size - 1 else None
-            qs, kvs, blk_causal = _block_plan(step, rank, size, causal, c)
-            dq_i, dk_i, dv_i = kernel.backward(
-                dout[:, qs], q[:, qs], kv[0][:, kvs], kv[1][:, kvs], out[:, qs], lse[:, :, qs], blk_causal, scale
-            )
-            dq[:, qs].add_(dq_i)
-            if step == 0:
-                dk_blk = torch.zeros(k.shape, dtype=acc_dtype, device=k.device)
-                dv_blk = torch.zeros(v.shape, dtype=acc_dtype, device=v.device)
-            else:
-                # gradients of the block we now hold, accumulated by the ranks that held it before us
-                dk_blk, dv_blk = dkv_pending.wait()
-            dk_blk[:, kvs].add_(dk_i)
-            dv_blk[:, kvs].add_(dv_i)
-            if ring is not None:
-                dkv_pending = ring.start((dk_blk, dv_blk))
-            if kv_pending is not None:
-                kv = tuple(kv_pending.wait())
-        if ring is not None:
-            dk_blk, dv_blk = dkv_pending.wait()  # our own block, after a full lap
-        return dq.to(q.dtype), dk_blk.to(k.dtype), dv_blk.to(v.dtype), None, None, None, None
+        dq, dk, dv = ring_attention_backward(dout, q, k, v, out, lse, *ctx.args)
+        return dq, dk, dv, None, None, None, None
 
 
 def ring_attention(
