@@ -51,12 +51,17 @@ def _ring_worker(rank, world_size):
         ql, kl, vl = (shard(t).detach().clone().requires_grad_() for t in (q, k, v))
         with count_bytes_sent() as fwd_bytes:
             out = ring_attention(ql, kl, vl, group, causal=causal, global_seq_len=s)
-        out.backward(shard(dout))
+        with count_bytes_sent() as bwd_bytes:
+            out.backward(shard(dout))
         errs = {name: rel_err(got, shard(want)) for name, got, want in
                 zip(("out", "dq", "dk", "dv"), (out, ql.grad, kl.grad, vl.grad), ref)}
-        expected_bytes = (world_size - 1) * 2 * b * (s // world_size) * hkv * d * torch.empty(0, dtype=dtype).element_size()
+        kv_elems = 2 * b * (s // world_size) * hkv * d
+        expected_bytes = (world_size - 1) * kv_elems * torch.empty(0, dtype=dtype).element_size()
+        # backward: K/V again plus one float32 dK/dV accumulator hop per step, P-1 each
+        expected_bwd = expected_bytes + (world_size - 1) * kv_elems * 4
         results.append(dict(case=case["name"], dtype=dtype, errs=errs, out_dtype=out.dtype,
                             fwd_bytes=fwd_bytes.bytes_sent, expected_bytes=expected_bytes,
+                            bwd_bytes=bwd_bytes.bytes_sent, expected_bwd=expected_bwd,
                             grad_dtypes=(ql.grad.dtype, kl.grad.dtype, vl.grad.dtype)))
     return results
 
@@ -105,6 +110,7 @@ def test_ring_matches_fp64_reference(world_size):
             assert r["out_dtype"] == r["dtype"] and r["grad_dtypes"] == (r["dtype"],) * 3
             # GQA-native communication: only the hkv real heads travel, once per step
             assert r["fwd_bytes"] == r["expected_bytes"], r
+            assert r["bwd_bytes"] == r["expected_bwd"], r
             checked += 1
     assert checked == world_size * len(_cases(world_size))
 

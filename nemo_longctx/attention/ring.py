@@ -10,8 +10,9 @@ i's block is computed. With causal masking each step does the same work on every
   source > rank   the second query chunk (c) x all 2c source keys, no mask.
 Partials are merged by log-sum-exp into float32 accumulators.
 
-Backward: K/V rotate again, together with float32 dK/dV accumulators that travel one step behind and
-arrive back at their owner after P exchanges; dQ accumulates locally in float32. Block gradients use the
+Backward: K/V rotate again; each rank keeps its own block's dK/dV, and a float32 dK/dV accumulator per
+block travels one step behind the K/V, visiting the P-1 other ranks and arriving home after P-1 exchanges
+(the minimum); dQ accumulates locally in float32. Block gradients use the
 final (out, lse) of each row, so no forward state per step is stored.
 """
 
@@ -84,7 +85,7 @@ def ring_attention_backward(
     dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
     kv = (k, v)
     dkv_pending = None
-    dk_blk = dv_blk = None
+    dk_own = dv_own = None
     for step in range(size):
         kv_pending = ring.start(kv) if step < size - 1 else None
         qs, kvs, blk_causal = _block_plan(step, rank, size, causal, c)
@@ -93,20 +94,25 @@ def ring_attention_backward(
         )
         dq[:, qs].add_(dq_i)
         if step == 0:
-            dk_blk = torch.zeros(k.shape, dtype=acc_dtype, device=k.device)
-            dv_blk = torch.zeros(v.shape, dtype=acc_dtype, device=v.device)
+            # our own block's gradient stays here and is added when its accumulator comes home
+            dk_own, dv_own = dk_i.to(acc_dtype), dv_i.to(acc_dtype)
         else:
-            # gradients of the block we now hold, accumulated by the ranks that held it before us
-            dk_blk, dv_blk = dkv_pending.wait()
-        dk_blk[:, kvs].add_(dk_i)
-        dv_blk[:, kvs].add_(dv_i)
-        if ring is not None:
+            if step == 1:
+                dk_blk = torch.zeros(k.shape, dtype=acc_dtype, device=k.device)
+                dv_blk = torch.zeros(v.shape, dtype=acc_dtype, device=v.device)
+            else:
+                # the accumulator of the block we now hold, filled by the ranks that held it before us
+                dk_blk, dv_blk = dkv_pending.wait()
+            dk_blk[:, kvs].add_(dk_i)
+            dv_blk[:, kvs].add_(dv_i)
             dkv_pending = ring.start((dk_blk, dv_blk))
         if kv_pending is not None:
             kv = tuple(kv_pending.wait())
     if ring is not None:
-        dk_blk, dv_blk = dkv_pending.wait()  # our own block, after a full lap
-    return dq.to(q.dtype), dk_blk.to(k.dtype), dv_blk.to(v.dtype)
+        dk_home, dv_home = dkv_pending.wait()  # our block's accumulator after visiting the P-1 other ranks
+        dk_own.add_(dk_home)
+        dv_own.add_(dv_home)
+    return dq.to(q.dtype), dk_own.to(k.dtype), dv_own.to(v.dtype)
 
 
 class _RingAttention(torch.autograd.Function):
