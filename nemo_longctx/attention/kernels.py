@@ -5,7 +5,7 @@ Every kernel works on one (query block, key/value block) pair in our layout:
     q      [b, sq, hq, d]
     k, v   [b, sk, hkv, d]     hq % hkv == 0 (GQA/MQA heads are never repeated by the caller)
     out    [b, sq, hq, d]      same dtype as q
-    lse    [b, hq, sq]         float32, natural log of the softmax denominator (scaled scores)
+    lse    [b, hq, sq]         float32 (float64 for float64 inputs), natural log of the softmax denominator
 
 ``causal=True`` means top-left aligned causal masking, i.e. query i sees keys 0..i; it is only used on
 diagonal blocks where sq == sk. ``backward(dout, q, k, v, out, lse, ...)`` returns ``(dq, dk, dv)`` with
@@ -120,7 +120,7 @@ def _math_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -
     lse = torch.logsumexp(scores, dim=-1)  # [b, hkv, g, sq]
     probs = torch.exp(scores - lse.unsqueeze(-1))
     out = torch.einsum("bhgst,bthd->bshgd", probs, v.to(scores.dtype)).reshape(b, sq, hq, d)
-    return out.to(q.dtype), lse.reshape(b, hq, sq).float()
+    return out.to(q.dtype), lse.reshape(b, hq, sq).to(_math_compute_dtype(q.dtype))
 
 
 def _math_backward(

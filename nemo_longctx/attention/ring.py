@@ -52,7 +52,7 @@ def ring_attention_forward(
     q: Tensor, k: Tensor, v: Tensor, group: Optional[dist.ProcessGroup], causal: bool, scale: float,
     kernel: AttentionKernel,
 ) -> Tuple[Tensor, Tensor]:
-    """Forward pass without autograd: returns (out [b, s_local, hq, d] in q.dtype, lse [b, hq, s_local] fp32)."""
+    """Forward pass without autograd: (out [b, s_local, hq, d] in q.dtype, lse [b, hq, s_local] fp32/fp64)."""
     size, rank = group_size_and_rank(group)
     ring = RingExchange(group) if size > 1 else None
     c = q.shape[1] // 2
@@ -69,7 +69,7 @@ def ring_attention_forward(
             merge_attention_(acc_out[:, qs], acc_lse[:, :, qs], out, lse)
         if pending is not None:
             kv = tuple(pending.wait())
-    return acc_out.to(q.dtype), acc_lse.float()
+    return acc_out.to(q.dtype), acc_lse
 
 
 def ring_attention_backward(
