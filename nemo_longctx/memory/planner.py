@@ -1,0 +1,531 @@
+"""Long-context planner: per-GPU memory and a relative step-cost model for every candidate configuration.
+
+Pure python. Units: bytes internally, GiB (2**30) in reports; `gpu_memory_gb`/`host_memory_gb` are GiB.
+
+Parallel layout: N GPUs = tp x cp x dp (pipeline parallel = 1), tp and Ulysses inside a node, Megatron's sequence
+parallelism on whenever tp > 1 (so every activation below is divided by tp), micro batch = 1 sequence of
+`seq_length` tokens per data-parallel replica, zigzag CP sharding (each GPU holds seq_length / cp tokens).
+
+Per-GPU memory of one candidate (`MemoryBreakdown`):
+  weights     = param_bytes * P / tp                           (bf16 weights, vocab-parallel embedding/output)
+  grads       = grad_bytes  * P / tp                           (Megatron DDP main grads, fp32 by default)
+  optimizer   = optim_bytes * P / (tp * dp * cp)               (distributed optimizer: fp32 master + Adam m, v,
+                                                                 sharded over the data-parallel-with-CP group)
+  activations = tokens * (L * layer_saved + head_saved)        (saved for backward, kept on the device)
+  transient   = tokens * max(recompute working set + attention buffers, MLP intermediate, logits)
+  comm        = tokens * CP communication buffers (ring KV/dKV double buffers or Ulysses all-to-all buffers)
+  reserve     = fixed bytes for CUDA context, NCCL, allocator fragmentation
+  total       = sum of the above; fits when total <= gpu_memory_gb.
+Host memory per node = gpus_per_node * (offloaded activations per GPU + host_reserve_gb).
+
+Activation model (calibratable, `ActivationCoefficients`): saved bytes per token per layer are
+  b * (hidden*h + query*hq*d + kv*r*hkv*d + ffn*f + rope*d) + 4 * (lse*hq + norm)      (divided by tp)
+with b the activation dtype size, r the Ulysses KV replication factor; each named coefficient counts the
+tensors of that width the Megatron layer saves with our core attention (see the field comments). Recompute,
+offload and tiling remove terms (see `layer_saved_bytes`). tests/test_planner_calibration.py checks the result
+against the tracker's measurement of a real Megatron GPTModel.
+
+Cost model (`CostModel`): step time per sequence = compute + exposed communication + exposed transfers,
+relative to the ideal compute of the same sequence (cost 1.0 = no recompute, no exposed communication):
+  compute  = flops / (cp*tp) / (gpu_tflops * mfu); flops = 3 * forward + recompute forward, where
+             forward per token = L * (matmul + causal attention 2*hq*d*seq) + logits 2*h*V;
+             full recompute re-runs the layer forward, full_keep_attn the layer matmuls only (not attention),
+             selective the MLP forward, tiled MLP re-runs the MLP forward, chunked loss the logits forward.
+  tp comm  = 2 all-gathers + 2 reduce-scatters of the local hidden states per layer per forward pass
+             (sequence parallel), not overlapped, over NVLink.
+  ring     = (cp-1) KV blocks per layer per pass (forward: K,V; backward: K,V + fp32 dK,dV), overlapped
+             with that pass's attention compute; only the excess is exposed.
+  ulysses  = 4 all-to-alls per layer per pass (q, k, v in, output back), not overlapped.
+  offload  = layer input D2H after each layer's forward and H2D before its backward, overlapped with the
+             layer's compute; only the excess is exposed.
+Bandwidths: NVLink when the group fits in one node, the inter-node network otherwise. The cheapest fitting
+candidate wins; ties go to the smaller peak memory.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+from typing import Iterable
+
+from .model_shapes import ModelShape
+
+GIB = float(2**30)
+CP_ALGORITHMS = ("none", "ring", "ulysses", "hybrid")
+RECOMPUTE = ("none", "selective", "full", "full_keep_attn")
+OFFLOAD = ("none", "layer_input")
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "float32": 4, "bfloat16": 2, "float16": 2}
+
+
+# --------------------------------------------------------------------------------------------------- inputs
+@dataclass(frozen=True)
+class Hardware:
+    gpus: int
+    gpu_memory_gb: float = 80.0
+    host_memory_gb: float = 1024.0  # per node
+    gpus_per_node: int = 8
+    reserve_gb: float = 5.0  # per GPU: CUDA context, NCCL buffers, allocator fragmentation
+    host_reserve_gb: float = 16.0  # per GPU process on the host: python, CUDA, NeMo, data loader
+
+    def __post_init__(self):
+        if self.gpus < 1:
+            raise ValueError(f"plan.gpus must be >= 1, got {self.gpus}")
+        if self.gpu_memory_gb <= 0:
+            raise ValueError(f"plan.gpu_memory_gb must be > 0, got {self.gpu_memory_gb}")
+        if self.host_memory_gb < 0:
+            raise ValueError(f"plan.host_memory_gb must be >= 0, got {self.host_memory_gb}")
+        if self.gpus_per_node < 1:
+            raise ValueError(f"plan.gpus_per_node must be >= 1, got {self.gpus_per_node}")
+
+    @property
+    def nodes(self) -> int:
+        return math.ceil(self.gpus / self.gpus_per_node)
+
+    @property
+    def gpus_on_a_node(self) -> int:
+        return min(self.gpus, self.gpus_per_node)
+
+
+@dataclass(frozen=True)
+class Precision:
+    activation_bytes: int = 2  # bf16 activations
+    param_bytes: int = 2  # bf16 weights
+    grad_bytes: int = 4  # fp32 main grads (NeMo bf16-mixed: grad_reduce_in_fp32=True)
+    optimizer_bytes: int = 12  # fp32 master weights + Adam exp_avg + exp_avg_sq, sharded (distributed optimizer)
+
+
+@dataclass(frozen=True)
+class ActivationCoefficients:
+    """Tensors saved for backward, counted per token in units of one shape term (see module docstring).
+
+    Defaults count Megatron-core's GPT layer (local or TE spec) with RMSNorm, RoPE, SwiGLU, no biases, no dropout,
+    and nemo_longctx's core attention (saves q, k, v, out and the fp32 LSE).
+    """
+
+    hidden: float = 4.0  # x h: input-norm input, QKV-linear input, pre-MLP-norm input, fc1 input
+    query: float = 2.0  # x hq*d: q after RoPE, attention output (also the out-projection input: same storage)
+    kv: float = 2.0  # x hkv*d: k and v after RoPE
+    ffn: float = 3.0  # x f: fc1 output (gate and up, 2f) kept by SwiGLU, fc2 input (f); 2.0 for a plain MLP
+    rope: float = 0.0  # x d: per-token cos/sin copies made by the RoPE application
+    lse: float = 1.0  # x hq, fp32: attention log-sum-exp
+    norm: float = 0.0  # x 1, fp32: per-token norm statistics
+    layer_input: float = 1.0  # x h: what full recompute keeps per layer (the checkpointed layer input)
+    head_hidden: float = 2.0  # x h, once per model: final-norm input, output-layer input
+    logits: float = 1.0  # x V (fp32): what the cross entropy keeps for backward when the loss is not chunked
+    token_ids: float = 2.0  # x 8 bytes, once per model: input ids and labels (int64)
+    # transient (not saved) terms
+    mlp_grad: float = 2.0  # x f: gradient of the fc1 output during the MLP backward
+    logits_transient: float = 2.0  # x V (fp32): logits upcast / their gradient while the loss runs
+    attn_accum: float = 1.0  # x hq*d fp32: output accumulator (forward) / dq accumulator (backward)
+    attn_kv_accum: float = 2.0  # x hkv*d fp32: dk, dv accumulators in the ring backward
+
+    @classmethod
+    def for_model(cls, shape: ModelShape, **overrides) -> "ActivationCoefficients":
+        base = cls() if shape.gated_mlp else cls(ffn=2.0, mlp_grad=1.0)
+        return replace(base, **overrides)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    gpu_tflops: float = 989.0  # H100 SXM dense bf16
+    mfu: float = 0.45  # achieved fraction of peak for the compute estimate
+    nvlink_gbps: float = 300.0  # GB/s per GPU, intra-node collectives / p2p
+    network_gbps: float = 40.0  # GB/s per GPU, inter-node (400 Gb/s IB per GPU, effective)
+    pcie_gbps: float = 25.0  # GB/s per GPU, host <-> device copies (pinned)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    cp_algorithm: str = "none"  # none | ring | ulysses | hybrid
+    cp_size: int = 1
+    ulysses_size: int = 1  # Ulysses degree (ulysses: = cp_size; hybrid: the intra-node factor; else 1)
+    tp: int = 1
+    recompute: str = "none"  # none | selective (modules: mlp) | full | full_keep_attn
+    offload: str = "none"  # none | layer_input
+    mlp_tiles: int = 1  # 1 = off
+    loss_chunks: int = 1  # 1 = off
+    prefetch_depth: int = 1  # layer_input offload: layers brought back ahead of the one in backward
+
+    @property
+    def ring_size(self) -> int:
+        return self.cp_size // self.ulysses_size
+
+    def label(self) -> str:
+        cp = self.cp_algorithm if self.cp_size > 1 else "none"
+        if cp == "hybrid":
+            cp = f"hybrid{self.ulysses_size}x{self.ring_size}"
+        return (f"cp={cp}:{self.cp_size} tp={self.tp} rc={self.recompute} off={self.offload} "
+                f"tiles={self.mlp_tiles} chunks={self.loss_chunks}")
+
+
+@dataclass
+class MemoryBreakdown:
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float  # saved for backward, on the device
+    transient: float
+    comm: float
+    reserve: float
+    host_offload: float  # per GPU, on the host
+    host_per_node: float
+
+    @property
+    def total(self) -> float:
+        return (self.weights + self.grads + self.optimizer + self.activations + self.transient + self.comm
+                + self.reserve)
+
+    def gib(self) -> dict:
+        out = {k: v / GIB for k, v in asdict(self).items()}
+        out["total"] = self.total / GIB
+        return out
+
+
+@dataclass
+class Evaluation:
+    candidate: Candidate
+    dp: int
+    tokens_per_gpu: int
+    memory: MemoryBreakdown
+    fits_gpu: bool
+    fits_host: bool
+    cost: float
+    notes: list = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return self.fits_gpu and self.fits_host
+
+    def to_dict(self) -> dict:
+        return {"candidate": asdict(self.candidate), "label": self.candidate.label(), "dp": self.dp,
+                "tokens_per_gpu": self.tokens_per_gpu, "memory_gib": self.memory.gib(),
+                "fits": self.fits, "fits_gpu": self.fits_gpu, "fits_host": self.fits_host,
+                "relative_cost": self.cost, "notes": list(self.notes)}
+
+
+class PlanError(ValueError):
+    """No candidate fits; the message says what would be needed."""
+
+
+# --------------------------------------------------------------------------------------------------- memory
+def kv_replication(shape: ModelShape, tp: int, ulysses: int) -> float:
+    """Factor by which Ulysses stores more K/V than the ring: KV heads are replicated up to the Ulysses degree."""
+    kv_local = shape.num_query_groups / tp
+    return max(kv_local, ulysses) / kv_local if ulysses > 1 else 1.0
+
+
+def layer_saved_bytes(shape: ModelShape, c: Candidate, coef: ActivationCoefficients, b: int,
+                      recompute: str | None = None) -> float:
+    """Bytes saved for backward per local token per layer (before offload), per GPU (already divided by tp)."""
+    recompute = c.recompute if recompute is None else recompute
+    h, d, f = shape.hidden_size, shape.head_dim, shape.ffn_hidden_size
+    r = kv_replication(shape, c.tp, c.ulysses_size)
+    lse = 4 * coef.lse * shape.num_attention_heads
+    if recompute == "full":
+        return b * coef.layer_input * h / c.tp
+    if recompute == "full_keep_attn":
+        return (b * (coef.layer_input * h + shape.q_width) + lse) / c.tp
+    ffn = 0.0 if (recompute == "selective" or c.mlp_tiles > 1) else coef.ffn * f
+    elems = coef.hidden * h + coef.query * shape.q_width + coef.kv * r * shape.kv_width + ffn + coef.rope * d
+    return (b * elems + lse + 4 * coef.norm) / c.tp
+
+
+def head_saved_bytes(shape: ModelShape, c: Candidate, coef: ActivationCoefficients, b: int) -> float:
+    """Bytes saved per local token outside the transformer layers (embedding ids, final norm, output, loss)."""
+    logits = 0.0 if c.loss_chunks > 1 else 4 * coef.logits * shape.vocab_size / c.tp
+    return b * coef.head_hidden * shape.hidden_size / c.tp + logits + 8 * coef.token_ids
+
+
+def _comm_buffer_bytes(shape: ModelShape, c: Candidate, b: int) -> float:
+    """Per local token: CP communication buffers alive during attention."""
+    if c.cp_size == 1:
+        return 0.0
+    kv = shape.kv_width / c.tp * kv_replication(shape, c.tp, c.ulysses_size)
+    q = shape.q_width / c.tp
+    total = 0.0
+    if c.ulysses_size > 1:  # all-to-all send + receive buffers for q, k, v (and output back), for all local heads
+        total += 2 * (2 * q + 2 * kv) * b
+    if c.ring_size > 1:  # double-buffered K, V in flight (forward) / K, V + fp32 dK, dV (backward)
+        ring_tokens = c.ulysses_size  # hybrid: a ring block holds ulysses_size x more tokens, 1/u of the heads
+        kv_ring = kv / c.ulysses_size * ring_tokens
+        total += 2 * kv_ring * (2 * b + 2 * 4)
+    return total
+
+
+def _transient_bytes(shape: ModelShape, c: Candidate, coef: ActivationCoefficients, b: int) -> float:
+    """Per local token: the largest short-lived working set on top of the saved activations."""
+    f, v = shape.ffn_hidden_size, shape.vocab_size
+    attn = 4 * (coef.attn_accum * shape.q_width + coef.attn_kv_accum * shape.kv_width
+                * kv_replication(shape, c.tp, c.ulysses_size)) / c.tp
+    working = attn
+    if c.recompute in ("full", "full_keep_attn"):
+        # the layer in backward is rematerialised: everything the non-recomputed layer would save, minus kept
+        regained = layer_saved_bytes(shape, c, coef, b, recompute="none") - layer_saved_bytes(shape, c, coef, b)
+        working += regained + 2 * b * shape.hidden_size / c.tp  # + gradients in/out of the layer
+    tiles = max(1, c.mlp_tiles)
+    mlp_saved_now = c.recompute == "none" and tiles == 1  # fc1 output is already counted as saved
+    mlp = b * f / c.tp * (coef.mlp_grad + (0.0 if mlp_saved_now else coef.ffn)) / tiles
+    if c.recompute in ("full", "full_keep_attn") and tiles == 1:
+        mlp = b * f / c.tp * coef.mlp_grad  # intermediate itself is inside `working`
+        working += mlp
+    logits = 4 * coef.logits_transient * v / c.tp / max(1, c.loss_chunks)
+    if c.loss_chunks > 1:
+        logits += 4 * coef.logits * v / c.tp / c.loss_chunks  # the chunk's softmax
+    return max(working, mlp, logits)
+
+
+def memory_breakdown(shape: ModelShape, seq_length: int, hw: Hardware, c: Candidate,
+                     precision: Precision = Precision(), coef: ActivationCoefficients | None = None
+                     ) -> MemoryBreakdown:
+    coef = coef or ActivationCoefficients.for_model(shape)
+    b = precision.activation_bytes
+    dp = hw.gpus // (c.tp * c.cp_size)
+    p = shape.parameters()
+    tokens = seq_length / c.cp_size
+    layer = layer_saved_bytes(shape, c, coef, b)
+    head = head_saved_bytes(shape, c, coef, b)
+    L = shape.num_layers
+    if c.offload == "layer_input":
+        on_device_layers = min(L, 1 + c.prefetch_depth)
+        device_act = tokens * (on_device_layers * layer + head)
+        host = tokens * (L - on_device_layers) * layer
+    else:
+        device_act = tokens * (L * layer + head)
+        host = 0.0
+    return MemoryBreakdown(
+        weights=precision.param_bytes * p / c.tp,
+        grads=precision.grad_bytes * p / c.tp,
+        optimizer=precision.optimizer_bytes * p / (c.tp * max(1, dp) * c.cp_size),
+        activations=device_act,
+        transient=tokens * _transient_bytes(shape, c, coef, b),
+        comm=tokens * _comm_buffer_bytes(shape, c, b),
+        reserve=hw.reserve_gb * GIB,
+        host_offload=host,
+        host_per_node=hw.gpus_on_a_node * (host + hw.host_reserve_gb * GIB),
+    )
+
+
+def predicted_activation_bytes(shape: ModelShape, seq_length: int, c: Candidate,
+                               coef: ActivationCoefficients | None = None, activation_bytes: int = 2,
+                               include_head: bool = True) -> dict:
+    """Saved-for-backward bytes per GPU (what the tracker measures): {'device', 'host', 'per_layer'}."""
+    coef = coef or ActivationCoefficients.for_model(shape)
+    tokens = seq_length / c.cp_size
+    layer = tokens * layer_saved_bytes(shape, c, coef, activation_bytes)
+    head = tokens * head_saved_bytes(shape, c, coef, activation_bytes) if include_head else 0.0
+    L = shape.num_layers
+    on_device = min(L, 1 + c.prefetch_depth) if c.offload == "layer_input" else L
+    return {"device": on_device * layer + head, "host": (L - on_device) * layer, "per_layer": layer}
+
+
+# --------------------------------------------------------------------------------------------------- cost
+def _bandwidth(group_gpus: int, hw: Hardware, cost: CostModel) -> float:
+    return (cost.nvlink_gbps if group_gpus <= hw.gpus_per_node else cost.network_gbps) * 1e9
+
+
+def relative_cost(shape: ModelShape, seq_length: int, hw: Hardware, c: Candidate,
+                  precision: Precision = Precision(), cost: CostModel = CostModel()) -> float:
+    """Step time of one sequence relative to its ideal compute time (see the module docstring)."""
+    h, f, V, L = shape.hidden_size, shape.ffn_hidden_size, shape.vocab_size, shape.num_layers
+    b = precision.activation_bytes
+    qkv_o = 2 * (h * (shape.q_width + 2 * shape.kv_width) + shape.q_width * h)
+    mlp = 2 * (3 if shape.gated_mlp else 2) * h * f
+    attn = 2 * shape.q_width * seq_length  # causal: 4*hq*d per key over seq/2 keys on average
+    logits = 2 * h * V
+    fwd = seq_length * (L * (qkv_o + mlp + attn) + logits)
+    extra = 0.0
+    if c.recompute == "full":
+        extra += seq_length * L * (qkv_o + mlp + attn)
+    elif c.recompute == "full_keep_attn":
+        extra += seq_length * L * (qkv_o + mlp)
+    elif c.recompute == "selective":
+        extra += seq_length * L * mlp
+    if c.mlp_tiles > 1:
+        extra += seq_length * L * mlp
+    if c.loss_chunks > 1:
+        extra += seq_length * logits
+    gpus_per_seq = c.cp_size * c.tp
+    rate = cost.gpu_tflops * 1e12 * cost.mfu
+    ideal = 3 * fwd / gpus_per_seq / rate
+    compute = (3 * fwd + extra) / gpus_per_seq / rate
+    fwd_passes = 2 if c.recompute in ("full", "full_keep_attn") else 1
+    tokens = seq_length / c.cp_size
+    exposed = 0.0
+    if c.tp > 1:  # sequence parallel: 2 AG + 2 RS of [tokens, h] per layer per pass, not overlapped
+        vol = 4 * tokens * h * b * (c.tp - 1) / c.tp
+        exposed += L * (fwd_passes + 1) * vol / _bandwidth(c.tp, hw, cost)
+    attn_time_pass = seq_length * attn / gpus_per_seq / rate  # one layer's attention forward on one GPU
+    if c.ulysses_size > 1:
+        kv = shape.kv_width * kv_replication(shape, c.tp, c.ulysses_size)
+        vol = tokens * (2 * shape.q_width + 2 * kv) * b / c.tp * (c.ulysses_size - 1) / c.ulysses_size
+        exposed += L * (fwd_passes + 1) * vol / _bandwidth(c.ulysses_size * c.tp, hw, cost)
+    if c.ring_size > 1:
+        kv_block = tokens * c.ulysses_size * 2 * shape.kv_width / c.tp / c.ulysses_size
+        kv_block *= kv_replication(shape, c.tp, c.ulysses_size)
+        bw = _bandwidth(c.cp_size * c.tp, hw, cost)
+        fwd_comm = (c.ring_size - 1) * kv_block * b / bw
+        bwd_comm = (c.ring_size - 1) * kv_block * (b + 4) / bw
+        ring_passes = 2 if c.recompute == "full" else 1
+        exposed += L * (ring_passes * max(0.0, fwd_comm - attn_time_pass) + max(0.0, bwd_comm - 2 * attn_time_pass))
+    if c.offload == "layer_input":
+        move = tokens * h * b / c.tp / (cost.pcie_gbps * 1e9)
+        layer_fwd = seq_length * (qkv_o + mlp + attn) / gpus_per_seq / rate
+        exposed += L * (max(0.0, move - layer_fwd) + max(0.0, move - 2 * layer_fwd))
+    return (compute + exposed) / ideal
+
+
+# --------------------------------------------------------------------------------------------------- search
+def _powers_of_two_dividing(n: int, limit: int) -> list[int]:
+    out, k = [], 1
+    while k <= min(n, limit):
+        if n % k == 0:
+            out.append(k)
+        k *= 2
+    return out
+
+
+def auto_mlp_tiles(tokens_per_gpu: float, tp: int, tile_tokens: int = 16384) -> int:
+    """Tiles so that one tile holds at most `tile_tokens` tokens of the MLP input (sequence parallel: /tp)."""
+    return max(1, math.ceil(tokens_per_gpu / tile_tokens))
+
+
+def auto_loss_chunks(tokens_per_gpu: float, chunk_tokens: int = 8192) -> int:
+    return max(1, math.ceil(tokens_per_gpu / chunk_tokens))
+
+
+def candidate_configs(shape: ModelShape, seq_length: int, hw: Hardware,
+                      recompute: Iterable[str] = RECOMPUTE, offload: Iterable[str] = OFFLOAD,
+                      algorithms: Iterable[str] = CP_ALGORITHMS, max_tp: int = 8) -> list[Candidate]:
+    """Every valid layout x memory option for `hw.gpus` GPUs (all GPUs used: dp = gpus / (tp * cp))."""
+    out = []
+    hq, hkv = shape.num_attention_heads, shape.num_query_groups
+    algorithms = tuple(algorithms)
+    for tp in _powers_of_two_dividing(hw.gpus, min(max_tp, hw.gpus_per_node)):
+        if hq % tp or hkv % tp:
+            continue
+        for cp in _powers_of_two_dividing(hw.gpus // tp, hw.gpus):
+            if seq_length % (2 * cp) and cp > 1:
+                continue
+            layouts = []
+            if cp == 1:
+                layouts.append(("none", 1))
+            else:
+                if "ring" in algorithms:
+                    layouts.append(("ring", 1))
+                if "ulysses" in algorithms and (hq // tp) % cp == 0:
+                    layouts.append(("ulysses", cp))
+                if "hybrid" in algorithms:
+                    for u in _powers_of_two_dividing(cp, hw.gpus_per_node // tp):
+                        if 1 < u < cp and (hq // tp) % u == 0:
+                            layouts.append(("hybrid", u))
+            tokens = seq_length / cp
+            tiles = sorted({1, auto_mlp_tiles(tokens, tp)})
+            chunks = sorted({1, auto_loss_chunks(tokens)})
+            for algo, u in layouts:
+                for rc in recompute:
+                    for off in offload:
+                        if off == "layer_input" and rc != "full":
+                            continue
+                        for t in tiles:
+                            for ch in chunks:
+                                out.append(Candidate(algo, cp, u, tp, rc, off, t, ch))
+    return out
+
+
+def evaluate(shape: ModelShape, seq_length: int, hw: Hardware, c: Candidate, precision: Precision = Precision(),
+             coef: ActivationCoefficients | None = None, cost: CostModel = CostModel()) -> Evaluation:
+    mem = memory_breakdown(shape, seq_length, hw, c, precision, coef)
+    notes = []
+    fits_gpu = mem.total <= hw.gpu_memory_gb * GIB
+    fits_host = mem.host_per_node <= hw.host_memory_gb * GIB
+    if not fits_gpu:
+        notes.append(f"needs {mem.total / GIB:.1f} GiB per GPU")
+    if not fits_host:
+        notes.append(f"needs {mem.host_per_node / GIB:.0f} GiB host memory per node")
+    return Evaluation(c, hw.gpus // (c.tp * c.cp_size), int(seq_length // c.cp_size), mem, fits_gpu, fits_host,
+                      relative_cost(shape, seq_length, hw, c, precision, cost), notes)
+
+
+def _rank(evs: list[Evaluation]) -> list[Evaluation]:
+    fitting = sorted((e for e in evs if e.fits), key=lambda e: (round(e.cost, 4), e.memory.total))
+    others = sorted((e for e in evs if not e.fits), key=lambda e: (e.memory.total, e.cost))
+    return fitting + others
+
+
+@dataclass
+class Plan:
+    shape: ModelShape
+    seq_length: int
+    hardware: Hardware
+    precision: Precision
+    evaluations: list  # ranked: fitting by cost, then the rest by memory
+    chosen: Evaluation | None
+
+    def to_dict(self) -> dict:
+        return {"model": asdict(self.shape), "seq_length": self.seq_length, "hardware": asdict(self.hardware),
+                "precision": asdict(self.precision),
+                "chosen": self.chosen.to_dict() if self.chosen else None,
+                "candidates": [e.to_dict() for e in self.evaluations]}
+
+
+def _validate(shape: ModelShape, seq_length: int) -> None:
+    if seq_length < 2 or int(seq_length) != seq_length:
+        raise ValueError(f"plan.seq_length must be an integer >= 2, got {seq_length!r}")
+
+
+def plan(shape: ModelShape, seq_length: int, hw: Hardware, precision: Precision = Precision(),
+         coef: ActivationCoefficients | None = None, cost: CostModel = CostModel(), **search) -> Plan:
+    """Evaluate every candidate; `chosen` is the cheapest one that fits (None when none fits)."""
+    _validate(shape, seq_length)
+    evs = [evaluate(shape, seq_length, hw, c, precision, coef, cost)
+           for c in candidate_configs(shape, seq_length, hw, **search)]
+    ranked = _rank(evs)
+    chosen = ranked[0] if ranked and ranked[0].fits else None
+    return Plan(shape, seq_length, hw, precision, ranked, chosen)
+
+
+def _fits_any(shape, seq_length, hw, precision, coef, cost, **search) -> Evaluation | None:
+    p = plan(shape, seq_length, hw, precision, coef, cost, **search)
+    return p.chosen
+
+
+def what_is_missing(p: Plan, coef: ActivationCoefficients | None = None, cost: CostModel = CostModel(),
+                    max_gpus: int = 16384) -> str:
+    """A sentence naming the smallest change that makes the request fit (more GPUs, more host memory, bigger GPUs)."""
+    hw, shape, s = p.hardware, p.shape, p.seq_length
+    options = []
+    n = hw.gpus
+    while n < max_gpus:
+        n *= 2
+        if _fits_any(shape, s, replace(hw, gpus=n), p.precision, coef, cost) is not None:
+            options.append(f"needs >= {n} GPUs of {hw.gpu_memory_gb:g} GB")
+            break
+    device_ok_offload = [e for e in p.evaluations if e.fits_gpu and not e.fits_host]
+    if device_ok_offload:
+        best = min(device_ok_offload, key=lambda e: e.memory.host_per_node)
+        options.append(f"host memory >= {math.ceil(best.memory.host_per_node / GIB)} GB per node for offload "
+                       f"({best.candidate.label()})")
+    host_ok = [e for e in p.evaluations if e.fits_host]
+    smallest = min(host_ok, key=lambda e: e.memory.total) if host_ok else None
+    if smallest is not None:
+        options.append(f"GPUs with >= {math.ceil(smallest.memory.total / GIB)} GB "
+                       f"({smallest.candidate.label()})")
+    have = (f"{shape.name} at seq_length={s} does not fit on {hw.gpus} GPUs of {hw.gpu_memory_gb:g} GB "
+            f"with {hw.host_memory_gb:g} GB host memory per node")
+    if not p.evaluations:
+        return have + ": no valid parallel layout (check heads / query groups vs GPU count and seq_length)"
+    return have + ": " + ", or ".join(options)
+
+
+def plan_or_raise(shape: ModelShape, seq_length: int, hw: Hardware, precision: Precision = Precision(),
+                  coef: ActivationCoefficients | None = None, cost: CostModel = CostModel()) -> Plan:
+    p = plan(shape, seq_length, hw, precision, coef, cost)
+    if p.chosen is None:
+        raise PlanError(what_is_missing(p, coef, cost))
+    return p
+
+
+def memory_curve(shape: ModelShape, seq_lengths: Iterable[int], hw: Hardware, c: Candidate,
+                 precision: Precision = Precision(), coef: ActivationCoefficients | None = None) -> list[dict]:
+    """Per-GPU breakdown (GiB) of one fixed candidate across sequence lengths (for plots)."""
+    return [dict(seq_length=s, **memory_breakdown(shape, s, hw, c, precision, coef).gib()) for s in seq_lengths]
