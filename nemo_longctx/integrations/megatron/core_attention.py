@@ -1,0 +1,152 @@
+"""Drop-in Megatron-core ``core_attention`` module running nemo_longctx context-parallel attention.
+
+Built by Megatron's ``Attention`` from the layer spec as
+``LongContextCoreAttention(config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+softmax_scale=None, cp_comm_type=None, pg_collection=None, cp_algorithm="ring", cp_algorithm_kwargs=None)``
+and called as ``forward(query [sq, b, hq, d], key/value [sk, b, hkv, d], attention_mask, attn_mask_type=None,
+attention_bias=None, packed_seq_params=None) -> [sq, b, hq*d]`` (heads are per tensor-parallel partition, GQA heads
+not expanded, RoPE applied, the sequence zigzag-sharded over the CP group). Layout conversion to the attention
+layer's ``[b, s, h, d]`` is a transpose view (no copy when b == 1).
+
+The algorithm is looked up by name in ``cp_algorithms.CP_ALGORITHMS`` (ring today). At CP size 1 the same
+algorithm runs with ``group=None`` (local attention). Unsupported combinations raise ValueError at build time
+(or, for per-call inputs such as packed sequences, at the first call) instead of computing something else.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Optional
+
+import torch
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import is_layer_window_attention
+
+from .cp_algorithms import get_cp_algorithm
+
+Tensor = torch.Tensor
+
+SUPPORTED_MASK_TYPES = (AttnMaskType.causal, AttnMaskType.no_mask)
+
+
+def _cp_group(pg_collection: Any):
+    """The context-parallel process group: ``pg_collection.cp`` if given, else Megatron's global CP group."""
+    group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+    if group is not None:
+        return group
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_context_parallel_group()
+    return None
+
+
+class LongContextCoreAttention(MegatronModule):
+    """Exact causal (or unmasked) attention for Megatron layers via a nemo_longctx CP algorithm."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection: Any = None,
+        cp_algorithm: str = "ring",
+        cp_algorithm_kwargs: Optional[Dict[str, Any]] = None,
+        **params: Any,
+    ) -> None:
+        super().__init__(config=config)
+        if params:
+            raise ValueError(f"LongContextCoreAttention got unknown ModuleSpec params {sorted(params)}")
+        self.layer_number = max(1, layer_number)
+        self.attention_type = attention_type
+        self.algorithm = get_cp_algorithm(cp_algorithm)
+        self.algorithm_kwargs = dict(cp_algorithm_kwargs or {})
+
+        if attention_type != "self":
+            raise ValueError(f"nemo_longctx core attention supports self-attention only, got attention_type={attention_type!r}")
+        self.attn_mask_type = self._check_mask_type(attn_mask_type)
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout and dropout > 0:
+            raise ValueError(
+                f"model.attention_dropout={dropout}: attention dropout is not implemented in nemo_longctx core "
+                "attention; set it to 0"
+            )
+        if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
+            raise ValueError(
+                f"model.window_size={config.window_size}: sliding-window attention is not supported by "
+                "nemo_longctx core attention yet"
+            )
+        if getattr(config, "softmax_type", "vanilla") != "vanilla":
+            raise ValueError(f"model.softmax_type={config.softmax_type!r} is not supported (only 'vanilla')")
+        if isinstance(cp_comm_type, list):
+            raise ValueError("model.cp_comm_type as a per-layer list is not supported; use one string or null")
+        if cp_comm_type not in self.algorithm.cp_comm_types:
+            raise ValueError(
+                f"model.cp_comm_type={cp_comm_type!r} does not match cp.algorithm={self.algorithm.name!r} "
+                f"(accepts {sorted(map(str, self.algorithm.cp_comm_types))})"
+            )
+
+        self.cp_group = _cp_group(pg_collection)
+        cp_size = self.cp_group.size() if self.cp_group is not None else 1
+        if cp_size != config.context_parallel_size:
+            raise ValueError(
+                f"model.context_parallel_size={config.context_parallel_size} but the CP process group has "
+                f"{cp_size} ranks"
+            )
+        if self.algorithm.validate is not None:
+            self.algorithm.validate(config, cp_size)
+        self.cp_size = cp_size
+
+        # Same value as Megatron's DotProductAttention: 1/sqrt(kv_channels) unless given. Its
+        # apply_query_key_layer_scaling divides by layer_number and multiplies back in the softmax: the math is
+        # unchanged, so it is ignored here.
+        head_dim = config.kv_channels
+        self.softmax_scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+
+    def _check_mask_type(self, attn_mask_type: Any) -> AttnMaskType:
+        if isinstance(attn_mask_type, torch.Tensor):  # Megatron's checkpointed path passes it as a tensor
+            attn_mask_type = AttnMaskType(int(attn_mask_type.item()))
+        if attn_mask_type not in SUPPORTED_MASK_TYPES:
+            raise ValueError(
+                f"attn_mask_type={attn_mask_type} is not supported by nemo_longctx core attention "
+                f"(supported: causal, no_mask; padding/arbitrary masks and packed sequences are not)"
+            )
+        return attn_mask_type
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Optional[Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[Tensor] = None,
+        packed_seq_params: Any = None,
+    ) -> Tensor:
+        """query [sq, b, hq, d], key/value [sk, b, hkv, d] -> [sq, b, hq*d]."""
+        if packed_seq_params is not None:
+            raise ValueError("packed sequences (THD, packed_seq_params) are not supported by nemo_longctx core attention")
+        if attention_bias is not None:
+            raise ValueError("attention_bias is not supported by nemo_longctx core attention")
+        mask_type = self.attn_mask_type if attn_mask_type is None else self._check_mask_type(attn_mask_type)
+        if attention_mask is not None:
+            raise ValueError(
+                "nemo_longctx core attention got an explicit attention_mask: only the implicit causal (or no) mask "
+                "is supported; use a data step that passes attention_mask=None (e.g. data.create_attention_mask=false)"
+            )
+        sq, b, hq, d = query.shape
+        q, k, v = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)  # [b, s, h, d] views
+        out = self.algorithm.attention(
+            q, k, v,
+            group=self.cp_group if self.cp_size > 1 else None,
+            causal=mask_type == AttnMaskType.causal,
+            softmax_scale=self.softmax_scale,
+            **self.algorithm_kwargs,
+        )
+        return out.transpose(0, 1).reshape(sq, b, hq * d)

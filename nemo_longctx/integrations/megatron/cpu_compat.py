@@ -1,0 +1,268 @@
+"""Run Megatron-core 0.15 / NeMo 2.7 on a CPU-only torch build (gloo). The ONLY module that patches third-party code.
+
+``apply()`` is called by the integration before NeMo/Megatron objects are built. It does nothing when CUDA is
+available, is idempotent, and every patch below says what it fixes (numbers refer to design.md's list):
+
+1. ``torch.cuda.Stream/Event/stream/current_stream/synchronize`` are used unconditionally (DDP buffers, NeMo's
+   strategy, Megatron's schedules): replaced by no-op stand-ins.
+2. ``torch.cuda.current_device()`` is used as an allocation device: returns the CPU device. ``max_memory_*`` /
+   ``memory_*`` / ``empty_cache`` return 0 / do nothing.
+3. Factory calls with ``device="cuda"``, ``Tensor.cuda()``, ``Tensor.to("cuda")``, ``pin_memory=True``:
+   a global ``TorchFunctionMode`` maps them to CPU; the same mode answers ``Tensor.type()`` (no argument) with the
+   CUDA type name, for Megatron's ``assert grad.type() == 'torch.cuda.FloatTensor'`` (clip_grads, optimizers).
+4. Megatron's ``CudaRNGStatesTracker.add/fork`` and ``tensor_parallel.random._get/_set_cuda_rng_state``: use the
+   CPU default generator (``torch.default_generator.manual_seed``, not ``torch.manual_seed``, which calls
+   ``torch.cuda.manual_seed_all``); NeMo's ``megatron_init._set_random_seed`` also seeds the tracker on CPU.
+5. ``rope_utils.get_pos_emb_on_this_cp_rank`` builds its index with ``pin_memory=True).cuda()``: replaced (in
+   every module that imported it by name) by a device-agnostic copy of the same computation.
+6. ``CheckpointWithoutOutput(fp8=False)`` sets ``self.fp8 = True`` (``fp8 is not None``) and then needs TE:
+   ``self.fp8`` is set from the truth value of ``fp8``.
+7. NeMo's ``gpt_data_step`` moves batches with ``.cuda()`` (handled by 3; our own data step does not use it) and
+   ``MockDataModule`` drops ``create_attention_mask`` (not used: our synthetic data module replaces it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Callable, Dict
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+log = logging.getLogger(__name__)
+
+_APPLIED = False
+_MODE: "TorchFunctionMode | None" = None
+CPU = torch.device("cpu")
+
+
+def needed() -> bool:
+    """True when this process has no usable CUDA device (the patches are only applied then)."""
+    return not torch.cuda.is_available()
+
+
+def is_applied() -> bool:
+    return _APPLIED
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 1, 2: torch.cuda stand-ins
+class _NoOpStream:
+    """Stand-in for torch.cuda.Stream (fix 1): every method is a no-op, usable as a context manager."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_event(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> "_NoOpEvent":
+        return event if event is not None else _NoOpEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def __enter__(self) -> "_NoOpStream":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+
+class _NoOpEvent:
+    """Stand-in for torch.cuda.Event (fix 1)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other: Any) -> float:
+        return 0.0
+
+
+_NO_STREAM = _NoOpStream()
+
+
+def _patch_torch_cuda() -> None:
+    cuda = torch.cuda
+    cuda.Stream = _NoOpStream  # fix 1
+    cuda.Event = _NoOpEvent  # fix 1
+    cuda.stream = lambda stream=None: contextlib.nullcontext()  # fix 1
+    cuda.current_stream = lambda device=None: _NO_STREAM  # fix 1
+    cuda.default_stream = lambda device=None: _NO_STREAM  # fix 1
+    cuda.synchronize = lambda device=None: None  # fix 1
+    cuda.current_device = lambda: CPU  # fix 2: used as `device=torch.cuda.current_device()`
+    cuda.set_device = lambda device: None  # fix 2: strategies pin their rank to a device
+    cuda.empty_cache = lambda: None  # fix 2
+    for name in ("max_memory_allocated", "max_memory_reserved", "memory_allocated", "memory_reserved"):
+        setattr(cuda, name, lambda device=None: 0)  # fix 2: memory logging in NeMo's strategy
+    cuda.reset_peak_memory_stats = lambda device=None: None  # fix 2
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 3: device="cuda" / .cuda() / pin_memory -> CPU
+def _is_cuda(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return False
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Fix 3: every torch call that names a CUDA device or pins memory runs on CPU instead."""
+
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Dict | None = None):
+        kwargs = dict(kwargs or {})
+        name = getattr(func, "__name__", "")
+        if name == "cuda":  # Tensor.cuda(...) -> the tensor itself
+            return args[0]
+        if name in ("pin_memory",) and args and isinstance(args[0], torch.Tensor):
+            return args[0]
+        if name == "type" and len(args) == 1 and not kwargs:  # `t.type() == 'torch.cuda.FloatTensor'` checks
+            res = func(*args)
+            return res.replace("torch.", "torch.cuda.", 1) if res.startswith("torch.") and ".cuda." not in res else res
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        if _is_cuda(kwargs.get("device")) or isinstance(kwargs.get("device"), int):
+            kwargs["device"] = CPU
+        if name == "to" and args:
+            args = tuple(CPU if (i > 0 and (_is_cuda(a) or (i == 1 and isinstance(a, int) and not isinstance(a, bool))))
+                         else a for i, a in enumerate(args))
+        return func(*args, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 4: CUDA RNG tracker on the CPU generator
+def _patch_rng_tracker() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    def get_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+        return torch.get_rng_state()  # fix 4: "cuda" RNG state = the CPU generator's
+
+    def set_state(new_state: torch.Tensor, device: int = -1, graph_safe: bool = False) -> None:
+        torch.set_rng_state(new_state)  # fix 4
+
+    def add(self, name: str, seed: int) -> None:  # fix 4: seed a named state without touching torch.cuda
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        self.seeds_.add(seed)
+        if name in self.states_:
+            raise Exception(f"cuda rng state {name} already exists")
+        orig = torch.get_rng_state()
+        torch.default_generator.manual_seed(seed)
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(orig)
+
+    @contextlib.contextmanager
+    def fork(self, name: str = mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):  # fix 4: swap the CPU generator state
+        if name not in self.states_:
+            raise Exception(f"cuda rng state {name} is not added")
+        orig = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+    try:  # NeMo seeds Megatron's tracker only `if torch.cuda.device_count() > 0`: seed it on CPU too (fix 4)
+        from nemo.lightning import megatron_init
+    except ImportError:  # Megatron without NeMo
+        megatron_init = None
+    if megatron_init is not None and not getattr(megatron_init._set_random_seed, "_nemo_longctx", False):
+        original_seed = megatron_init._set_random_seed
+
+        def _set_random_seed(seed_):
+            original_seed(seed_)
+            from megatron.core.parallel_state import get_pipeline_model_parallel_rank
+
+            mrandom.model_parallel_cuda_manual_seed(seed_ + 100 * get_pipeline_model_parallel_rank())
+
+        _set_random_seed._nemo_longctx = True
+        megatron_init._set_random_seed = _set_random_seed
+
+    mrandom._get_cuda_rng_state = get_state
+    mrandom._set_cuda_rng_state = set_state
+    mrandom.CudaRNGStatesTracker.add = add
+    mrandom.CudaRNGStatesTracker.fork = fork
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 5: RoPE's zigzag slice without pin_memory().cuda()
+def _get_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group: Any) -> torch.Tensor:
+    """Fix 5: same result as megatron's rope_utils.get_pos_emb_on_this_cp_rank, index built on pos_emb.device."""
+    if cp_group is None:
+        raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+    cp_size, cp_rank = cp_group.size(), cp_group.rank()
+    idx = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
+    pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[seq_dim + 1:])
+    pos_emb = pos_emb.index_select(seq_dim, idx)
+    return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2:])
+
+
+def _patch_rope() -> None:
+    import importlib
+
+    for modname in (
+        "megatron.core.models.common.embeddings.rope_utils",
+        "megatron.core.models.common.embeddings.rotary_pos_embedding",
+        "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
+    ):
+        mod = importlib.import_module(modname)
+        if hasattr(mod, "get_pos_emb_on_this_cp_rank"):
+            mod.get_pos_emb_on_this_cp_rank = _get_pos_emb_on_this_cp_rank  # fix 5 (imported by name)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 6: CheckpointWithoutOutput's fp8 default
+def _patch_checkpoint_without_output() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    original_init = mrandom.CheckpointWithoutOutput.__init__
+    if getattr(original_init, "_nemo_longctx", False):
+        return
+
+    def __init__(self, fp8: Any = False) -> None:
+        original_init(self, fp8)
+        self.fp8 = bool(fp8)  # fix 6: upstream sets `fp8 is not None`, True for the default False
+
+    __init__._nemo_longctx = True  # type: ignore[attr-defined]
+    mrandom.CheckpointWithoutOutput.__init__ = __init__
+
+
+def apply(force: bool = False) -> bool:
+    """Apply all patches once when CUDA is unavailable (or ``force``). Returns True if patches are active."""
+    global _APPLIED, _MODE
+    if _APPLIED:
+        return True
+    if not (force or needed()):
+        return False
+    _patch_torch_cuda()
+    _patch_rng_tracker()
+    _patch_rope()
+    _patch_checkpoint_without_output()
+    _MODE = _CudaToCpuMode()
+    _MODE.__enter__()  # fix 3: stays active for the life of the process
+    _APPLIED = True
+    log.info("nemo_longctx.cpu_compat: CPU patches for Megatron-core/NeMo applied")
+    return True

@@ -1,0 +1,59 @@
+"""Swap nemo_longctx's core attention into Megatron GPT layer specs (local or TransformerEngine specs).
+
+``long_context_layer_spec(spec, cp_algorithm="ring", **algorithm_kwargs)`` returns a copy of a layer ``ModuleSpec``
+(or of a block spec, ``TransformerBlockSubmodules`` with ``layer_specs``) whose every
+``submodules.self_attention.submodules.core_attention`` is
+``ModuleSpec(module=LongContextCoreAttention, params={"cp_algorithm": ..., "cp_algorithm_kwargs": {...}})``.
+Only ``core_attention`` changes: the projections, norms and MLP stay as the original spec built them.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Iterable
+
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from .core_attention import LongContextCoreAttention
+from .cp_algorithms import get_cp_algorithm
+
+
+def core_attention_spec(cp_algorithm: str = "ring", **algorithm_kwargs: Any) -> ModuleSpec:
+    get_cp_algorithm(cp_algorithm)  # unknown names fail here, at spec time
+    return ModuleSpec(
+        module=LongContextCoreAttention,
+        params={"cp_algorithm": cp_algorithm, "cp_algorithm_kwargs": dict(algorithm_kwargs)},
+    )
+
+
+def _layer_specs(spec: Any) -> Iterable[ModuleSpec]:
+    if isinstance(spec, ModuleSpec):
+        return [spec]
+    layer_specs = getattr(spec, "layer_specs", None)
+    if layer_specs is not None:  # TransformerBlockSubmodules
+        return list(layer_specs)
+    raise ValueError(f"expected a Megatron layer ModuleSpec or a block spec with layer_specs, got {type(spec).__name__}")
+
+
+def long_context_layer_spec(spec: Any, cp_algorithm: str = "ring", **algorithm_kwargs: Any) -> Any:
+    """Copy of ``spec`` (layer ModuleSpec or block spec) with our core attention in every layer."""
+    new = copy.deepcopy(spec)
+    for i, layer in enumerate(_layer_specs(new)):
+        attn = getattr(getattr(layer, "submodules", None), "self_attention", None)
+        attn_sub = getattr(attn, "submodules", None)
+        if attn_sub is None or not hasattr(attn_sub, "core_attention"):
+            raise ValueError(
+                f"layer spec {i} has no self_attention.submodules.core_attention (module "
+                f"{getattr(attn, 'module', attn)!r}); only standard (GQA/MHA) self-attention layers are supported"
+            )
+        attn_sub.core_attention = core_attention_spec(cp_algorithm, **algorithm_kwargs)
+    return new
+
+
+def core_attention_modules(spec: Any) -> list:
+    """The core_attention module class of every layer in a layer or block spec (for checks and dry runs)."""
+    out = []
+    for layer in _layer_specs(spec):
+        ca = layer.submodules.self_attention.submodules.core_attention
+        out.append(ca.module if isinstance(ca, ModuleSpec) else ca)
+    return out

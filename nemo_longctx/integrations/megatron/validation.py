@@ -1,0 +1,74 @@
+"""Config checks for long-context runs, done once before the first step. Messages name the config field as the
+Hydra app spells it (``model.*`` = fields of the GPT/Llama config, ``cp.*``, ``trainer.*``)."""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional
+
+from .cp_algorithms import get_cp_algorithm
+
+
+def long_context_problems(
+    config: Any,
+    cp_size: int,
+    cp_algorithm: str,
+    world_size: Optional[int] = None,
+    tp: int = 1,
+    pp: int = 1,
+) -> List[str]:
+    """All problems found (empty list = valid). ``config`` is a Megatron TransformerConfig / NeMo GPTConfig."""
+    problems = []
+    try:
+        algo = get_cp_algorithm(cp_algorithm)
+    except ValueError as e:
+        problems.append(str(e))
+        algo = None
+    if cp_size < 1:
+        problems.append(f"cp.size={cp_size} must be >= 1")
+        return problems
+    seq = getattr(config, "seq_length", None)
+    if seq is not None and seq % (2 * cp_size) != 0:
+        problems.append(
+            f"model.seq_length={seq} must be divisible by 2*cp.size = {2 * cp_size} (zigzag layout: 2 chunks per CP rank)"
+        )
+    heads, groups = config.num_attention_heads, config.num_query_groups or config.num_attention_heads
+    if heads % groups != 0:
+        problems.append(f"model.num_attention_heads={heads} must be a multiple of model.num_query_groups={groups}")
+    if heads % tp != 0 or groups % tp != 0:
+        problems.append(
+            f"model.num_attention_heads={heads} and model.num_query_groups={groups} must be divisible by "
+            f"trainer.strategy.tensor_model_parallel_size={tp}"
+        )
+    if world_size is not None and world_size % (cp_size * tp * pp) != 0:
+        problems.append(
+            f"cp.size={cp_size} x trainer.strategy.tensor_model_parallel_size={tp} x "
+            f"trainer.strategy.pipeline_model_parallel_size={pp} = {cp_size * tp * pp} does not divide the world size "
+            f"{world_size} (trainer.devices x trainer.num_nodes)"
+        )
+    if getattr(config, "attention_dropout", 0.0):
+        problems.append(
+            f"model.attention_dropout={config.attention_dropout}: attention dropout is not implemented in nemo_longctx "
+            "core attention; set it to 0"
+        )
+    if getattr(config, "window_size", None):
+        problems.append(f"model.window_size={config.window_size}: sliding-window attention is not supported yet")
+    backend = getattr(config, "attention_backend", None)
+    if backend is not None and getattr(backend, "name", str(backend)) == "local":
+        problems.append(
+            "model.attention_backend=local makes NeMo replace every layer's core_attention with Megatron's own "
+            "(DotProductAttention, no CP): use auto"
+        )
+    if algo is not None and algo.validate is not None:
+        try:
+            algo.validate(config, cp_size)
+        except ValueError as e:
+            problems.append(str(e))
+    return problems
+
+
+def validate_long_context(config: Any, cp_size: int, cp_algorithm: str, world_size: Optional[int] = None,
+                          tp: int = 1, pp: int = 1) -> None:
+    """Raise ValueError listing every problem (one per line) naming the config fields."""
+    problems = long_context_problems(config, cp_size, cp_algorithm, world_size, tp, pp)
+    if problems:
+        raise ValueError("invalid long-context configuration:\n  - " + "\n  - ".join(problems))

@@ -1,0 +1,76 @@
+"""Synthetic pre-training data for the CPU demo and tests (no tokenizer, no files).
+
+``SyntheticDataModule`` yields dicts of full-sequence ``[b, S]`` tensors -- ``tokens``, ``labels`` (= tokens shifted
+by one), ``loss_mask`` (ones), ``position_ids`` (0..S-1) -- with no ``attention_mask``. Sample i is a function of
+(seed, i) only, so any number of processes sees the same data. Each sample repeats a random block of
+``period`` tokens, so a causal model can learn to copy from far back in the context and the loss visibly falls.
+Batching over data-parallel ranks is NeMo's ``MegatronDataSampler``; CP sharding happens in the data step.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+
+class RepeatedBlockDataset(Dataset):
+    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, period: int, seed: int) -> None:
+        if period < 1:
+            raise ValueError(f"data.period={period} must be >= 1")
+        self.num_samples, self.seq_length, self.vocab_size = num_samples, seq_length, vocab_size
+        self.period, self.seed = period, seed
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, idx: int) -> Dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + idx)
+        block = torch.randint(0, self.vocab_size, (self.period,), generator=g)
+        reps = (self.seq_length + 1 + self.period - 1) // self.period
+        seq = block.repeat(reps)[: self.seq_length + 1]
+        return {
+            "tokens": seq[:-1].clone(),
+            "labels": seq[1:].clone(),
+            "loss_mask": torch.ones(self.seq_length, dtype=torch.float),
+            "position_ids": torch.arange(self.seq_length, dtype=torch.long),
+        }
+
+
+class SyntheticDataModule(pl.LightningDataModule):
+    def __init__(
+        self,
+        seq_length: int = 4096,
+        vocab_size: int = 1024,
+        micro_batch_size: int = 1,
+        global_batch_size: int = 1,
+        num_train_samples: int = 100_000,
+        period: int = 256,
+        seed: int = 1234,
+        reset_attention_mask: bool = False,
+    ) -> None:
+        super().__init__()
+        from nemo.lightning.pytorch.plugins import MegatronDataSampler
+
+        if reset_attention_mask:
+            raise ValueError("data.reset_attention_mask=true is not supported by nemo_longctx core attention")
+        self.seq_length, self.vocab_size = seq_length, vocab_size
+        self.micro_batch_size, self.global_batch_size = micro_batch_size, global_batch_size
+        self.num_train_samples, self.period, self.seed = num_train_samples, period, seed
+        self.reset_attention_mask = reset_attention_mask
+        self.data_sampler = MegatronDataSampler(
+            seq_len=seq_length, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size
+        )
+        self._train_ds: Optional[Dataset] = None
+
+    def setup(self, stage: str = "") -> None:
+        self._train_ds = RepeatedBlockDataset(
+            self.num_train_samples, self.seq_length, self.vocab_size, self.period, self.seed
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        if self._train_ds is None:
+            self.setup()
+        return DataLoader(self._train_ds, num_workers=0, pin_memory=False)

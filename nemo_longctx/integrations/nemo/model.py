@@ -1,0 +1,57 @@
+"""Model-config extension: make any ``llm.GPTConfig`` / ``Llama*Config`` (including configs built from NeMo
+recipes) build its layers with nemo_longctx core attention.
+
+``enable_long_context(config, cp_algorithm="ring", **algorithm_kwargs)`` wraps ``config.transformer_layer_spec``
+(a ModuleSpec or a spec function such as NeMo's ``default_layer_spec``/``local_layer_spec``) in
+``LongContextLayerSpec``, which builds the original spec and swaps ``core_attention`` in every layer, and sets the
+config's ``data_step_fn`` / ``forward_step_fn`` to the zigzag-sharding data step and mask-free forward step.
+Idempotent: a config already extended is re-targeted, not wrapped twice.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Optional
+
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from nemo_longctx.integrations.megatron.spec import long_context_layer_spec
+
+from .steps import long_context_data_step, long_context_forward_step
+
+
+class LongContextLayerSpec:
+    """Callable layer spec: ``spec(config, vp_stage=None)`` -> the base spec with our core attention."""
+
+    def __init__(self, base: Any, cp_algorithm: str = "ring", **algorithm_kwargs: Any) -> None:
+        self.base = base
+        self.cp_algorithm = cp_algorithm
+        self.algorithm_kwargs = dict(algorithm_kwargs)
+
+    def base_spec(self, config: Any, vp_stage: Optional[int] = None) -> Any:
+        if isinstance(self.base, ModuleSpec) or hasattr(self.base, "layer_specs"):
+            return self.base
+        if "vp_stage" in inspect.signature(self.base).parameters:
+            return self.base(config, vp_stage=vp_stage)
+        return self.base(config)
+
+    def __call__(self, config: Any, vp_stage: Optional[int] = None) -> Any:
+        return long_context_layer_spec(self.base_spec(config, vp_stage), self.cp_algorithm, **self.algorithm_kwargs)
+
+    def __repr__(self) -> str:
+        return f"LongContextLayerSpec(base={self.base!r}, cp_algorithm={self.cp_algorithm!r})"
+
+
+def enable_long_context(config: Any, cp_algorithm: str = "ring", **algorithm_kwargs: Any) -> Any:
+    """Extend ``config`` in place (and return it) so every layer uses nemo_longctx core attention."""
+    base = config.transformer_layer_spec
+    if isinstance(base, LongContextLayerSpec):
+        base = base.base
+    config.transformer_layer_spec = LongContextLayerSpec(base, cp_algorithm, **algorithm_kwargs)
+    config.data_step_fn = long_context_data_step
+    config.forward_step_fn = long_context_forward_step
+    return config
+
+
+def is_long_context(config: Any) -> bool:
+    return isinstance(getattr(config, "transformer_layer_spec", None), LongContextLayerSpec)

@@ -1,0 +1,52 @@
+"""``LongContextStrategy``: a ``nemo.lightning.MegatronStrategy`` that owns the long-context settings.
+
+Extra arguments: ``cp_algorithm`` (name in ``cp_algorithms.CP_ALGORITHMS``, default "ring") and
+``cp_algorithm_kwargs``; the CP size is MegatronStrategy's own ``context_parallel_size``. When a model is connected
+(``trainer.fit`` -> ``strategy.connect``, before the model is built and before any step), the strategy extends the
+model config with our core attention (``enable_long_context``) and validates it against the parallel layout,
+raising ValueError that names the config fields.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+from nemo import lightning as nl
+
+from nemo_longctx.integrations.megatron import cpu_compat
+from nemo_longctx.integrations.megatron.validation import validate_long_context
+
+from .model import enable_long_context
+
+
+class LongContextStrategy(nl.MegatronStrategy):
+    def __init__(self, *args: Any, cp_algorithm: str = "ring", cp_algorithm_kwargs: Optional[Dict[str, Any]] = None,
+                 **kwargs: Any) -> None:
+        cpu_compat.apply()  # no-op with CUDA
+        super().__init__(*args, **kwargs)
+        self.cp_algorithm = cp_algorithm
+        self.cp_algorithm_kwargs = dict(cp_algorithm_kwargs or {})
+
+    def expected_world_size(self) -> Optional[int]:
+        devices = self.parallel_devices
+        if not devices:
+            return None
+        return len(devices) * max(1, int(getattr(self, "num_nodes", 1) or 1))
+
+    def validate_model(self, config: Any, world_size: Optional[int] = None) -> None:
+        validate_long_context(
+            config,
+            cp_size=self.context_parallel_size,
+            cp_algorithm=self.cp_algorithm,
+            world_size=world_size if world_size is not None else self.expected_world_size(),
+            tp=self.tensor_model_parallel_size,
+            pp=self.pipeline_model_parallel_size,
+        )
+
+    def connect(self, model: Any) -> None:
+        super().connect(model)  # copies the parallel sizes onto model.config
+        config = getattr(model, "config", None)
+        if config is None:
+            raise ValueError("LongContextStrategy needs a model with a Megatron config (llm.GPTModel and friends)")
+        enable_long_context(config, self.cp_algorithm, **self.cp_algorithm_kwargs)
+        self.validate_model(config)
