@@ -3,28 +3,39 @@
 Layout everywhere: ``[batch, seq, heads, head_dim]``; the sequence is zigzag-sharded over the CP group.
 """
 
+from .all_to_all import A2ABufferProbe, all_to_all_equal, track_a2a_buffer_bytes
 from .comm import ByteCounter, RingExchange, count_bytes_sent
 from .kernels import KERNELS, AttentionKernel, default_softmax_scale, select_kernel
 from .layouts import zigzag_indices, zigzag_position_ids, zigzag_shard, zigzag_unshard
 from .merge import merge_attention, merge_attention_
+from .hybrid import hybrid_attention, make_cp_groups
 from .ring import local_attention, ring_attention, ring_attention_backward, ring_attention_forward
+from .ulysses import UlyssesHeadPlan, check_ulysses_inputs, ulysses_attention
 from .validation import check_attention_inputs
 
 __all__ = [
+    "A2ABufferProbe",
     "AttentionKernel",
     "ByteCounter",
     "KERNELS",
     "RingExchange",
+    "UlyssesHeadPlan",
+    "all_to_all_equal",
     "check_attention_inputs",
+    "check_ulysses_inputs",
     "count_bytes_sent",
     "default_softmax_scale",
+    "hybrid_attention",
     "local_attention",
+    "make_cp_groups",
     "merge_attention",
     "merge_attention_",
     "ring_attention",
     "ring_attention_backward",
     "ring_attention_forward",
     "select_kernel",
+    "track_a2a_buffer_bytes",
+    "ulysses_attention",
     "zigzag_indices",
     "zigzag_position_ids",
     "zigzag_shard",

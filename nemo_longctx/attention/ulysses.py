@@ -1,0 +1,282 @@
+"""Ulysses (all-to-all) context-parallel attention, GQA/MQA-aware, with chunked heads ("untied" Ulysses).
+
+Layout: q [b, s_local, hq, d], k/v [b, s_local, hkv, d], the sequence zigzag-sharded over the Ulysses group
+of P ranks (rank r holds global chunks r and 2P-1-r of 2P; see ``layouts``). Returns [b, s_local, hq, d].
+
+Forward, per head chunk t (of ``head_chunks``):
+  1. one all-to-all turns [b, s_local, heads, d] shards into the full sequence of this rank's heads: rank j
+     receives query heads ``j*hq/P + t*nqc ...`` (nqc = hq/(P*head_chunks)) of every rank's shard, plus the
+     key/value heads those queries use;
+  2. the received shards (source order: chunks 0, 2P-1, 1, 2P-2, ...) are copied into natural sequence order
+     [b, S, heads, d] (non-causal attention needs no order and keeps source order);
+  3. local attention (``kernels``), or a ring over ``ring_group`` for the hybrid layout (see ``hybrid``);
+  4. one all-to-all sends the output back to the owners of the sequence shards.
+Every chunk reuses one pair of send/receive buffers, so the staging memory is ~1/head_chunks of sending all
+heads at once (``all_to_all.track_a2a_buffer_bytes`` measures it). Saved for backward: the gathered q/k/v,
+out and lse of each chunk (as many bytes as q, k, v, out themselves). Backward: dout travels like q, the
+kernel (or ring) backward runs, and dq/dk/dv travel back like the output.
+
+GQA/MQA: only key/value heads travel, never repeated query-side. When hkv % P == 0 each rank gets hkv/P of
+them. Otherwise each KV head is replicated rep = P / gcd(hkv, P) times (the least rep with hkv*rep % P == 0;
+replica e serves query heads e*g ... e*g+g-1 with g = hq / (hkv*rep), which keeps the query -> KV grouping
+exact), replicas are gathered only while packing the send buffer, and their gradients are summed back.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from .all_to_all import all_to_all_equal, hold_buffers
+from .comm import group_size_and_rank
+from .kernels import AttentionKernel, default_softmax_scale, select_kernel
+from .ring import ring_attention_backward, ring_attention_forward
+from .validation import check_attention_inputs
+
+Tensor = torch.Tensor
+HeadIndex = Union[slice, Tensor]
+
+
+@dataclass(frozen=True)
+class UlyssesHeadPlan:
+    """Which heads go to which rank in each head chunk, for hq query / hkv KV heads over P ranks."""
+
+    size: int  # P, the Ulysses group size
+    hq: int
+    hkv: int
+    head_chunks: int
+
+    @property
+    def kv_replicas(self) -> int:
+        """Times each KV head is replicated so that the replicated count divides by P (1 = no replication)."""
+        return self.size // math.gcd(self.hkv, self.size)
+
+    @property
+    def group(self) -> int:
+        """Query heads per (replicated) KV head."""
+        return self.hq // (self.hkv * self.kv_replicas)
+
+    @property
+    def q_per_chunk(self) -> int:
+        return self.hq // self.size // self.head_chunks
+
+    @property
+    def kv_per_chunk(self) -> int:
+        return max(1, self.q_per_chunk // self.group)
+
+    @property
+    def kv_grads_need_sum(self) -> bool:
+        """True when one KV head's gradient arrives more than once (replicas, or chunks sharing a KV head)."""
+        return self.kv_replicas > 1 or self.q_per_chunk < self.group
+
+    def q_heads(self, rank: int, chunk: int) -> slice:
+        start = rank * (self.hq // self.size) + chunk * self.q_per_chunk
+        return slice(start, start + self.q_per_chunk)
+
+    def kv_heads(self, rank: int, chunk: int, device: torch.device) -> HeadIndex:
+        """Original KV head indices (a slice, or a LongTensor with repeats when replicating)."""
+        first = self.q_heads(rank, chunk).start // self.group  # first replicated KV head
+        if self.kv_replicas == 1:
+            return slice(first, first + self.kv_per_chunk)
+        return torch.arange(first, first + self.kv_per_chunk, device=device) // self.kv_replicas
+
+
+def check_ulysses_inputs(
+    q: Tensor, k: Tensor, v: Tensor, ulysses_size: int, ring_size: int, causal: bool, head_chunks: int,
+    global_seq_len: Optional[int], fn: str,
+) -> UlyssesHeadPlan:
+    """Validate inputs (ValueError naming the problem, before any communication); return the head plan."""
+    check_attention_inputs(q, k, v, ulysses_size * ring_size, causal, global_seq_len, fn=fn)
+    hq, hkv = q.shape[2], k.shape[2]
+    if hq % ulysses_size != 0:
+        raise ValueError(
+            f"{fn}: hq % ulysses_size != 0: {hq} query heads cannot be split over ulysses_size={ulysses_size} ranks"
+        )
+    if isinstance(head_chunks, bool) or not isinstance(head_chunks, int) or head_chunks < 1:
+        raise ValueError(f"{fn}: head_chunks must be a positive int, got {head_chunks!r}")
+    per_rank = hq // ulysses_size
+    if per_rank % head_chunks != 0:
+        raise ValueError(
+            f"{fn}: head_chunks={head_chunks} must divide the query heads per rank (hq / ulysses_size = {per_rank})"
+        )
+    plan = UlyssesHeadPlan(ulysses_size, hq, hkv, head_chunks)
+    nqc, g = plan.q_per_chunk, plan.group
+    if nqc % g != 0 and g % nqc != 0:
+        raise ValueError(
+            f"{fn}: head_chunks={head_chunks} gives {nqc} query heads per chunk, which must be a multiple or a "
+            f"divisor of the query heads per KV head ({g}) so that no chunk splits a KV group"
+        )
+    return plan
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Sequence order after the all-to-all: received shard i (chunks i and 2P-1-i) <-> natural order.
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _gather_sequence(recv: Tensor, dst: Tensor, natural: bool) -> None:
+    """recv [P, b, s, n, d] (may be strided) -> dst [b, P*s, n, d] contiguous, natural zigzag order if asked."""
+    size, b, s, n, d = recv.shape
+    if not natural:
+        dst.view(b, size, s, n, d).copy_(recv.transpose(0, 1))
+        return
+    half = s // 2
+    chunks = dst.view(b, 2 * size, half, n, d)
+    chunks[:, :size].copy_(recv[:, :, :half].transpose(0, 1))
+    for i in range(size):
+        chunks[:, 2 * size - 1 - i].copy_(recv[i, :, half:])
+
+
+def _scatter_sequence(src: Tensor, send: Tensor, natural: bool) -> None:
+    """Inverse of ``_gather_sequence``: src [b, P*s, n, d] -> send [P, b, s, n, d] (may be strided)."""
+    size, b, s, n, d = send.shape
+    if not natural:
+        send.copy_(src.view(b, size, s, n, d).transpose(0, 1))
+        return
+    half = s // 2
+    chunks = src.view(b, 2 * size, half, n, d)
+    send[:, :, :half].copy_(chunks[:, :size].transpose(0, 1))
+    for i in range(size):
+        send[i, :, half:].copy_(chunks[:, 2 * size - 1 - i])
+
+
+def _pick_heads(x: Tensor, heads: HeadIndex) -> Tensor:
+    return x[:, :, heads] if isinstance(heads, slice) else x.index_select(2, heads)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The autograd function shared by ulysses_attention and hybrid_attention.
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _inner_forward(q, k, v, ring_group, causal, scale, kernel):
+    if ring_group is None:
+        return kernel.forward(q, k, v, causal, scale)
+    return ring_attention_forward(q, k, v, ring_group, causal, scale, kernel)
+
+
+def _inner_backward(dout, q, k, v, out, lse, ring_group, causal, scale, kernel):
+    if ring_group is None:
+        return kernel.backward(dout, q, k, v, out, lse, causal, scale)
+    return ring_attention_backward(dout, q, k, v, out, lse, ring_group, causal, scale, kernel)
+
+
+class _UlyssesAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, plan: UlyssesHeadPlan, group, ring_group, causal, scale, kernel: AttentionKernel):
+        size, b, s, d = plan.size, q.shape[0], q.shape[1], q.shape[3]
+        nqc, nkc = plan.q_per_chunk, plan.kv_per_chunk
+        nh = nqc + 2 * nkc
+        natural = causal and size > 1  # non-causal attention does not depend on the sequence order
+        send = q.new_empty(size, b, s, nh, d)
+        recv = torch.empty_like(send)
+        out = q.new_empty(q.shape)
+        saved: List[Tensor] = []
+        send_o = send.view(-1)[: size * b * s * nqc * d].view(size, b, s, nqc, d)
+        recv_o = recv.view(-1)[: size * b * s * nqc * d].view(size, b, s, nqc, d)
+        with hold_buffers(send, recv):
+            for t in range(plan.head_chunks):
+                for j in range(size):
+                    kv_idx = plan.kv_heads(j, t, q.device)
+                    send[j, :, :, :nqc].copy_(q[:, :, plan.q_heads(j, t)])
+                    send[j, :, :, nqc:nqc + nkc].copy_(_pick_heads(k, kv_idx))
+                    send[j, :, :, nqc + nkc:].copy_(_pick_heads(v, kv_idx))
+                all_to_all_equal(send, recv, group)
+                ql = q.new_empty(b, size * s, nqc, d)
+                kl = q.new_empty(b, size * s, nkc, d)
+                vl = q.new_empty(b, size * s, nkc, d)
+                _gather_sequence(recv[..., :nqc, :], ql, natural)
+                _gather_sequence(recv[..., nqc:nqc + nkc, :], kl, natural)
+                _gather_sequence(recv[..., nqc + nkc:, :], vl, natural)
+                ol, lse = _inner_forward(ql, kl, vl, ring_group, causal, scale, kernel)
+                _scatter_sequence(ol, send_o, natural)
+                all_to_all_equal(send_o, recv_o, group)
+                for j in range(size):
+                    out[:, :, plan.q_heads(j, t)].copy_(recv_o[j])
+                saved += [ql, kl, vl, ol, lse]
+        ctx.save_for_backward(*saved)
+        ctx.args = (plan, group, ring_group, causal, scale, kernel)
+        ctx.kv_shape, ctx.kv_dtype = k.shape, k.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        plan, group, ring_group, causal, scale, kernel = ctx.args
+        saved = ctx.saved_tensors
+        size, (b, s, hq, d) = plan.size, dout.shape
+        nqc, nkc = plan.q_per_chunk, plan.kv_per_chunk
+        nh = nqc + 2 * nkc
+        natural = causal and size > 1
+        send = dout.new_empty(size, b, s, nh, d)
+        recv = torch.empty_like(send)
+        dout_l = dout.new_empty(b, size * s, nqc, d)
+        send_o = send.view(-1)[: size * b * s * nqc * d].view(size, b, s, nqc, d)
+        recv_o = recv.view(-1)[: size * b * s * nqc * d].view(size, b, s, nqc, d)
+        dq = dout.new_empty(b, s, hq, d)
+        if plan.kv_grads_need_sum:
+            acc = torch.float64 if ctx.kv_dtype == torch.float64 else torch.float32
+            dk = torch.zeros(ctx.kv_shape, dtype=acc, device=dout.device)
+            dv = torch.zeros(ctx.kv_shape, dtype=acc, device=dout.device)
+        else:
+            dk = dout.new_empty(ctx.kv_shape)
+            dv = dout.new_empty(ctx.kv_shape)
+        with hold_buffers(send, recv, dout_l):
+            for t in range(plan.head_chunks):
+                ql, kl, vl, ol, lse = saved[5 * t: 5 * t + 5]
+                for j in range(size):
+                    send_o[j].copy_(dout[:, :, plan.q_heads(j, t)])
+                all_to_all_equal(send_o, recv_o, group)
+                _gather_sequence(recv_o, dout_l, natural)
+                dql, dkl, dvl = _inner_backward(dout_l, ql, kl, vl, ol, lse, ring_group, causal, scale, kernel)
+                _scatter_sequence(dql, send[..., :nqc, :], natural)
+                _scatter_sequence(dkl, send[..., nqc:nqc + nkc, :], natural)
+                _scatter_sequence(dvl, send[..., nqc + nkc:, :], natural)
+                del dql, dkl, dvl
+                all_to_all_equal(send, recv, group)
+                for j in range(size):
+                    kv_idx = plan.kv_heads(j, t, dout.device)
+                    dq[:, :, plan.q_heads(j, t)].copy_(recv[j, :, :, :nqc])
+                    for grad, part in ((dk, recv[j, :, :, nqc:nqc + nkc]), (dv, recv[j, :, :, nqc + nkc:])):
+                        if isinstance(kv_idx, slice):
+                            target = grad[:, :, kv_idx]
+                            target.add_(part) if plan.kv_grads_need_sum else target.copy_(part)
+                        else:
+                            grad.index_add_(2, kv_idx, part.to(grad.dtype))
+        return dq, dk.to(ctx.kv_dtype), dv.to(ctx.kv_dtype), None, None, None, None, None, None
+
+
+def ulysses_core(
+    q: Tensor, k: Tensor, v: Tensor, plan: UlyssesHeadPlan, group: Optional[dist.ProcessGroup],
+    ring_group: Optional[dist.ProcessGroup], causal: bool, scale: float, kernel: AttentionKernel,
+) -> Tensor:
+    """Differentiable Ulysses attention on already validated inputs (``ring_group`` None: local kernel)."""
+    return _UlyssesAttention.apply(q, k, v, plan, group, ring_group, causal, scale, kernel)
+
+
+def ulysses_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group: Optional[dist.ProcessGroup] = None,
+    causal: bool = True,
+    softmax_scale: Optional[float] = None,
+    head_chunks: int = 1,
+    *,
+    kernel: Optional[str] = None,
+    global_seq_len: Optional[int] = None,
+) -> Tensor:
+    """Exact attention over a zigzag-sharded sequence split across ``group`` by all-to-all (module docstring).
+
+    q [b, s_local, hq, d], k/v [b, s_local, hkv, d] -> [b, s_local, hq, d]. Needs hq % P == 0 (P = group size)
+    and ``head_chunks`` dividing hq / P. ``group=None`` or a one-rank group computes local attention.
+    ``kernel`` names a local kernel (``kernels.KERNELS``) or "auto". Raises ValueError before communicating.
+    """
+    size, _ = group_size_and_rank(group)
+    plan = check_ulysses_inputs(q, k, v, size, 1, causal, head_chunks, global_seq_len, fn="ulysses_attention")
+    scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    kern = select_kernel(q.device, q.dtype, kernel)
+    return ulysses_core(q, k, v, plan, group if size > 1 else None, None, causal, scale, kern)
