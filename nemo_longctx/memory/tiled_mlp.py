@@ -3,8 +3,8 @@
 ``tiled_mlp(fn, x, tiles)`` splits ``x`` along the sequence dim into contiguous tiles (the last ones one token
 shorter when ragged) and runs ``fn`` on each tile without autograd, writing the results into one output tensor.
 Only ``x`` is saved. In backward each tile is recomputed with autograd and differentiated at once with
-``torch.autograd.grad`` w.r.t. the tile input and the parameters; parameter gradients are summed over tiles and
-returned once, so gradient-accumulator hooks (Megatron DDP, FSDP) fire once per step, as for an untiled MLP.
+``torch.autograd.grad`` w.r.t. the tile input and the parameters; parameter gradients are summed over tiles (in
+fp32 for fp16/bf16 parameters, like an untiled matmul's accumulation) and returned once, so gradient-accumulator hooks (Megatron DDP, FSDP) fire once per step, as for an untiled MLP.
 
 ``fn`` must act on each token independently (an MLP does; attention does not). It returns either a tensor with
 the tile's sequence length along ``seq_dim`` or Megatron's ``(output, output_bias)`` pair, where ``output_bias``
@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from .tile_policy import DEFAULT_MLP_TILE_TOKENS, TilePolicy, check_tiling_policy, resolve_tiles, tile_bounds
 
+_HALF = (torch.float16, torch.bfloat16)
 RngHooks = Tuple[Callable[[], Any], Callable[[Any], None]]
 
 
@@ -123,12 +124,13 @@ class _TiledMLPFunction(torch.autograd.Function):
                     if g is None:
                         continue
                     if grads[j] is None:
-                        grads[j] = g
+                        grads[j] = g.float() if g.dtype in _HALF else g
                     else:
                         grads[j].add_(g)
                 del tile_grads, g, x_tile
         finally:
             _restore_rng(cpu_now, x.device, ctx.rng_hooks)
+        grads = [g if g is None or g.dtype == p.dtype else g.to(p.dtype) for g, p in zip(grads, params)]
         return (None, None, None, None, None, None, grad_x, *grads)
 
 
