@@ -1,0 +1,70 @@
+"""Reusable host buffers for activation offload.
+
+Buffers are flat uint8 tensors, bucketed by size (rounded up to ``granularity`` bytes). With an accelerator
+they are pinned (page-locked, needed for async copies); on a CPU-only torch ``pin_memory`` raises, so the
+pool allocates plain host memory and the offload logic runs unchanged. A released buffer may carry an
+event (the last async copy reading/writing it): ``acquire`` waits for it before handing the buffer out.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from .tracker import host_allocations
+
+Tensor = torch.Tensor
+
+
+class HostPool:
+    """Pool of flat uint8 host buffers. ``pin_memory=None`` pins iff CUDA is available."""
+
+    def __init__(self, pin_memory: Optional[bool] = None, granularity: int = 512) -> None:
+        if pin_memory is None:
+            pin_memory = torch.cuda.is_available()
+        if pin_memory and not torch.cuda.is_available():
+            raise ValueError("HostPool: pin_memory=True needs an accelerator (CUDA is not available)")
+        if granularity < 1 or granularity & (granularity - 1):
+            raise ValueError(f"HostPool: granularity must be a power of two, got {granularity}")
+        self.pin_memory = pin_memory
+        self.granularity = granularity
+        self._free: Dict[int, List[Tuple[Tensor, object]]] = defaultdict(list)
+        self.bytes_reserved = 0  # all buffers ever allocated and not dropped by clear()
+        self.bytes_in_use = 0
+        self.peak_bytes_in_use = 0
+        self.allocations = 0  # number of fresh allocations (reuse does not count)
+
+    def _bucket(self, nbytes: int) -> int:
+        g = self.granularity
+        return max(g, (int(nbytes) + g - 1) // g * g)
+
+    def acquire(self, nbytes: int) -> Tensor:
+        """A uint8 buffer with at least ``nbytes`` bytes, safe to write now."""
+        size = self._bucket(nbytes)
+        free = self._free[size]
+        if free:
+            buf, event = free.pop()
+            if event is not None:
+                event.synchronize()
+        else:
+            with host_allocations():
+                buf = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin_memory)
+            self.bytes_reserved += size
+            self.allocations += 1
+        self.bytes_in_use += size
+        self.peak_bytes_in_use = max(self.peak_bytes_in_use, self.bytes_in_use)
+        return buf
+
+    def release(self, buf: Tensor, event: object = None) -> None:
+        """Return ``buf``; ``event`` (e.g. a torch.cuda.Event) marks when pending copies on it are done."""
+        size = buf.numel()
+        self._free[size].append((buf, event))
+        self.bytes_in_use -= size
+
+    def clear(self) -> None:
+        """Drop the free buffers (buffers in use stay valid and are dropped when released later)."""
+        for size, entries in self._free.items():
+            self.bytes_reserved -= size * len(entries)
+        self._free.clear()

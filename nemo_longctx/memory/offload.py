@@ -1,0 +1,300 @@
+"""Activation offload on saved-tensor hooks: tensors saved for backward inside an offload scope are copied
+to a host pool at save time and brought back (prefetched) during backward.
+
+Two ways to use one engine (they share all code):
+  * layer_input -- under full recompute, wrap each checkpointed layer (the checkpoint *call*, not the
+    function it runs) in ``offload_scope(layer_idx)``: the only tensors saved there are the checkpoint's
+    inputs (reentrant: ``CheckpointFunction.save_for_backward``; non-reentrant: ``_NoopSaveInputs``), so
+    each layer's input moves to host right after its forward.
+  * modules -- ``offload_modules({name: module})`` wraps chosen modules' forwards in scopes (forward hooks):
+    the tensors they save (above ``min_bytes``) go to host.
+
+Each scope entry is a *group*. Groups are kept in forward order within a *pass* (a new pass starts when a
+key repeats, e.g. the next microbatch, or on ``new_pass()``). During backward, the first unpack from a group
+fetches that whole group and prefetches the ``prefetch_depth`` groups before it in forward order (those
+are the next to run backward, whichever layers were skipped); ``prefetch_trigger(t)`` additionally starts
+prefetching when the gradient of ``t`` (e.g. a layer's output) is computed.
+
+Copies: the storage span covered by the tensor is copied (1-D, ``span = 1 + sum((size-1)*stride)``
+elements) and restored with the same dtype, size and strides (storage offset 0), so the tensor that comes
+back is bit-identical, with the same memory layout. On CUDA: D2H on a side stream into pinned buffers
+(``record_stream`` keeps the source alive), H2D on another side stream into memory allocated on the
+compute stream, events order everything; host buffers return to the pool when autograd drops the saved
+tensor (so ``retain_graph`` / a second backward still work). On CPU the same path runs with synchronous
+copies into an unpinned pool.
+
+Not offloaded (kept, reported to the tracker as device bytes): tensors below ``min_bytes``, leaves that
+require grad (parameters: the caller holds them anyway), tensors on another device type, tensor subclasses,
+non-strided layouts, conj/neg views, and anything saved while the autograd engine runs (recompute).
+Saved tensors must not be modified in place after saving (autograd forbids it; here it is not detected).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Dict, Iterator, List, Optional, Sequence, Union
+
+import torch
+
+from .host_pool import HostPool
+from .tracker import _is_leaf_param, foreign_saved_tensor_hooks, in_backward, report_saved_on_device, report_saved_on_host
+
+Tensor = torch.Tensor
+
+
+def storage_span(t: Tensor) -> int:
+    """Number of storage elements from ``t.storage_offset()`` that ``t``'s (size, stride) can touch."""
+    if t.numel() == 0:
+        return 0
+    return 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+
+
+class OffloadGroup:
+    """Tensors offloaded in one scope entry (one layer of one microbatch)."""
+
+    def __init__(self, key: object, pass_id: int, seq: int) -> None:
+        self.key = key
+        self.pass_id = pass_id
+        self.seq = seq
+        self._handles: List[weakref.ref] = []
+
+    def handles(self) -> List["_Offloaded"]:
+        alive = [h for h in (r() for r in self._handles) if h is not None]
+        return alive
+
+    def __repr__(self) -> str:
+        return f"OffloadGroup(key={self.key!r}, pass={self.pass_id}, tensors={len(self.handles())})"
+
+
+class _Offloaded:
+    """What autograd stores instead of an offloaded tensor."""
+
+    __slots__ = ("engine", "group", "dtype", "size", "stride", "device", "span", "nbytes", "buf", "host",
+                 "d2h_event", "dev", "h2d_event", "unpacks", "__weakref__")
+
+    def __del__(self) -> None:
+        try:
+            self.engine._release(self)
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+class ActivationOffloader:
+    """Offload engine (see module docstring).
+
+    ``prefetch_depth``: groups fetched ahead during backward (0: fetch on demand). ``min_bytes``: smaller
+    tensors stay on the device. ``device``: device type whose tensors are offloaded (default: "cuda" if
+    available else "cpu"). ``pool``: a HostPool (default: a new one, pinned iff CUDA is available).
+    ``record_events``: keep a log of ("d2h" | "h2d" | "unpack", group key, pass) for tests and debugging.
+    """
+
+    def __init__(self, *, prefetch_depth: int = 1, min_bytes: int = 2**20,
+                 device: Union[str, torch.device, None] = None, pool: Optional[HostPool] = None,
+                 record_events: bool = False) -> None:
+        if not isinstance(prefetch_depth, int) or prefetch_depth < 0:
+            raise ValueError(f"ActivationOffloader: prefetch_depth must be an int >= 0, got {prefetch_depth!r}")
+        if not isinstance(min_bytes, int) or min_bytes < 0:
+            raise ValueError(f"ActivationOffloader: min_bytes must be an int >= 0, got {min_bytes!r}")
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device_type = torch.device(device).type
+        if self.device_type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("ActivationOffloader: device='cuda' but CUDA is not available")
+        self.prefetch_depth = prefetch_depth
+        self.min_bytes = min_bytes
+        self.pool = pool if pool is not None else HostPool()
+        self.events: Optional[list] = [] if record_events else None
+        self._cuda = self.device_type == "cuda"
+        self._d2h = torch.cuda.Stream() if self._cuda else None
+        self._h2d = torch.cuda.Stream() if self._cuda else None
+        self._groups: List[OffloadGroup] = []
+        self._pass_id = 0
+        self._pass_keys: set = set()
+        self._seq = 0
+        self.bytes_offloaded = 0  # cumulative
+        self.tensors_offloaded = 0
+
+    # -- scopes ------------------------------------------------------------------------------------------
+    def new_pass(self) -> None:
+        """Start a new forward pass (microbatch): prefetching never crosses passes."""
+        self._pass_id += 1
+        self._pass_keys = set()
+
+    @contextlib.contextmanager
+    def offload_scope(self, key: object) -> Iterator[Optional[OffloadGroup]]:
+        """Offload what is saved for backward inside this block as group ``key``; yields the group
+        (None while the autograd engine runs, e.g. a recompute: nothing is offloaded then)."""
+        if in_backward():
+            yield None
+            return
+        if key in self._pass_keys:
+            self.new_pass()
+        self._pass_keys.add(key)
+        self._prune()
+        group = OffloadGroup(key, self._pass_id, self._seq)
+        self._seq += 1
+        self._groups.append(group)
+
+        def pack(t: Tensor):
+            return self._pack(t, group)
+
+        with foreign_saved_tensor_hooks(), torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
+            yield group
+
+    def offload_modules(self, modules: Dict[str, torch.nn.Module]):
+        """``modules`` mode: wrap each module's forward in ``offload_scope(name)``. Returns a handle whose
+        ``remove()`` detaches the hooks."""
+        handles = []
+        for name, module in modules.items():
+            if not isinstance(module, torch.nn.Module):
+                raise ValueError(f"offload_modules: {name!r} is not an nn.Module")
+            stack: list = []
+
+            def pre(mod, args, _name=name, _stack=stack):
+                cm = self.offload_scope(_name)
+                cm.__enter__()
+                _stack.append(cm)
+
+            def post(mod, args, out, _stack=stack):
+                if _stack:
+                    _stack.pop().__exit__(None, None, None)
+
+            handles.append(module.register_forward_pre_hook(pre))
+            handles.append(module.register_forward_hook(post, always_call=True))
+        return _Handles(handles)
+
+    def prefetch_trigger(self, t: Tensor) -> Tensor:
+        """When the gradient of ``t`` is computed, prefetch ``prefetch_depth`` groups that were opened
+        before now (nearest first). Returns ``t``; a no-op when ``t`` does not require grad."""
+        if not t.requires_grad or self.prefetch_depth == 0:
+            return t
+        pass_id, seq_limit = self._pass_id, self._seq
+
+        def hook(grad):
+            self._prefetch_before(pass_id, seq_limit, self.prefetch_depth)
+            return None
+
+        t.register_hook(hook)
+        return t
+
+    # -- pack / unpack -----------------------------------------------------------------------------------
+    def _should_offload(self, t: Tensor) -> bool:
+        return (
+            type(t) is torch.Tensor
+            and t.layout == torch.strided
+            and t.device.type == self.device_type
+            and not t.is_conj() and not t.is_neg()
+            and not _is_leaf_param(t)
+            and storage_span(t) * t.element_size() >= max(self.min_bytes, 1)
+        )
+
+    def _pack(self, t: Tensor, group: OffloadGroup):
+        if in_backward() or not self._should_offload(t):
+            report_saved_on_device(t)
+            return t.detach()
+        h = _Offloaded()
+        h.engine, h.group = self, group
+        h.dtype, h.size, h.stride, h.device = t.dtype, tuple(t.shape), tuple(t.stride()), t.device
+        h.span = storage_span(t)
+        h.nbytes = h.span * t.element_size()
+        h.dev = h.h2d_event = h.d2h_event = None
+        h.unpacks = 0
+        h.buf = self.pool.acquire(h.nbytes)
+        h.host = h.buf[: h.nbytes].view(t.dtype)
+        with torch.no_grad():
+            src = torch.as_strided(t.detach(), (h.span,), (1,), t.storage_offset())
+            if self._cuda:
+                self._d2h.wait_stream(torch.cuda.current_stream(t.device))
+                with torch.cuda.stream(self._d2h):
+                    h.host.copy_(src, non_blocking=True)
+                    h.d2h_event = torch.cuda.Event()
+                    h.d2h_event.record(self._d2h)
+                t.record_stream(self._d2h)
+            else:
+                h.host.copy_(src)
+        group._handles.append(weakref.ref(h))
+        self.bytes_offloaded += h.nbytes
+        self.tensors_offloaded += 1
+        self._log("d2h", group)
+        report_saved_on_host(h, h.nbytes)
+        return h
+
+    def _unpack(self, h):
+        if isinstance(h, Tensor):
+            return h
+        group = h.group
+        for other in group.handles():  # the whole group is needed by this layer's backward
+            if other.dev is None and (other is h or other.unpacks == 0):
+                self._fetch(other)
+        self._prefetch_before(group.pass_id, group.seq, self.prefetch_depth)
+        dev = h.dev
+        if self._cuda:
+            torch.cuda.current_stream(dev.device).wait_event(h.h2d_event)
+        h.dev = None
+        h.unpacks += 1
+        self._log("unpack", group)
+        return dev.as_strided(h.size, h.stride, 0)
+
+    def _fetch(self, h: "_Offloaded") -> None:
+        dev = torch.empty(h.span, dtype=h.dtype, device=h.device)
+        if self._cuda:
+            self._h2d.wait_stream(torch.cuda.current_stream(h.device))
+            self._h2d.wait_event(h.d2h_event)
+            with torch.cuda.stream(self._h2d):
+                dev.copy_(h.host, non_blocking=True)
+                h.h2d_event = torch.cuda.Event()
+                h.h2d_event.record(self._h2d)
+        else:
+            dev.copy_(h.host)
+        h.dev = dev
+        self._log("h2d", h.group)
+
+    def _prefetch_before(self, pass_id: int, seq_limit: int, depth: int) -> None:
+        """Fetch pending tensors of the ``depth`` latest groups of ``pass_id`` opened before ``seq_limit``."""
+        if depth <= 0:
+            return
+        taken = 0
+        for group in reversed(self._groups):
+            if group.pass_id != pass_id or group.seq >= seq_limit:
+                continue
+            pending = [h for h in group.handles() if h.unpacks == 0]
+            if not pending:
+                continue  # already consumed (its backward ran) or nothing offloaded
+            for h in pending:
+                if h.dev is None:
+                    self._fetch(h)
+            taken += 1
+            if taken == depth:
+                return
+
+    def _release(self, h: "_Offloaded") -> None:
+        event = h.h2d_event if h.h2d_event is not None else h.d2h_event
+        self.pool.release(h.buf, event)
+        h.buf = h.host = h.dev = None
+
+    def _prune(self) -> None:
+        self._groups = [g for g in self._groups if g.handles() or g.pass_id == self._pass_id]
+
+    def _log(self, what: str, group: OffloadGroup) -> None:
+        if self.events is not None:
+            self.events.append((what, group.key, group.pass_id))
+
+    # -- introspection -----------------------------------------------------------------------------------
+    def live_groups(self) -> List[OffloadGroup]:
+        """Groups that still hold offloaded tensors (empty once every backward has run)."""
+        self._prune()
+        return [g for g in self._groups if g.handles()]
+
+    def host_bytes_in_use(self) -> int:
+        return sum(h.nbytes for g in self._groups for h in g.handles())
+
+
+class _Handles:
+    def __init__(self, handles: Sequence) -> None:
+        self.handles = list(handles)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
