@@ -38,8 +38,8 @@ relative to the ideal compute of the same sequence (cost 1.0 = no recompute, no 
   ulysses  = 4 all-to-alls per layer per pass (q, k, v in, output back), not overlapped.
   offload  = layer input D2H after each layer's forward and H2D before its backward, overlapped with the
              layer's compute; only the excess is exposed.
-Bandwidths: NVLink when the group fits in one node, the inter-node network otherwise. The cheapest fitting
-candidate wins; ties go to the smaller peak memory.
+Bandwidths: NVLink when the group fits in one node, the inter-node network otherwise. The chosen candidate is
+the smallest-memory one among the fitting candidates within 1% (`cost_tolerance`) of the cheapest.
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ from .model_shapes import ModelShape
 
 GIB = float(2**30)
 CP_ALGORITHMS = ("none", "ring", "ulysses", "hybrid")
-RECOMPUTE = ("none", "selective", "full", "full_keep_attn")
+RECOMPUTE = ("none", "selective", "full", "full_keep_attn")  # searched; selective = Megatron selective of ["mlp"]
+RECOMPUTE_MODES = RECOMPUTE + ("selective_attn",)  # also predicted: Megatron selective of ["core_attn"]
 OFFLOAD = ("none", "layer_input")
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -98,21 +99,27 @@ class Precision:
 class ActivationCoefficients:
     """Tensors saved for backward, counted per token in units of one shape term (see module docstring).
 
-    Defaults count Megatron-core's GPT layer (local or TE spec) with RMSNorm, RoPE, SwiGLU, no biases, no dropout,
-    and nemo_longctx's core attention (saves q, k, v, out and the fp32 LSE).
+    Defaults (`TE_GPU`): Megatron-core's TransformerEngine GPT layer as NeMo's Llama configs build it (fused
+    LayerNorm+Linear, fused bias-SwiGLU, fused RoPE, no biases, no dropout) with nemo_longctx's core attention;
+    counted from the code (no GPU here to measure). `LOCAL_CPU`: Megatron's local (non-TE) spec, unfused SwiGLU
+    and RoPE, as measured with the tracker on CPU (tests/test_planner_calibration.py).
     """
 
-    hidden: float = 4.0  # x h: input-norm input, QKV-linear input, pre-MLP-norm input, fc1 input
+    hidden: float = 4.0  # x h: per norm+linear pair the norm input and the normalised linear input (2 pairs)
     query: float = 2.0  # x hq*d: q after RoPE, attention output (also the out-projection input: same storage)
-    kv: float = 2.0  # x hkv*d: k and v after RoPE
-    ffn: float = 3.0  # x f: fc1 output (gate and up, 2f) kept by SwiGLU, fc2 input (f); 2.0 for a plain MLP
-    rope: float = 0.0  # x d: per-token cos/sin copies made by the RoPE application
+    kv: float = 1.0  # x hkv*d: k after RoPE
+    qkv_buffer: float = 1.0  # x (hq + 2 hkv)*d: fused QKV projection output, alive because v is a view of it
+    ffn: float = 3.0  # x f, gated MLP: fc1 output (gate and up) kept by the fused SwiGLU, fc2 input
+    ffn_plain: float = 2.0  # x f, non-gated MLP: fc1 output, fc2 input
+    rope: float = 0.0  # x d: per-token cos/sin copies made by an unfused RoPE application (q and k)
     lse: float = 1.0  # x hq, fp32: attention log-sum-exp
-    norm: float = 0.0  # x 1, fp32: per-token norm statistics
+    norm: float = 2.0  # x 1, fp32: per-token norm statistics (two norms)
     layer_input: float = 1.0  # x h: what full recompute keeps per layer (the checkpointed layer input)
+    recompute_rope: float = 1.0  # x d, fp32, once per model under full recompute: RoPE frequencies (checkpoint arg)
     head_hidden: float = 2.0  # x h, once per model: final-norm input, output-layer input
+    head_norm: float = 1.0  # x 1, fp32, once per model: final-norm statistics
     logits: float = 1.0  # x V (fp32): what the cross entropy keeps for backward when the loss is not chunked
-    token_ids: float = 2.0  # x 8 bytes, once per model: input ids and labels (int64)
+    token_bytes: float = 17.0  # bytes, once per model: input ids and labels (int64), loss-mask flag (bool)
     # transient (not saved) terms
     mlp_grad: float = 2.0  # x f: gradient of the fc1 output during the MLP backward
     logits_transient: float = 2.0  # x V (fp32): logits upcast / their gradient while the loss runs
@@ -120,9 +127,16 @@ class ActivationCoefficients:
     attn_kv_accum: float = 2.0  # x hkv*d fp32: dk, dv accumulators in the ring backward
 
     @classmethod
-    def for_model(cls, shape: ModelShape, **overrides) -> "ActivationCoefficients":
-        base = cls() if shape.gated_mlp else cls(ffn=2.0, mlp_grad=1.0)
-        return replace(base, **overrides)
+    def preset(cls, name: str) -> "ActivationCoefficients":
+        try:
+            return ACTIVATION_PRESETS[name]
+        except KeyError:
+            raise ValueError(f"plan.activation_model={name!r} is not one of {sorted(ACTIVATION_PRESETS)}") from None
+
+
+TE_GPU = ActivationCoefficients()
+LOCAL_CPU = replace(TE_GPU, hidden=6.0, ffn=5.0, rope=4.0, head_hidden=3.0)
+ACTIVATION_PRESETS = {"te_gpu": TE_GPU, "local_cpu": LOCAL_CPU}
 
 
 @dataclass(frozen=True)
@@ -216,24 +230,38 @@ def kv_replication(shape: ModelShape, tp: int, ulysses: int) -> float:
 
 def layer_saved_bytes(shape: ModelShape, c: Candidate, coef: ActivationCoefficients, b: int,
                       recompute: str | None = None) -> float:
-    """Bytes saved for backward per local token per layer (before offload), per GPU (already divided by tp)."""
+    """Bytes saved for backward per local token per layer (before offload), per GPU (already divided by tp).
+
+    Ulysses (and hybrid) attention saves its all-to-all outputs instead of the projection's buffers: q, k, v in
+    the head-sharded layout (K/V replicated r times when the degree exceeds the KV heads), its own output and the
+    output sent back (the out-projection input).
+    """
     recompute = c.recompute if recompute is None else recompute
     h, d, f = shape.hidden_size, shape.head_dim, shape.ffn_hidden_size
-    r = kv_replication(shape, c.tp, c.ulysses_size)
     lse = 4 * coef.lse * shape.num_attention_heads
     if recompute == "full":
         return b * coef.layer_input * h / c.tp
     if recompute == "full_keep_attn":
         return (b * (coef.layer_input * h + shape.q_width) + lse) / c.tp
-    ffn = 0.0 if (recompute == "selective" or c.mlp_tiles > 1) else coef.ffn * f
-    elems = coef.hidden * h + coef.query * shape.q_width + coef.kv * r * shape.kv_width + ffn + coef.rope * d
+    if c.ulysses_size > 1:
+        r = kv_replication(shape, c.tp, c.ulysses_size)
+        attn = (coef.query + 1) * shape.q_width + 2 * r * shape.kv_width
+    else:
+        attn = (coef.query * shape.q_width + coef.kv * shape.kv_width
+                + coef.qkv_buffer * (shape.q_width + 2 * shape.kv_width))
+    ffn_coef = coef.ffn if shape.gated_mlp else coef.ffn_plain
+    ffn = 0.0 if (recompute == "selective" or c.mlp_tiles > 1) else ffn_coef * f
+    if recompute == "selective_attn":  # Megatron's selective core_attn: the checkpoint keeps q, k, v; no LSE
+        lse = 0.0
+    elems = coef.hidden * h + attn + ffn + coef.rope * d
     return (b * elems + lse + 4 * coef.norm) / c.tp
 
 
 def head_saved_bytes(shape: ModelShape, c: Candidate, coef: ActivationCoefficients, b: int) -> float:
     """Bytes saved per local token outside the transformer layers (embedding ids, final norm, output, loss)."""
     logits = 0.0 if c.loss_chunks > 1 else 4 * coef.logits * shape.vocab_size / c.tp
-    return b * coef.head_hidden * shape.hidden_size / c.tp + logits + 8 * coef.token_ids
+    rope = 4 * coef.recompute_rope * shape.head_dim if c.recompute == "full" else 0.0
+    return (b * coef.head_hidden * shape.hidden_size + 4 * coef.head_norm) / c.tp + logits + coef.token_bytes + rope
 
 
 def _comm_buffer_bytes(shape: ModelShape, c: Candidate, b: int) -> float:
@@ -277,7 +305,7 @@ def _transient_bytes(shape: ModelShape, c: Candidate, coef: ActivationCoefficien
 def memory_breakdown(shape: ModelShape, seq_length: int, hw: Hardware, c: Candidate,
                      precision: Precision = Precision(), coef: ActivationCoefficients | None = None
                      ) -> MemoryBreakdown:
-    coef = coef or ActivationCoefficients.for_model(shape)
+    coef = coef or TE_GPU
     b = precision.activation_bytes
     dp = hw.gpus // (c.tp * c.cp_size)
     p = shape.parameters()
@@ -309,7 +337,7 @@ def predicted_activation_bytes(shape: ModelShape, seq_length: int, c: Candidate,
                                coef: ActivationCoefficients | None = None, activation_bytes: int = 2,
                                include_head: bool = True) -> dict:
     """Saved-for-backward bytes per GPU (what the tracker measures): {'device', 'host', 'per_layer'}."""
-    coef = coef or ActivationCoefficients.for_model(shape)
+    coef = coef or TE_GPU
     tokens = seq_length / c.cp_size
     layer = tokens * layer_saved_bytes(shape, c, coef, activation_bytes)
     head = tokens * head_saved_bytes(shape, c, coef, activation_bytes) if include_head else 0.0
@@ -340,6 +368,8 @@ def relative_cost(shape: ModelShape, seq_length: int, hw: Hardware, c: Candidate
         extra += seq_length * L * (qkv_o + mlp)
     elif c.recompute == "selective":
         extra += seq_length * L * mlp
+    elif c.recompute == "selective_attn":
+        extra += seq_length * L * attn
     if c.mlp_tiles > 1:
         extra += seq_length * L * mlp
     if c.loss_chunks > 1:
@@ -365,7 +395,7 @@ def relative_cost(shape: ModelShape, seq_length: int, hw: Hardware, c: Candidate
         bw = _bandwidth(c.cp_size * c.tp, hw, cost)
         fwd_comm = (c.ring_size - 1) * kv_block * b / bw
         bwd_comm = (c.ring_size - 1) * kv_block * (b + 4) / bw
-        ring_passes = 2 if c.recompute == "full" else 1
+        ring_passes = 2 if c.recompute in ("full", "selective_attn") else 1
         exposed += L * (ring_passes * max(0.0, fwd_comm - attn_time_pass) + max(0.0, bwd_comm - 2 * attn_time_pass))
     if c.offload == "layer_input":
         move = tokens * h * b / c.tp / (cost.pcie_gbps * 1e9)
@@ -446,8 +476,16 @@ def evaluate(shape: ModelShape, seq_length: int, hw: Hardware, c: Candidate, pre
                       relative_cost(shape, seq_length, hw, c, precision, cost), notes)
 
 
-def _rank(evs: list[Evaluation]) -> list[Evaluation]:
+def _rank(evs: list[Evaluation], cost_tolerance: float = 0.01) -> list[Evaluation]:
+    """Fitting candidates by cost, then the rest by memory. The first is the least-memory candidate among those
+    within `cost_tolerance` (relative) of the cheapest: finer cost differences are below the model's resolution,
+    while memory headroom protects against its errors."""
     fitting = sorted((e for e in evs if e.fits), key=lambda e: (round(e.cost, 4), e.memory.total))
+    if fitting:
+        near = [e for e in fitting if e.cost <= fitting[0].cost * (1 + cost_tolerance)]
+        best = min(near, key=lambda e: (e.memory.total, e.cost))
+        fitting.remove(best)
+        fitting.insert(0, best)
     others = sorted((e for e in evs if not e.fits), key=lambda e: (e.memory.total, e.cost))
     return fitting + others
 
@@ -474,12 +512,13 @@ def _validate(shape: ModelShape, seq_length: int) -> None:
 
 
 def plan(shape: ModelShape, seq_length: int, hw: Hardware, precision: Precision = Precision(),
-         coef: ActivationCoefficients | None = None, cost: CostModel = CostModel(), **search) -> Plan:
-    """Evaluate every candidate; `chosen` is the cheapest one that fits (None when none fits)."""
+         coef: ActivationCoefficients | None = None, cost: CostModel = CostModel(), cost_tolerance: float = 0.01,
+         **search) -> Plan:
+    """Evaluate every candidate; `chosen` is the cheapest one that fits (None when none fits), see `_rank`."""
     _validate(shape, seq_length)
     evs = [evaluate(shape, seq_length, hw, c, precision, coef, cost)
            for c in candidate_configs(shape, seq_length, hw, **search)]
-    ranked = _rank(evs)
+    ranked = _rank(evs, cost_tolerance)
     chosen = ranked[0] if ranked and ranked[0].fits else None
     return Plan(shape, seq_length, hw, precision, ranked, chosen)
 

@@ -1,0 +1,306 @@
+"""`nemo-longctx plan`: pick CP / TP / recompute / offload / tiling for a long-context run before the first OOM.
+
+    nemo-longctx plan model=llama3_8b plan.seq_length=1048576 plan.gpus=8 plan.gpu_memory_gb=80
+    python -m nemo_longctx.plan model=llama3_70b plan.seq_length=1048576 plan.gpus=64 plan.json=true
+
+Composes conf/plan.yaml (the same `model` group as `nemo-longctx train`, plus the `plan` group for GPU presets),
+evaluates every candidate with nemo_longctx.memory.planner, prints a table (fitting candidates by relative cost,
+then the closest misses), and the cheapest fitting one as ready `nemo-longctx train` overrides.
+`plan.write_sbatch=PATH` writes an sbatch script for it, `plan.plot=PATH` a PNG of predicted per-GPU memory vs
+sequence length, `plan.json=true` prints JSON only. Exit status 2 (with what is missing) when nothing fits.
+Nothing here imports NeMo or Megatron: planning takes a second.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shlex
+import sys
+from pathlib import Path
+from typing import Any, List, Optional
+
+from nemo_longctx.memory.model_shapes import ModelShape, shape_from_config
+from nemo_longctx.memory.planner import (
+    GIB,
+    ActivationCoefficients,
+    Candidate,
+    CostModel,
+    Evaluation,
+    Hardware,
+    Plan,
+    Precision,
+    memory_curve,
+    plan as make_plan,
+    what_is_missing,
+)
+
+# How a candidate maps onto `nemo-longctx train` overrides (the train app's Hydra groups and keys).
+TRAIN_KEYS = {
+    "seq_length": "model.seq_length",
+    "cp_group": "cp",
+    "cp_size": "cp.size",
+    "ulysses_size": "cp.ulysses_size",
+    "tp": "trainer.strategy.tensor_model_parallel_size",
+    "devices": "trainer.devices",
+    "num_nodes": "trainer.num_nodes",
+    "recompute_group": "recompute",
+    "recompute_modules": "recompute.modules",
+    "offload_group": "offload",
+    "mlp_tiles": "tiling.mlp_tiles",
+    "loss_chunks": "tiling.loss_chunks",
+}
+
+
+def conf_dir() -> str:
+    """The Hydra config tree: the installed `nemo_longctx.conf` package if present, else the repo's conf/."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("nemo_longctx.conf")
+    if spec is not None and spec.submodule_search_locations:
+        for loc in spec.submodule_search_locations:
+            if (Path(loc) / "plan.yaml").exists():
+                return str(loc)
+    return str(Path(__file__).resolve().parents[1] / "conf")
+
+
+# ------------------------------------------------------------------------------------------------- config
+def _get(cfg: Any, key: str, default: Any = None) -> Any:
+    try:
+        value = cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)
+    except Exception:
+        return default
+    return default if value is None else value
+
+
+def _container(cfg: Any) -> dict:
+    try:
+        from omegaconf import OmegaConf
+
+        if OmegaConf.is_config(cfg):
+            return OmegaConf.to_container(cfg, resolve=False)
+    except ImportError:
+        pass
+    return dict(cfg)
+
+
+def model_name(cfg: Any) -> str:
+    """Name of the selected model config (Hydra runtime choice), falling back to `model.name`."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        choice = HydraConfig.get().runtime.choices.get("model")
+        if choice:
+            return str(choice)
+    except Exception:
+        pass
+    return str(_get(cfg.model, "name", "model"))
+
+
+def inputs_from_config(cfg: Any):
+    """(shape, seq_length, Hardware, Precision, ActivationCoefficients, CostModel, search kwargs) from `cfg`."""
+    p = cfg.plan
+    name = model_name(cfg)
+    shape = shape_from_config(_container(cfg.model), name=name)
+    seq = p.seq_length
+    if isinstance(seq, bool) or not isinstance(seq, int) or seq < 2:
+        raise ValueError(f"plan.seq_length must be an integer >= 2, got {seq!r}")
+    hw = Hardware(gpus=int(p.gpus), gpu_memory_gb=float(p.gpu_memory_gb), host_memory_gb=float(p.host_memory_gb),
+                  gpus_per_node=int(p.gpus_per_node), reserve_gb=float(p.reserve_gb),
+                  host_reserve_gb=float(p.host_reserve_gb))
+    precision = Precision(**{k: int(v) for k, v in _container(p.precision).items()})
+    coef = ActivationCoefficients.preset(str(p.activation_model))
+    cost = CostModel(**{k: float(v) for k, v in _container(p.cost).items()})
+    search = {k: tuple(v) if not isinstance(v, (int, float)) else v for k, v in _container(p.search).items()}
+    return shape, int(seq), hw, precision, coef, cost, search
+
+
+# ------------------------------------------------------------------------------------------------- output
+def train_overrides(p: Plan, ev: Evaluation, model: str) -> List[str]:
+    """`nemo-longctx train` overrides that run candidate `ev` (see TRAIN_KEYS)."""
+    c, hw, k = ev.candidate, p.hardware, TRAIN_KEYS
+    devices = hw.gpus_on_a_node
+    out = [f"model={model}", f"{k['seq_length']}={p.seq_length}"]
+    if c.cp_size > 1:
+        out += [f"{k['cp_group']}={c.cp_algorithm}", f"{k['cp_size']}={c.cp_size}"]
+        if c.cp_algorithm == "hybrid":
+            out.append(f"{k['ulysses_size']}={c.ulysses_size}")
+    else:
+        out.append(f"{k['cp_group']}=none")
+    if c.tp > 1:
+        out.append(f"{k['tp']}={c.tp}")
+    out += [f"{k['devices']}={devices}", f"{k['num_nodes']}={hw.nodes}"]
+    if c.recompute == "selective":
+        out += [f"{k['recompute_group']}=selective", f"{k['recompute_modules']}=[mlp]"]
+    elif c.recompute == "selective_attn":
+        out += [f"{k['recompute_group']}=selective", f"{k['recompute_modules']}=[core_attn]"]
+    else:
+        out.append(f"{k['recompute_group']}={c.recompute}")
+    out.append(f"{k['offload_group']}={c.offload}")
+    out.append(f"{k['mlp_tiles']}={c.mlp_tiles if c.mlp_tiles > 1 else 'off'}")
+    out.append(f"{k['loss_chunks']}={c.loss_chunks if c.loss_chunks > 1 else 'off'}")
+    return out
+
+
+_COLUMNS = ("cp", "cp_size", "tp", "dp", "recompute", "offload", "tiles", "chunks", "weights", "grads", "optim",
+            "act", "trans", "comm", "total", "host/node", "cost", "fits")
+
+
+def _row(ev: Evaluation) -> list:
+    c, m = ev.candidate, ev.memory.gib()
+    cp = c.cp_algorithm if c.cp_size > 1 else "none"
+    if cp == "hybrid":
+        cp = f"hybrid {c.ulysses_size}x{c.ring_size}"
+    fits = "yes" if ev.fits else ("host" if ev.fits_gpu else "no")
+    return [cp, c.cp_size, c.tp, ev.dp, c.recompute, c.offload, c.mlp_tiles, c.loss_chunks,
+            f"{m['weights']:.1f}", f"{m['grads']:.1f}", f"{m['optimizer']:.1f}", f"{m['activations']:.1f}",
+            f"{m['transient']:.1f}", f"{m['comm']:.1f}", f"{m['total']:.1f}", f"{m['host_per_node']:.0f}",
+            f"{ev.cost:.3f}", fits]
+
+
+def format_table(evs: List[Evaluation]) -> str:
+    rows = [list(_COLUMNS)] + [[str(x) for x in _row(e)] for e in evs]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]
+    lines = ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def format_report(p: Plan, model: str, show: int) -> str:
+    hw = p.hardware
+    fitting = [e for e in p.evaluations if e.fits]
+    head = (f"{model}: {p.shape.num_layers} layers, hidden {p.shape.hidden_size}, ffn {p.shape.ffn_hidden_size}, "
+            f"heads {p.shape.num_attention_heads}/{p.shape.num_query_groups} kv, vocab {p.shape.vocab_size}, "
+            f"{p.shape.parameters() / 1e9:.2f}B parameters\n"
+            f"seq_length {p.seq_length} on {hw.gpus} GPU(s) x {hw.gpu_memory_gb:g} GiB "
+            f"({hw.nodes} node(s) x {hw.gpus_on_a_node}, host {hw.host_memory_gb:g} GiB/node): "
+            f"{len(fitting)} of {len(p.evaluations)} candidates fit\n"
+            f"memory columns: GiB per GPU (act = saved activations on the device, trans = transient peak, "
+            f"comm = CP buffers; total includes {hw.reserve_gb:g} GiB reserve); cost = step time relative to "
+            f"ideal compute\n")
+    shown = fitting[:show] + [e for e in p.evaluations if not e.fits][:max(0, show - len(fitting[:show]))][:5]
+    return head + "\n" + format_table(shown)
+
+
+def write_sbatch(path: str, p: Plan, ev: Evaluation, model: str, container_image: str) -> str:
+    """An sbatch script that runs the chosen candidate in the NGC NeMo container through pyxis."""
+    hw = p.hardware
+    overrides = " \\\n    ".join(shlex.quote(o) for o in train_overrides(p, ev, model))
+    text = f"""#!/bin/bash
+# Generated by `nemo-longctx plan` for {model} at seq_length={p.seq_length} on {hw.gpus} GPU(s).
+# Chosen: {ev.candidate.label()} (predicted {ev.memory.total / GIB:.1f} GiB per GPU, relative cost {ev.cost:.3f}).
+#SBATCH --job-name=nemo-longctx-{model}
+#SBATCH --nodes={hw.nodes}
+#SBATCH --ntasks-per-node={hw.gpus_on_a_node}
+#SBATCH --gpus-per-node={hw.gpus_on_a_node}
+#SBATCH --exclusive
+#SBATCH --time=04:00:00
+#SBATCH --output=%x-%j.out
+set -euo pipefail
+
+IMAGE=${{IMAGE:-{container_image}}}
+OUTPUT_DIR=${{OUTPUT_DIR:-$PWD/runs/$SLURM_JOB_ID}}
+mkdir -p "$OUTPUT_DIR"
+MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+export MASTER_ADDR
+export MASTER_PORT=${{MASTER_PORT:-29500}}
+
+# One task per GPU; the app reads RANK/WORLD_SIZE/LOCAL_RANK from SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID.
+srun --container-image="$IMAGE" --container-mounts="$PWD:$PWD,$OUTPUT_DIR:$OUTPUT_DIR" \\
+  --container-workdir="$PWD" --no-container-mount-home \\
+  nemo-longctx train \\
+    {overrides} \\
+    output_dir="$OUTPUT_DIR"
+"""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(text)
+    os.chmod(path, 0o755)
+    return text
+
+
+def plot_memory(path: str, p: Plan, ev: Evaluation, model: str) -> None:
+    """PNG: predicted per-GPU memory (stacked by component) vs sequence length for the chosen candidate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    c = ev.candidate
+    step = 2 * c.cp_size
+    seqs = sorted({max(step, (int(p.seq_length * 2.0 ** e) // step) * step) for e in range(-6, 3)})
+    curve = memory_curve(p.shape, seqs, p.hardware, c, p.precision, None)
+    parts = ["weights", "grads", "optimizer", "activations", "transient", "comm", "reserve"]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    ax.stackplot(seqs, *[[row[k] for row in curve] for k in parts], labels=parts, alpha=0.85)
+    ax.axhline(p.hardware.gpu_memory_gb, color="red", linestyle="--", label=f"GPU limit {p.hardware.gpu_memory_gb:g} GiB")
+    ax.axvline(p.seq_length, color="black", linestyle=":", label=f"planned {p.seq_length}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length (tokens)")
+    ax.set_ylabel("predicted memory per GPU (GiB)")
+    ax.set_title(f"{model}: {c.label()}", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------------- app
+def run(cfg: Any, out=sys.stdout) -> int:
+    shape, seq, hw, precision, coef, cost, search = inputs_from_config(cfg)
+    name = model_name(cfg)
+    p = make_plan(shape, seq, hw, precision, coef, cost, float(_get(cfg.plan, "cost_tolerance", 0.01)), **search)
+    chosen = p.chosen
+    missing = None if chosen else what_is_missing(p, coef, cost)
+    if bool(_get(cfg.plan, "json", False)):
+        d = p.to_dict()
+        d["model_name"] = name
+        d["overrides"] = train_overrides(p, chosen, name) if chosen else None
+        d["missing"] = missing
+        d["candidates"] = d["candidates"][: int(_get(cfg.plan, "json_candidates", 50))]
+        print(json.dumps(d, indent=1), file=out)
+    else:
+        print(format_report(p, name, int(_get(cfg.plan, "show", 20))), file=out)
+        if chosen:
+            print(f"\nchosen: {chosen.candidate.label()}  ({chosen.memory.total / GIB:.1f} GiB per GPU, "
+                  f"{chosen.memory.host_per_node / GIB:.0f} GiB host per node, relative cost {chosen.cost:.3f})",
+                  file=out)
+            print("nemo-longctx train " + " ".join(shlex.quote(o) for o in train_overrides(p, chosen, name)),
+                  file=out, flush=True)
+    if chosen is None:
+        print(f"\nno fitting plan: {missing}", file=sys.stderr if bool(_get(cfg.plan, "json", False)) else out)
+        return 2
+    sbatch = _get(cfg.plan, "write_sbatch", None)
+    if sbatch:
+        write_sbatch(str(sbatch), p, chosen, name, str(_get(cfg.plan, "container_image", "")))
+        print(f"wrote {sbatch}", file=sys.stderr)
+    plot = _get(cfg.plan, "plot", None)
+    if plot:
+        plot_memory(str(plot), p, chosen, name)
+        print(f"wrote {plot}", file=sys.stderr)
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    """Console entry (`nemo-longctx plan ...` / `python -m nemo_longctx.plan ...`): Hydra overrides in argv."""
+    import hydra
+
+    if argv is not None:
+        sys.argv = [sys.argv[0]] + list(argv)
+    status = {"rc": 0}
+
+    @hydra.main(config_path=conf_dir(), config_name="plan", version_base=None)
+    def _app(cfg) -> None:
+        try:
+            status["rc"] = run(cfg)
+        except ValueError as e:
+            print(f"nemo-longctx plan: {e}", file=sys.stderr)
+            status["rc"] = 2
+
+    _app()
+    sys.exit(status["rc"])
+
+
+if __name__ == "__main__":
+    main()
