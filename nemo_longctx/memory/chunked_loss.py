@@ -63,7 +63,7 @@ class _ChunkedOutputCrossEntropy(torch.autograd.Function):
         s, b, _ = hidden.shape
         v_local = weight.shape[0]
         acc = _stats_dtype(hidden.dtype)
-        loss = torch.empty(s, b, dtype=acc, device=hidden.device)
+        loss = torch.empty(b, s, dtype=acc, device=hidden.device)
         lse = torch.empty(s, b, dtype=acc, device=hidden.device)
         for start, length in bounds:
             h, y = _chunk_rows(hidden, labels, start, length)
@@ -82,12 +82,12 @@ class _ChunkedOutputCrossEntropy(torch.autograd.Function):
                 dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
             log_sum_exp = stats[1].log()
             scale = _row_scale(loss_mask, y, start, length, ignore_index, acc)
-            loss.narrow(0, start, length).copy_(((log_sum_exp - stats[0]) * scale).view(length, b))
+            loss.narrow(1, start, length).copy_(((log_sum_exp - stats[0]) * scale).view(length, b).t())
             lse.narrow(0, start, length).copy_((log_sum_exp + logits_max).view(length, b))
         ctx.save_for_backward(hidden, weight, labels, loss_mask, lse)
         ctx.bounds, ctx.group, ctx.vocab_start = bounds, group, vocab_start
         ctx.reduce_grad_hidden, ctx.ignore_index = reduce_grad_hidden, ignore_index
-        return loss.t()
+        return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
