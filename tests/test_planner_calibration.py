@@ -1,0 +1,128 @@
+"""The planner's activation model against measurement: real Megatron-core GPTModels (local spec + our core
+attention, CPU, fp32) measured with nemo_longctx.memory.tracker, compared with
+`predicted_activation_bytes(..., LOCAL_CPU)` for several shapes, sequence lengths, recompute settings and CP=1/2.
+"""
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+from distributed import run_distributed  # noqa: E402
+
+from nemo_longctx.memory.model_shapes import ModelShape  # noqa: E402
+from nemo_longctx.memory.planner import LOCAL_CPU, TE_GPU, Candidate, predicted_activation_bytes  # noqa: E402
+
+SHAPES = [
+    # GQA, SwiGLU
+    ModelShape("gqa_swiglu", num_layers=2, hidden_size=64, ffn_hidden_size=224, num_attention_heads=4,
+               num_query_groups=2, vocab_size=256),
+    # MHA, plain GeLU MLP, odd widths
+    ModelShape("mha_gelu", num_layers=3, hidden_size=96, ffn_hidden_size=160, num_attention_heads=6,
+               num_query_groups=6, vocab_size=384, gated_mlp=False),
+]
+RECOMPUTE = {
+    "none": {},
+    "selective": dict(recompute_granularity="selective", recompute_modules=["mlp"]),
+    "selective_attn": dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
+    "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+}
+SEQS = (256, 768)
+
+
+def _measure(rank, world_size, shapes, recompute, seqs):
+    import torch
+    import torch.nn.functional as F
+
+    from nemo_longctx.integrations.megatron import cpu_compat
+
+    cpu_compat.apply()
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from nemo_longctx.integrations.megatron.batch import shard_batch_for_cp
+    from nemo_longctx.integrations.megatron.spec import long_context_layer_spec
+    from nemo_longctx.memory.tracker import ActivationTracker
+
+    parallel_state.initialize_model_parallel(1, 1, context_parallel_size=world_size)
+    model_parallel_cuda_manual_seed(1234)
+    results = []
+    try:
+        for shape in shapes:
+            for name, rc in recompute.items():
+                cfg = TransformerConfig(
+                    num_layers=shape.num_layers, hidden_size=shape.hidden_size,
+                    ffn_hidden_size=shape.ffn_hidden_size, num_attention_heads=shape.num_attention_heads,
+                    num_query_groups=shape.num_query_groups, gated_linear_unit=shape.gated_mlp,
+                    activation_func=F.silu if shape.gated_mlp else F.gelu, normalization="RMSNorm",
+                    add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
+                    params_dtype=torch.float32, context_parallel_size=world_size, **rc)
+                spec = long_context_layer_spec(get_gpt_layer_local_spec(normalization="RMSNorm"), "ring")
+                model = GPTModel(cfg, spec, vocab_size=shape.vocab_size, max_sequence_length=max(seqs),
+                                 position_embedding_type="rope", share_embeddings_and_output_weights=False)
+                for seq in seqs:
+                    gen = torch.Generator().manual_seed(seq)
+                    ids = torch.randint(0, shape.vocab_size, (1, seq), generator=gen)
+                    batch = {"tokens": ids, "labels": torch.roll(ids, -1, 1),
+                             "position_ids": torch.arange(seq)[None]}
+                    if world_size > 1:
+                        batch = shard_batch_for_cp(batch, world_size, rank)
+                    with ActivationTracker("cpu", params=model.parameters(), count_peak=False) as tracker:
+                        loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]).sum()
+                        loss.backward()
+                    results.append((shape.name, name, seq, tracker.stats().activation_bytes_device))
+                    model.zero_grad(set_to_none=True)
+    finally:
+        parallel_state.destroy_model_parallel()
+    return results
+
+
+@pytest.fixture(scope="module")
+def measurements():
+    single = run_distributed(_measure, 1, SHAPES, RECOMPUTE, SEQS, threads=2)[0]
+    # CP=2 over gloo: one shape, two settings, to check the per-rank token count (seq / cp) and the ring
+    cp2 = run_distributed(_measure, 2, SHAPES[:1], {k: RECOMPUTE[k] for k in ("none", "full")}, (512,))
+    return {1: single, 2: cp2}
+
+
+def _predicted(shape_name, recompute, seq, cp):
+    shape = next(s for s in SHAPES if s.name == shape_name)
+    cand = Candidate(cp_algorithm="ring" if cp > 1 else "none", cp_size=cp, recompute=recompute)
+    return predicted_activation_bytes(shape, seq, cand, LOCAL_CPU, activation_bytes=4)["device"]
+
+
+def test_predicted_saved_bytes_match_tracker_within_10_percent(measurements):
+    rows = []
+    for cp, per_rank in measurements.items():
+        for rank_results in ([per_rank] if cp == 1 else per_rank):
+            for shape_name, recompute, seq, measured in rank_results:
+                predicted = _predicted(shape_name, recompute, seq, cp)
+                rows.append((cp, shape_name, recompute, seq, measured, predicted, predicted / measured - 1))
+    assert len(rows) == len(SHAPES) * len(RECOMPUTE) * len(SEQS) + 2 * 2
+    table = "\n".join(f"cp={r[0]} {r[1]:>10} {r[2]:>14} seq={r[3]:>4}: measured {r[4]:>9} predicted "
+                      f"{r[5]:>11.0f} ({r[6]:+.1%})" for r in rows)
+    print(table)
+    assert all(abs(r[6]) <= 0.10 for r in rows), table
+
+
+def test_measurement_separates_the_settings(measurements):
+    """The comparison above is only meaningful if the settings differ clearly in what they save."""
+    by = {(s, rc, seq): b for s, rc, seq, b in measurements[1]}
+    for shape in SHAPES:
+        for seq in SEQS:
+            assert by[(shape.name, "full", seq)] < 0.5 * by[(shape.name, "selective", seq)]
+            assert by[(shape.name, "selective", seq)] < 0.9 * by[(shape.name, "none", seq)]
+        assert by[(shape.name, "none", SEQS[1])] == pytest.approx(by[(shape.name, "none", SEQS[0])] * SEQS[1] / SEQS[0],
+                                                                    rel=0.02)
+
+
+def test_gpu_preset_differs_only_where_te_fuses():
+    """te_gpu keeps the same structure; it saves less than local_cpu (fused norm/SwiGLU/RoPE keep fewer copies)."""
+    shape = SHAPES[0]
+    for rc in RECOMPUTE:
+        c = Candidate(recompute=rc)
+        te = predicted_activation_bytes(shape, 1024, c, TE_GPU, 2)["device"]
+        local = predicted_activation_bytes(shape, 1024, c, LOCAL_CPU, 2)["device"]
+        assert te <= local
