@@ -1,0 +1,1 @@
+"""Hydra config tree of nemo-longctx (installed as the package ``nemo_longctx.conf``)."""
