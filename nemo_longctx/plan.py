@@ -43,6 +43,9 @@ TRAIN_KEYS = {
     "cp_size": "cp.size",
     "ulysses_size": "cp.ulysses_size",
     "tp": "trainer.strategy.tensor_model_parallel_size",
+    "sequence_parallel": "trainer.strategy.sequence_parallel",
+    "precision": "trainer.precision",
+    "distributed_optimizer": "optim.use_distributed_optimizer",
     "devices": "trainer.devices",
     "num_nodes": "trainer.num_nodes",
     "recompute_group": "recompute",
@@ -128,9 +131,12 @@ def train_overrides(p: Plan, ev: Evaluation, model: str) -> List[str]:
             out.append(f"{k['ulysses_size']}={c.ulysses_size}")
     else:
         out.append(f"{k['cp_group']}=none")
-    if c.tp > 1:
-        out.append(f"{k['tp']}={c.tp}")
+    if c.tp > 1:  # the planner assumes Megatron sequence parallelism with TP
+        out += [f"{k['tp']}={c.tp}", f"{k['sequence_parallel']}=true"]
     out += [f"{k['devices']}={devices}", f"{k['num_nodes']}={hw.nodes}"]
+    if p.precision.activation_bytes == 2:
+        out.append(f"{k['precision']}=bf16-mixed")
+    out.append(f"{k['distributed_optimizer']}=true")  # the optimizer-state column assumes it
     if c.recompute == "selective":
         out += [f"{k['recompute_group']}=selective", f"{k['recompute_modules']}=[mlp]"]
     elif c.recompute == "selective_attn":
