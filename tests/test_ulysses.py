@@ -45,11 +45,10 @@ def expected_forward_bytes(case, world_size, esize):
     g = hq // (hkv * rep)
     nqc = hq // u // c
     nkc = max(1, nqc // g)  # KV heads a chunk of nqc query heads needs
-    if u == 1:
-        a2a = 0
-    else:
-        a2a = (u - 1) * b * s_local * d * esize * c * (2 * nqc + 2 * nkc)
-    ring = c * (r - 1) * 2 * b * (u * s_local) * nkc * d * esize
+    # every query head goes out and comes back once; every (replicated) KV head goes out once, also when
+    # several chunks share it; (u-1)/u of each all-to-all leaves the rank
+    a2a = (u - 1) * b * s_local * d * esize * 2 * (hq + hkv * rep) // u
+    ring = c * (r - 1) * 2 * b * (u * s_local) * nkc * d * esize  # the ring runs once per chunk
     return a2a + ring
 
 

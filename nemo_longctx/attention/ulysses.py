@@ -12,7 +12,9 @@ Forward, per head chunk t (of ``head_chunks``):
   3. local attention (``kernels``), or a ring over ``ring_group`` for the hybrid layout (see ``hybrid``);
   4. one all-to-all sends the output back to the owners of the sequence shards.
 Every chunk reuses one pair of send/receive buffers, so the staging memory is ~1/head_chunks of sending all
-heads at once (``all_to_all.track_a2a_buffer_bytes`` measures it). Saved for backward: the gathered q/k/v,
+heads at once (``all_to_all.track_a2a_buffer_bytes`` measures it). When a chunk is smaller than a KV group
+(hq/hkv query heads per KV head), consecutive chunks share KV heads: those are sent once, and their
+gradients are summed locally and sent back once, so chunking never adds all-to-all traffic. Saved for backward: the gathered q/k/v,
 out and lse of each chunk (as many bytes as q, k, v, out themselves). Backward: dout travels like q, the
 kernel (or ring) backward runs, and dq/dk/dv travel back like the output.
 
@@ -68,10 +70,12 @@ class UlyssesHeadPlan:
     def kv_per_chunk(self) -> int:
         return max(1, self.q_per_chunk // self.group)
 
-    @property
-    def kv_grads_need_sum(self) -> bool:
-        """True when one KV head's gradient arrives more than once (replicas, or chunks sharing a KV head)."""
-        return self.kv_replicas > 1 or self.q_per_chunk < self.group
+    def chunk_starts_kv_block(self, chunk: int) -> bool:
+        """False when ``chunk`` uses the same KV heads as ``chunk - 1`` (chunks smaller than a KV group):
+        those KV heads are not sent again, and their gradients are summed locally and sent back once."""
+        if chunk == 0:
+            return True
+        return (chunk * self.q_per_chunk) // self.group != ((chunk - 1) * self.q_per_chunk) // self.group
 
     def q_heads(self, rank: int, chunk: int) -> slice:
         start = rank * (self.hq // self.size) + chunk * self.q_per_chunk
@@ -170,33 +174,36 @@ class _UlyssesAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, plan: UlyssesHeadPlan, group, ring_group, causal, scale, kernel: AttentionKernel):
         size, b, s, d = plan.size, q.shape[0], q.shape[1], q.shape[3]
         nqc, nkc = plan.q_per_chunk, plan.kv_per_chunk
-        nh = nqc + 2 * nkc
         natural = causal and size > 1  # non-causal attention does not depend on the sequence order
-        send = q.new_empty(size, b, s, nh, d)
+        send = q.new_empty(size, b, s, nqc + 2 * nkc, d)  # [q | k | v] heads of one chunk, per destination
         recv = torch.empty_like(send)
+        send_q, recv_q = _q_only(send, nqc), _q_only(recv, nqc)  # same storage, q (or out) heads only
         out = q.new_empty(q.shape)
         saved: List[Tensor] = []
-        send_o = send.view(-1)[: size * b * s * nqc * d].view(size, b, s, nqc, d)
-        recv_o = recv.view(-1)[: size * b * s * nqc * d].view(size, b, s, nqc, d)
+        kl = vl = None
         with hold_buffers(send, recv):
             for t in range(plan.head_chunks):
+                new_kv = plan.chunk_starts_kv_block(t)
+                snd, rcv = (send, recv) if new_kv else (send_q, recv_q)
                 for j in range(size):
-                    kv_idx = plan.kv_heads(j, t, q.device)
-                    send[j, :, :, :nqc].copy_(q[:, :, plan.q_heads(j, t)])
-                    send[j, :, :, nqc:nqc + nkc].copy_(_pick_heads(k, kv_idx))
-                    send[j, :, :, nqc + nkc:].copy_(_pick_heads(v, kv_idx))
-                all_to_all_equal(send, recv, group)
+                    snd[j, :, :, :nqc].copy_(q[:, :, plan.q_heads(j, t)])
+                    if new_kv:
+                        kv_idx = plan.kv_heads(j, t, q.device)
+                        snd[j, :, :, nqc:nqc + nkc].copy_(_pick_heads(k, kv_idx))
+                        snd[j, :, :, nqc + nkc:].copy_(_pick_heads(v, kv_idx))
+                all_to_all_equal(snd, rcv, group)
                 ql = q.new_empty(b, size * s, nqc, d)
-                kl = q.new_empty(b, size * s, nkc, d)
-                vl = q.new_empty(b, size * s, nkc, d)
-                _gather_sequence(recv[..., :nqc, :], ql, natural)
-                _gather_sequence(recv[..., nqc:nqc + nkc, :], kl, natural)
-                _gather_sequence(recv[..., nqc + nkc:, :], vl, natural)
+                _gather_sequence(rcv[..., :nqc, :], ql, natural)
+                if new_kv:  # otherwise this chunk's queries use the previous chunk's KV heads
+                    kl = q.new_empty(b, size * s, nkc, d)
+                    vl = q.new_empty(b, size * s, nkc, d)
+                    _gather_sequence(rcv[..., nqc:nqc + nkc, :], kl, natural)
+                    _gather_sequence(rcv[..., nqc + nkc:, :], vl, natural)
                 ol, lse = _inner_forward(ql, kl, vl, ring_group, causal, scale, kernel)
-                _scatter_sequence(ol, send_o, natural)
-                all_to_all_equal(send_o, recv_o, group)
+                _scatter_sequence(ol, send_q, natural)
+                all_to_all_equal(send_q, recv_q, group)
                 for j in range(size):
-                    out[:, :, plan.q_heads(j, t)].copy_(recv_o[j])
+                    out[:, :, plan.q_heads(j, t)].copy_(recv_q[j])
                 saved += [ql, kl, vl, ol, lse]
         ctx.save_for_backward(*saved)
         ctx.args = (plan, group, ring_group, causal, scale, kernel)
@@ -209,44 +216,62 @@ class _UlyssesAttention(torch.autograd.Function):
         saved = ctx.saved_tensors
         size, (b, s, hq, d) = plan.size, dout.shape
         nqc, nkc = plan.q_per_chunk, plan.kv_per_chunk
-        nh = nqc + 2 * nkc
         natural = causal and size > 1
-        send = dout.new_empty(size, b, s, nh, d)
+        send = dout.new_empty(size, b, s, nqc + 2 * nkc, d)
         recv = torch.empty_like(send)
+        send_q, recv_q = _q_only(send, nqc), _q_only(recv, nqc)
         dout_l = dout.new_empty(b, size * s, nqc, d)
-        send_o = send.view(-1)[: size * b * s * nqc * d].view(size, b, s, nqc, d)
-        recv_o = recv.view(-1)[: size * b * s * nqc * d].view(size, b, s, nqc, d)
         dq = dout.new_empty(b, s, hq, d)
-        if plan.kv_grads_need_sum:
-            acc = torch.float64 if ctx.kv_dtype == torch.float64 else torch.float32
-            dk = torch.zeros(ctx.kv_shape, dtype=acc, device=dout.device)
-            dv = torch.zeros(ctx.kv_shape, dtype=acc, device=dout.device)
+        acc_dtype = torch.float64 if ctx.kv_dtype == torch.float64 else torch.float32
+        if plan.kv_replicas > 1:  # replicas' gradients are summed into the original KV heads
+            dk = torch.zeros(ctx.kv_shape, dtype=acc_dtype, device=dout.device)
+            dv = torch.zeros(ctx.kv_shape, dtype=acc_dtype, device=dout.device)
         else:
             dk = dout.new_empty(ctx.kv_shape)
             dv = dout.new_empty(ctx.kv_shape)
+        dkl_acc = dvl_acc = None
         with hold_buffers(send, recv, dout_l):
             for t in range(plan.head_chunks):
                 ql, kl, vl, ol, lse = saved[5 * t: 5 * t + 5]
                 for j in range(size):
-                    send_o[j].copy_(dout[:, :, plan.q_heads(j, t)])
-                all_to_all_equal(send_o, recv_o, group)
-                _gather_sequence(recv_o, dout_l, natural)
+                    send_q[j].copy_(dout[:, :, plan.q_heads(j, t)])
+                all_to_all_equal(send_q, recv_q, group)
+                _gather_sequence(recv_q, dout_l, natural)
                 dql, dkl, dvl = _inner_backward(dout_l, ql, kl, vl, ol, lse, ring_group, causal, scale, kernel)
-                _scatter_sequence(dql, send[..., :nqc, :], natural)
-                _scatter_sequence(dkl, send[..., nqc:nqc + nkc, :], natural)
-                _scatter_sequence(dvl, send[..., nqc + nkc:, :], natural)
+                # chunks that share KV heads sum their KV gradients locally; they travel once, with the last one
+                last_kv = t == plan.head_chunks - 1 or plan.chunk_starts_kv_block(t + 1)
+                if not (plan.chunk_starts_kv_block(t) and last_kv):
+                    if plan.chunk_starts_kv_block(t):
+                        dkl_acc, dvl_acc = dkl.to(acc_dtype), dvl.to(acc_dtype)
+                    else:
+                        dkl_acc.add_(dkl)
+                        dvl_acc.add_(dvl)
+                    dkl, dvl = dkl_acc, dvl_acc
+                snd, rcv = (send, recv) if last_kv else (send_q, recv_q)
+                _scatter_sequence(dql, snd[..., :nqc, :], natural)
+                if last_kv:
+                    _scatter_sequence(dkl, snd[..., nqc:nqc + nkc, :], natural)
+                    _scatter_sequence(dvl, snd[..., nqc + nkc:, :], natural)
+                    dkl_acc = dvl_acc = None
                 del dql, dkl, dvl
-                all_to_all_equal(send, recv, group)
+                all_to_all_equal(snd, rcv, group)
                 for j in range(size):
+                    dq[:, :, plan.q_heads(j, t)].copy_(rcv[j, :, :, :nqc])
+                    if not last_kv:
+                        continue
                     kv_idx = plan.kv_heads(j, t, dout.device)
-                    dq[:, :, plan.q_heads(j, t)].copy_(recv[j, :, :, :nqc])
-                    for grad, part in ((dk, recv[j, :, :, nqc:nqc + nkc]), (dv, recv[j, :, :, nqc + nkc:])):
+                    for grad, part in ((dk, rcv[j, :, :, nqc:nqc + nkc]), (dv, rcv[j, :, :, nqc + nkc:])):
                         if isinstance(kv_idx, slice):
-                            target = grad[:, :, kv_idx]
-                            target.add_(part) if plan.kv_grads_need_sum else target.copy_(part)
+                            grad[:, :, kv_idx].copy_(part)  # each KV head's gradient arrives exactly once
                         else:
                             grad.index_add_(2, kv_idx, part.to(grad.dtype))
         return dq, dk.to(ctx.kv_dtype), dv.to(ctx.kv_dtype), None, None, None, None, None, None
+
+
+def _q_only(buf: Tensor, nqc: int) -> Tensor:
+    """A contiguous [P, b, s, nqc, d] view on the front of a [P, b, s, nh, d] buffer's storage."""
+    size, b, s, _, d = buf.shape
+    return buf.view(-1)[: size * b * s * nqc * d].view(size, b, s, nqc, d)
 
 
 def ulysses_core(
