@@ -1,0 +1,81 @@
+"""End to end on a real single-node Slurm (scripts/slurm_local.sh: munge, slurmctld, slurmd on localhost):
+submit examples/slurm/cpu_demo.sbatch, wait for it, check its metrics.jsonl.
+
+Needs root (or sudo) and apt-get to install Debian's slurm packages when they are missing; skipped with the reason
+otherwise. With NEMO_LONGCTX_REQUIRE_SLURM=1 (set by .ci/run) a failed bring-up is a failure, not a skip.
+"""
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "slurm_local.sh"
+DEMO = ROOT / "examples" / "slurm" / "cpu_demo.sbatch"
+REQUIRED = os.environ.get("NEMO_LONGCTX_REQUIRE_SLURM") == "1"
+MAX_STEPS = 3
+
+
+def _why_not_installable():
+    if shutil.which("sbatch") and shutil.which("slurmctld") and shutil.which("slurmd"):
+        return None
+    if os.geteuid() != 0 and not shutil.which("sudo"):
+        return "slurm is not installed and this user is not root (no sudo) to install it"
+    if not shutil.which("apt-get"):
+        return "slurm is not installed and apt-get is not available to install it"
+    return None
+
+
+def _slurm(*args, timeout=600):
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster():
+    reason = _why_not_installable()
+    if reason:
+        if REQUIRED:
+            pytest.fail(f"NEMO_LONGCTX_REQUIRE_SLURM=1 but {reason}")
+        pytest.skip(reason)
+    was_up = _slurm("status", timeout=30).returncode == 0
+    r = _slurm("up")
+    if r.returncode != 0:
+        msg = f"single-node slurm bring-up failed (rc={r.returncode}):\n{r.stdout}\n{r.stderr[-3000:]}"
+        if REQUIRED:
+            pytest.fail(msg)
+        pytest.skip(msg)
+    yield
+    if not was_up:  # leave no daemons behind that this test started
+        _slurm("down", timeout=120)
+
+
+def test_cpu_demo_sbatch_trains_under_srun(slurm_cluster, tmp_path):
+    out_dir = tmp_path / "out"
+    nemo_longctx = Path(sys.executable).with_name("nemo-longctx")
+    assert nemo_longctx.exists(), f"console script missing next to {sys.executable}"
+    env = dict(os.environ, NEMO_LONGCTX=str(nemo_longctx), OUTPUT_DIR=str(out_dir), MAX_STEPS=str(MAX_STEPS),
+               EXTRA_OVERRIDES="model.seq_length=1024", MEM_LIMIT_KB=str(8 * 1024 * 1024))
+    sub = subprocess.run(["sbatch", "--parsable", f"--chdir={tmp_path}", str(DEMO)], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert sub.returncode == 0, sub.stderr
+    job = sub.stdout.strip().split(";")[0]
+    waited = _slurm("wait", job, "420", timeout=480)
+    log = next(tmp_path.glob(f"*-{job}.out"), None)
+    log_text = log.read_text() if log else "(no job output file)"
+    assert waited.returncode == 0, f"job {job} failed: {waited.stderr}\n--- job output (tail):\n{log_text[-5000:]}"
+
+    # the ranks were the two srun tasks: the app did not fall back to spawning its own processes
+    assert "spawning" not in log_text, log_text[-3000:]
+    assert "2 tasks" in log_text
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert [r["step"] for r in rows] == list(range(1, MAX_STEPS + 1))
+    for r in rows:
+        assert math.isfinite(r["loss"]) and 0 < r["loss"] < 20
+        assert r["tokens_per_s"] > 0
+        assert r.get("world_size", 2) == 2 and r.get("cp_size", 2) == 2
