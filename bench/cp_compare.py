@@ -139,7 +139,8 @@ def main(argv=None):
           f"d={args.head_dim}, {args.dtype}; CPU gloo, 1 thread per rank, {os.cpu_count()} cores on this machine; "
           f"median of {args.iters} (after {args.warmup} warm-up), slowest rank. Shared, noisy machine: compare "
           "rows of one run only.\n")
-    print("| P | variant | time fwd+bwd (s) | sent/rank (MiB) | peak a2a buffers (MiB) | peak live attention tensors (MiB) |")
+    print("| P | variant | time fwd+bwd (s) | sent/rank (MiB) | peak a2a buffers (MiB) "
+          "| peak live attention tensors (MiB) |")
     print("|---|---|---|---|---|---|")
     for ws in [int(w) for w in args.world_sizes.split(",")]:
         if args.seq % (2 * ws):

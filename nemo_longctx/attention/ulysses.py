@@ -14,9 +14,10 @@ Forward, per head chunk t (of ``head_chunks``):
 Every chunk reuses one pair of send/receive buffers, so the staging memory is ~1/head_chunks of sending all
 heads at once (``all_to_all.track_a2a_buffer_bytes`` measures it). When a chunk is smaller than a KV group
 (hq/hkv query heads per KV head), consecutive chunks share KV heads: those are sent once, and their
-gradients are summed locally and sent back once, so chunking never adds all-to-all traffic. Saved for backward: the gathered q/k/v,
-out and lse of each chunk (as many bytes as q, k, v, out themselves). Backward: dout travels like q, the
-kernel (or ring) backward runs, and dq/dk/dv travel back like the output.
+gradients are summed locally and sent back once, so chunking never adds all-to-all traffic.
+Saved for backward: the gathered q/k/v, out and lse of each chunk (as many bytes as q, k, v, out themselves;
+with replicated KV heads, k/v times rep). Backward: dout travels like q, the kernel (or ring) backward runs,
+and dq/dk/dv travel back like the output. Communication is not overlapped with compute.
 
 GQA/MQA: only key/value heads travel, never repeated query-side. When hkv % P == 0 each rank gets hkv/P of
 them. Otherwise each KV head is replicated rep = P / gcd(hkv, P) times (the least rep with hkv*rep % P == 0;
