@@ -141,7 +141,10 @@ class LongContextCoreAttention(MegatronModule):
                 "is supported; use a data step that passes attention_mask=None (e.g. data.create_attention_mask=false)"
             )
         sq, b, hq, d = query.shape
-        q, k, v = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)  # [b, s, h, d] views
+        q = query.transpose(0, 1)  # [b, s, h, d] view
+        # K/V travel between ranks (gloo/NCCL need contiguous buffers): a no-op view when b == 1 and Megatron's
+        # key/value are contiguous, one copy otherwise
+        k, v = key.transpose(0, 1).contiguous(), value.transpose(0, 1).contiguous()
         out = self.algorithm.attention(
             q, k, v,
             group=self.cp_group if self.cp_size > 1 else None,

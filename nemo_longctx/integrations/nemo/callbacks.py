@@ -77,19 +77,28 @@ class StepMetrics(pl.Callback):
             )
 
 
+def _unwrapped_named_parameters(pl_module: Any) -> dict:
+    module = pl_module.module if hasattr(pl_module, "module") else pl_module
+    while hasattr(module, "module"):
+        module = module.module
+    return {n: p.detach().float().cpu().clone() for n, p in module.named_parameters()}
+
+
 class SaveFinalParameters(pl.Callback):
-    """At the end of training, the metrics rank saves ``{name: tensor}`` of the (unwrapped) Megatron model to
-    ``path`` (used by the parity tests; TP=PP=1 only, where every rank holds all parameters)."""
+    """The metrics rank saves ``{"initial": {name: tensor}, "final": {name: tensor}}`` of the (unwrapped) Megatron
+    model -- at the start and at the end of training -- to ``path`` (used by the parity tests; TP=PP=1 only, where
+    every rank holds all parameters)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
+        self._initial: Optional[dict] = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        if _is_metrics_rank():
+            self._initial = _unwrapped_named_parameters(pl_module)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
         if not _is_metrics_rank():
             return
-        module = pl_module.module if hasattr(pl_module, "module") else pl_module
-        while hasattr(module, "module"):
-            module = module.module
-        params = {n: p.detach().float().cpu().clone() for n, p in module.named_parameters()}
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        torch.save(params, self.path)
+        torch.save({"initial": self._initial, "final": _unwrapped_named_parameters(pl_module)}, self.path)
