@@ -128,25 +128,17 @@ class _Toy(nn.Module):
                 marker=None):
         h = self.inp(x)
         for i, layer in enumerate(self.layers):
-            scope = engine.offload_scope(i) if engine is not None and i in offload_layers else _null()
-            with scope:
-                if i in ckpt_layers:
-                    h = checkpoint(layer, h, use_reentrant=reentrant)
-                else:
-                    h = layer(h)
+            run = (lambda f, *a, **k: f(*a, **k)) if engine is None or i not in offload_layers else (
+                lambda f, *a, **k: engine.run_in_scope(i, f, *a, trigger=triggers, **k))
+            if i in ckpt_layers:
+                h = run(checkpoint, layer, h, use_reentrant=reentrant)
+            else:
+                h = run(layer, h)
             if marker is not None and h.requires_grad:
                 h.register_hook(lambda g, i=i: marker.append(("grad", i, 0)) and None)
-            if triggers:
+            if triggers and i not in offload_layers:  # offloaded layers got theirs from run_in_scope
                 engine.prefetch_trigger(h)
         return self.out(h).square().mean()
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *a):
-        return False
 
 
 def _run(model, x, seed, **kw):

@@ -33,9 +33,10 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Dict, Iterator, List, Optional, Sequence, Union
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 import torch
+from torch.utils._pytree import tree_flatten
 
 from .host_pool import HostPool
 from .tracker import _is_leaf_param, foreign_saved_tensor_hooks, in_backward, report_saved_on_device, report_saved_on_host
@@ -141,6 +142,17 @@ class ActivationOffloader:
 
         with foreign_saved_tensor_hooks(), torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
             yield group
+
+    def run_in_scope(self, key: object, fn: Callable, *args, trigger: bool = True, **kwargs):
+        """``fn(*args, **kwargs)`` inside ``offload_scope(key)`` -- e.g. ``fn`` = a checkpoint call of one
+        layer. With ``trigger``, every tensor output gets a ``prefetch_trigger`` (see there)."""
+        with self.offload_scope(key):
+            out = fn(*args, **kwargs)
+        if trigger:
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, Tensor):
+                    self.prefetch_trigger(t)
+        return out
 
     def offload_modules(self, modules: Dict[str, torch.nn.Module]):
         """``modules`` mode: wrap each module's forward in ``offload_scope(name)``. Returns a handle whose
