@@ -21,7 +21,8 @@ def hybrid_cases(world_size):
             dtype = torch.bfloat16 if i % 4 == 3 else torch.float32
             for chunks in (1, 2, 4):
                 if valid_chunks(hq, hkv, ulysses, chunks) and (chunks == 1 or (i + chunks) % 3 != 0):
-                    case = make_case(world_size, label, hq, hkv, causal, dtype, chunks, ulysses, i)
+                    case = make_case(world_size, label, hq, hkv, causal, dtype, chunks, ulysses, i,
+                                     regather=(i + chunks) % 2 == 1)
                     case["force_hybrid"] = True
                     cases.append(case)
             i += 1
@@ -33,6 +34,7 @@ def test_hybrid_matches_fp64_reference(world_size):
     cases = hybrid_cases(world_size)
     layouts = {(c["ulysses"], world_size // c["ulysses"]) for c in cases}
     assert layouts == ({(1, 2), (2, 1)} if world_size == 2 else {(1, 4), (2, 2), (4, 1)})
+    assert {c["regather"] for c in cases} == {True, False}
     assert {c["chunks"] for c in cases} == {1, 2, 4} and {c["dtype"] for c in cases} == {torch.float32, torch.bfloat16}
     per_rank = run_distributed(run_cases, world_size, cases)
     check_results(per_rank, world_size, len(cases))

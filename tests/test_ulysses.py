@@ -36,7 +36,8 @@ def valid_chunks(hq: int, hkv: int, size: int, chunks: int) -> bool:
 
 
 def expected_forward_bytes(case, world_size, esize):
-    """Bytes a rank sends in the forward: a2a of q + (replicated) kv heads, a2a of out back, then the ring."""
+    """Bytes a rank sends in the forward: a2a of q + (replicated) kv heads, a2a of out back, then the ring.
+    Without a ring, the backward sends the same (dout out, dq/dk/dv back), twice that with regather."""
     hq, hkv = case["hq"], case["hkv"]
     u = case["ulysses"]
     r = world_size // u
@@ -79,10 +80,11 @@ def run_cases(rank, world_size, cases):
             with count_bytes_sent() as fwd_bytes:
                 if case["ulysses"] == world_size and not case.get("force_hybrid"):
                     out = ulysses_attention(ql, kl, vl, dist.group.WORLD, causal=causal, head_chunks=chunks,
-                                            global_seq_len=s)
+                                            global_seq_len=s, regather_in_backward=case["regather"])
                 else:
                     ug, rg = make_cp_groups(dist.group.WORLD, case["ulysses"])
-                    out = hybrid_attention(ql, kl, vl, ug, rg, causal=causal, head_chunks=chunks, global_seq_len=s)
+                    out = hybrid_attention(ql, kl, vl, ug, rg, causal=causal, head_chunks=chunks, global_seq_len=s,
+                                           regather_in_backward=case["regather"])
             with count_bytes_sent() as bwd_bytes:
                 out.backward(shard(dout))
         errs = {name: rel_err(got, shard(want)) for name, got, want in
@@ -103,19 +105,23 @@ def check_results(per_rank, world_size, n_cases):
                 assert err <= tol, f"{case['name']}: {name} rel err {err:.2e} > {tol}"
             assert r["dtypes"] == (case["dtype"],) * 4, case["name"]
             esize = torch.empty(0, dtype=case["dtype"]).element_size()
-            assert r["fwd_bytes"] == expected_forward_bytes(case, world_size, esize), (case["name"], r["fwd_bytes"])
+            fwd = expected_forward_bytes(case, world_size, esize)
+            assert r["fwd_bytes"] == fwd, (case["name"], r["fwd_bytes"])
+            if case["ulysses"] == world_size:
+                assert r["bwd_bytes"] == fwd * (2 if case["regather"] else 1), (case["name"], r["bwd_bytes"])
             checked += 1
     assert checked == world_size * n_cases
 
 
-def make_case(world_size, label, hq, hkv, causal, dtype, chunks, ulysses, i):
+def make_case(world_size, label, hq, hkv, causal, dtype, chunks, ulysses, i, regather=False):
     sizes = [(1, 2 * world_size * 3, 16), (2, 2 * world_size * 2, 32), (1, 2 * world_size * 5, 16)]
     b, s, d = sizes[i % len(sizes)]
     if not causal and i % 2:
         s = world_size * 3  # odd local length: allowed without causal masking
     return dict(name=f"u{ulysses}x{world_size // ulysses}-{label}-{'causal' if causal else 'full'}-{dtype}-c{chunks}"
-                     f"-b{b}-s{s}-d{d}",
-                hq=hq, hkv=hkv, causal=causal, dtype=dtype, chunks=chunks, ulysses=ulysses, b=b, s=s, d=d)
+                     f"{'-regather' if regather else ''}-b{b}-s{s}-d{d}",
+                hq=hq, hkv=hkv, causal=causal, dtype=dtype, chunks=chunks, ulysses=ulysses, b=b, s=s, d=d,
+                regather=regather)
 
 
 def ulysses_cases(world_size):
@@ -123,9 +129,10 @@ def ulysses_cases(world_size):
     # sizes and dtype vary per (heads, masking) group; within a group only head_chunks varies (buffer compare)
     for i, ((label, (hq, hkv)), causal) in enumerate(itertools.product(HEADS[world_size].items(), (True, False))):
         dtype = torch.bfloat16 if i % 3 == 2 else torch.float32
+        regather = (i // 2 + i) % 2 == 1
         for chunks in (1, 2, 4):
             if valid_chunks(hq, hkv, world_size, chunks):
-                cases.append(make_case(world_size, label, hq, hkv, causal, dtype, chunks, world_size, i))
+                cases.append(make_case(world_size, label, hq, hkv, causal, dtype, chunks, world_size, i, regather))
     return cases
 
 
@@ -136,6 +143,8 @@ def test_ulysses_matches_fp64_reference(world_size):
     assert {c["chunks"] for c in cases} == {1, 2, 4}
     assert {(c["hq"], c["hkv"]) for c in cases} == set(HEADS[world_size].values())
     assert {c["dtype"] for c in cases} == set(TOL) and {c["causal"] for c in cases} == {True, False}
+    assert {(c["regather"], c["causal"], c["chunks"] > 1) for c in cases} == set(
+        itertools.product((True, False), (True, False), (True, False)))
     per_rank = run_distributed(run_cases, world_size, cases)
     check_results(per_rank, world_size, len(cases))
 

@@ -82,20 +82,23 @@ def hybrid_attention(
     *,
     kernel: Optional[str] = None,
     global_seq_len: Optional[int] = None,
+    regather_in_backward: bool = False,
 ) -> Tensor:
     """Exact attention, Ulysses over ``ulysses_group`` x ring over ``ring_group`` (groups from ``make_cp_groups``).
 
     q [b, s_local, hq, d], k/v [b, s_local, hkv, d], zigzag-sharded over the whole CP group (U*R ranks) ->
     [b, s_local, hq, d]. Needs hq % U == 0 and ``head_chunks`` dividing hq / U; KV heads are replicated only
-    as far as U needs (the ring is GQA-native). Raises ValueError before communicating.
+    as far as U needs (the ring is GQA-native). ``regather_in_backward`` as in ``ulysses_attention``.
+    Raises ValueError before communicating.
     """
     u_size, _ = group_size_and_rank(ulysses_group)
     r_size, _ = group_size_and_rank(ring_group)
     plan = check_ulysses_inputs(q, k, v, u_size, r_size, causal, head_chunks, global_seq_len, fn="hybrid_attention")
-    if u_size == 1 and head_chunks == 1:  # pure ring: nothing to exchange or reorder
+    if u_size == 1 and head_chunks == 1 and not regather_in_backward:  # pure ring: nothing to exchange or reorder
         return ring_attention(q, k, v, ring_group, causal, softmax_scale, kernel=kernel, global_seq_len=global_seq_len)
     scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     kern = select_kernel(q.device, q.dtype, kernel)
     return ulysses_core(
-        q, k, v, plan, ulysses_group if u_size > 1 else None, ring_group if r_size > 1 else None, causal, scale, kern
+        q, k, v, plan, ulysses_group if u_size > 1 else None, ring_group if r_size > 1 else None, causal, scale, kern,
+        bool(regather_in_backward),
     )

@@ -17,7 +17,10 @@ heads at once (``all_to_all.track_a2a_buffer_bytes`` measures it). When a chunk 
 gradients are summed locally and sent back once, so chunking never adds all-to-all traffic.
 Saved for backward: the gathered q/k/v, out and lse of each chunk (as many bytes as q, k, v, out themselves;
 with replicated KV heads, k/v times rep). Backward: dout travels like q, the kernel (or ring) backward runs,
-and dq/dk/dv travel back like the output. Communication is not overlapped with compute.
+and dq/dk/dv travel back like the output. With ``regather_in_backward=True`` only q, k, v, out (the caller's
+tensors) and lse are saved, and backward all-to-alls q/k/v/out again with dout, chunk by chunk, so the
+gathered full-sequence tensors never exist for more than one chunk at a time (about 1.5x the traffic).
+Communication is not overlapped with compute.
 
 GQA/MQA: only key/value heads travel, never repeated query-side. When hkv % P == 0 each rank gets hkv/P of
 them. Otherwise each KV head is replicated rep = P / gcd(hkv, P) times (the least rep with hkv*rep % P == 0;
@@ -170,117 +173,173 @@ def _inner_backward(dout, q, k, v, out, lse, ring_group, causal, scale, kernel):
     return ring_attention_backward(dout, q, k, v, out, lse, ring_group, causal, scale, kernel)
 
 
+def _front(buf: Tensor, n: int) -> Tensor:
+    """A contiguous [P, b, s, n, d] view on the front of a [P, b, s, nh, d] buffer's storage (n <= nh)."""
+    size, b, s, _, d = buf.shape
+    return buf.view(-1)[: size * b * s * n * d].view(size, b, s, n, d)
+
+
+def _to_heads(sources, outs, send, recv, group, natural) -> None:
+    """All-to-all sequence shards -> full sequence of a few heads.
+
+    ``sources``: (x [b, s_local, H, d], heads_of(j) -> x's head index for rank j); ``outs``: matching
+    [b, P*s_local, n, d] tensors. Uses the front of the reused ``send``/``recv`` buffers."""
+    widths = [o.shape[2] for o in outs]
+    snd, rcv = _front(send, sum(widths)), _front(recv, sum(widths))
+    for j in range(snd.shape[0]):
+        lo = 0
+        for (x, heads_of), w in zip(sources, widths):
+            snd[j, :, :, lo:lo + w].copy_(_pick_heads(x, heads_of(j)))
+            lo += w
+    all_to_all_equal(snd, rcv, group)
+    lo = 0
+    for o, w in zip(outs, widths):
+        _gather_sequence(rcv[..., lo:lo + w, :], o, natural)
+        lo += w
+
+
+def _to_sequence(tensors, sinks, send, recv, group, natural) -> None:
+    """Inverse of ``_to_heads``: for [b, P*s_local, n, d] ``tensors``, ``sinks[i](j, part)`` receives the
+    [b, s_local, n, d] part of tensor i that rank j computed for this rank's sequence shard."""
+    widths = [t.shape[2] for t in tensors]
+    snd, rcv = _front(send, sum(widths)), _front(recv, sum(widths))
+    lo = 0
+    for t, w in zip(tensors, widths):
+        _scatter_sequence(t, snd[..., lo:lo + w, :], natural)
+        lo += w
+    all_to_all_equal(snd, rcv, group)
+    for j in range(rcv.shape[0]):
+        lo = 0
+        for sink, w in zip(sinks, widths):
+            sink(j, rcv[j, :, :, lo:lo + w])
+            lo += w
+
+
 class _UlyssesAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, plan: UlyssesHeadPlan, group, ring_group, causal, scale, kernel: AttentionKernel):
+    def forward(ctx, q, k, v, plan: UlyssesHeadPlan, group, ring_group, causal, scale, kernel: AttentionKernel,
+                regather: bool):
         size, b, s, d = plan.size, q.shape[0], q.shape[1], q.shape[3]
-        nqc, nkc = plan.q_per_chunk, plan.kv_per_chunk
+        nqc, nkc, seq = plan.q_per_chunk, plan.kv_per_chunk, plan.size * q.shape[1]
         natural = causal and size > 1  # non-causal attention does not depend on the sequence order
-        send = q.new_empty(size, b, s, nqc + 2 * nkc, d)  # [q | k | v] heads of one chunk, per destination
+        send = q.new_empty(size, b, s, nqc + 2 * nkc, d)  # reused by every chunk: [q | k | v] heads
         recv = torch.empty_like(send)
-        send_q, recv_q = _q_only(send, nqc), _q_only(recv, nqc)  # same storage, q (or out) heads only
         out = q.new_empty(q.shape)
         saved: List[Tensor] = []
-        kl = vl = None
-        with hold_buffers(send, recv):
+        staging = [send, recv]
+        if regather:  # gathered q/k/v are not saved: one set of buffers serves every chunk
+            ql, kl, vl = q.new_empty(b, seq, nqc, d), q.new_empty(b, seq, nkc, d), q.new_empty(b, seq, nkc, d)
+            staging += [ql, kl, vl]
+
+        def out_sink(t):
+            return lambda j, part: out[:, :, plan.q_heads(j, t)].copy_(part)
+
+        with hold_buffers(*staging):
             for t in range(plan.head_chunks):
-                new_kv = plan.chunk_starts_kv_block(t)
-                snd, rcv = (send, recv) if new_kv else (send_q, recv_q)
-                for j in range(size):
-                    snd[j, :, :, :nqc].copy_(q[:, :, plan.q_heads(j, t)])
+                new_kv = plan.chunk_starts_kv_block(t)  # else: the previous chunk's KV heads serve this one
+                if not regather:
+                    ql = q.new_empty(b, seq, nqc, d)
                     if new_kv:
-                        kv_idx = plan.kv_heads(j, t, q.device)
-                        snd[j, :, :, nqc:nqc + nkc].copy_(_pick_heads(k, kv_idx))
-                        snd[j, :, :, nqc + nkc:].copy_(_pick_heads(v, kv_idx))
-                all_to_all_equal(snd, rcv, group)
-                ql = q.new_empty(b, size * s, nqc, d)
-                _gather_sequence(rcv[..., :nqc, :], ql, natural)
-                if new_kv:  # otherwise this chunk's queries use the previous chunk's KV heads
-                    kl = q.new_empty(b, size * s, nkc, d)
-                    vl = q.new_empty(b, size * s, nkc, d)
-                    _gather_sequence(rcv[..., nqc:nqc + nkc, :], kl, natural)
-                    _gather_sequence(rcv[..., nqc + nkc:, :], vl, natural)
+                        kl, vl = q.new_empty(b, seq, nkc, d), q.new_empty(b, seq, nkc, d)
+                sources = [(q, lambda j: plan.q_heads(j, t))]
+                outs = [ql]
+                if new_kv:
+                    kv_of = lambda j: plan.kv_heads(j, t, q.device)  # noqa: E731
+                    sources += [(k, kv_of), (v, kv_of)]
+                    outs += [kl, vl]
+                _to_heads(sources, outs, send, recv, group, natural)
                 ol, lse = _inner_forward(ql, kl, vl, ring_group, causal, scale, kernel)
-                _scatter_sequence(ol, send_q, natural)
-                all_to_all_equal(send_q, recv_q, group)
-                for j in range(size):
-                    out[:, :, plan.q_heads(j, t)].copy_(recv_q[j])
-                saved += [ql, kl, vl, ol, lse]
+                _to_sequence([ol], [out_sink(t)], send, recv, group, natural)
+                saved += [lse] if regather else [ql, kl, vl, ol, lse]
+        if regather:
+            saved = [q, k, v, out] + saved
         ctx.save_for_backward(*saved)
-        ctx.args = (plan, group, ring_group, causal, scale, kernel)
-        ctx.kv_shape, ctx.kv_dtype = k.shape, k.dtype
+        ctx.args = (plan, group, ring_group, causal, scale, kernel, regather)
+        ctx.kv_dtype = k.dtype
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        plan, group, ring_group, causal, scale, kernel = ctx.args
+        plan, group, ring_group, causal, scale, kernel, regather = ctx.args
         saved = ctx.saved_tensors
+        if regather:
+            q, k, v, out = saved[:4]
+            saved = saved[4:]
         size, (b, s, hq, d) = plan.size, dout.shape
-        nqc, nkc = plan.q_per_chunk, plan.kv_per_chunk
+        nqc, nkc, seq = plan.q_per_chunk, plan.kv_per_chunk, plan.size * s
+        kv_shape = (b, s, plan.hkv, d)
         natural = causal and size > 1
-        send = dout.new_empty(size, b, s, nqc + 2 * nkc, d)
+        send = dout.new_empty(size, b, s, (3 * nqc if regather else nqc) + 2 * nkc, d)
         recv = torch.empty_like(send)
-        send_q, recv_q = _q_only(send, nqc), _q_only(recv, nqc)
-        dout_l = dout.new_empty(b, size * s, nqc, d)
+        dout_l = dout.new_empty(b, seq, nqc, d)
+        staging = [send, recv, dout_l]
+        if regather:
+            ql, ol = dout.new_empty(b, seq, nqc, d), dout.new_empty(b, seq, nqc, d)
+            kl, vl = dout.new_empty(b, seq, nkc, d), dout.new_empty(b, seq, nkc, d)
+            staging += [ql, ol, kl, vl]
         dq = dout.new_empty(b, s, hq, d)
         acc_dtype = torch.float64 if ctx.kv_dtype == torch.float64 else torch.float32
         if plan.kv_replicas > 1:  # replicas' gradients are summed into the original KV heads
-            dk = torch.zeros(ctx.kv_shape, dtype=acc_dtype, device=dout.device)
-            dv = torch.zeros(ctx.kv_shape, dtype=acc_dtype, device=dout.device)
+            dk = torch.zeros(kv_shape, dtype=acc_dtype, device=dout.device)
+            dv = torch.zeros(kv_shape, dtype=acc_dtype, device=dout.device)
         else:
-            dk = dout.new_empty(ctx.kv_shape)
-            dv = dout.new_empty(ctx.kv_shape)
+            dk, dv = dout.new_empty(kv_shape), dout.new_empty(kv_shape)
+
+        def q_sink(t):
+            return lambda j, part: dq[:, :, plan.q_heads(j, t)].copy_(part)
+
+        def kv_sink(t, grad):
+            def sink(j, part):
+                idx = plan.kv_heads(j, t, dout.device)
+                if isinstance(idx, slice):
+                    grad[:, :, idx].copy_(part)  # each KV head's gradient arrives exactly once
+                else:
+                    grad.index_add_(2, idx, part.to(grad.dtype))
+            return sink
+
         dkl_acc = dvl_acc = None
-        with hold_buffers(send, recv, dout_l):
+        with hold_buffers(*staging):
             for t in range(plan.head_chunks):
-                ql, kl, vl, ol, lse = saved[5 * t: 5 * t + 5]
-                for j in range(size):
-                    send_q[j].copy_(dout[:, :, plan.q_heads(j, t)])
-                all_to_all_equal(send_q, recv_q, group)
-                _gather_sequence(recv_q, dout_l, natural)
+                new_kv = plan.chunk_starts_kv_block(t)
+                q_of = lambda j: plan.q_heads(j, t)  # noqa: E731
+                if regather:
+                    lse = saved[t]
+                    sources, outs = [(dout, q_of), (q, q_of), (out, q_of)], [dout_l, ql, ol]
+                    if new_kv:
+                        kv_of = lambda j: plan.kv_heads(j, t, dout.device)  # noqa: E731
+                        sources += [(k, kv_of), (v, kv_of)]
+                        outs += [kl, vl]
+                    _to_heads(sources, outs, send, recv, group, natural)
+                else:
+                    ql, kl, vl, ol, lse = saved[5 * t: 5 * t + 5]
+                    _to_heads([(dout, q_of)], [dout_l], send, recv, group, natural)
                 dql, dkl, dvl = _inner_backward(dout_l, ql, kl, vl, ol, lse, ring_group, causal, scale, kernel)
                 # chunks that share KV heads sum their KV gradients locally; they travel once, with the last one
                 last_kv = t == plan.head_chunks - 1 or plan.chunk_starts_kv_block(t + 1)
-                if not (plan.chunk_starts_kv_block(t) and last_kv):
-                    if plan.chunk_starts_kv_block(t):
+                if not (new_kv and last_kv):
+                    if new_kv:
                         dkl_acc, dvl_acc = dkl.to(acc_dtype), dvl.to(acc_dtype)
                     else:
                         dkl_acc.add_(dkl)
                         dvl_acc.add_(dvl)
                     dkl, dvl = dkl_acc, dvl_acc
-                snd, rcv = (send, recv) if last_kv else (send_q, recv_q)
-                _scatter_sequence(dql, snd[..., :nqc, :], natural)
                 if last_kv:
-                    _scatter_sequence(dkl, snd[..., nqc:nqc + nkc, :], natural)
-                    _scatter_sequence(dvl, snd[..., nqc + nkc:, :], natural)
+                    _to_sequence([dql, dkl, dvl], [q_sink(t), kv_sink(t, dk), kv_sink(t, dv)],
+                                 send, recv, group, natural)
                     dkl_acc = dvl_acc = None
+                else:
+                    _to_sequence([dql], [q_sink(t)], send, recv, group, natural)
                 del dql, dkl, dvl
-                all_to_all_equal(snd, rcv, group)
-                for j in range(size):
-                    dq[:, :, plan.q_heads(j, t)].copy_(rcv[j, :, :, :nqc])
-                    if not last_kv:
-                        continue
-                    kv_idx = plan.kv_heads(j, t, dout.device)
-                    for grad, part in ((dk, rcv[j, :, :, nqc:nqc + nkc]), (dv, rcv[j, :, :, nqc + nkc:])):
-                        if isinstance(kv_idx, slice):
-                            grad[:, :, kv_idx].copy_(part)  # each KV head's gradient arrives exactly once
-                        else:
-                            grad.index_add_(2, kv_idx, part.to(grad.dtype))
-        return dq, dk.to(ctx.kv_dtype), dv.to(ctx.kv_dtype), None, None, None, None, None, None
-
-
-def _q_only(buf: Tensor, nqc: int) -> Tensor:
-    """A contiguous [P, b, s, nqc, d] view on the front of a [P, b, s, nh, d] buffer's storage."""
-    size, b, s, _, d = buf.shape
-    return buf.view(-1)[: size * b * s * nqc * d].view(size, b, s, nqc, d)
+        return dq, dk.to(ctx.kv_dtype), dv.to(ctx.kv_dtype), None, None, None, None, None, None, None
 
 
 def ulysses_core(
     q: Tensor, k: Tensor, v: Tensor, plan: UlyssesHeadPlan, group: Optional[dist.ProcessGroup],
     ring_group: Optional[dist.ProcessGroup], causal: bool, scale: float, kernel: AttentionKernel,
+    regather_in_backward: bool = False,
 ) -> Tensor:
     """Differentiable Ulysses attention on already validated inputs (``ring_group`` None: local kernel)."""
-    return _UlyssesAttention.apply(q, k, v, plan, group, ring_group, causal, scale, kernel)
+    return _UlyssesAttention.apply(q, k, v, plan, group, ring_group, causal, scale, kernel, regather_in_backward)
 
 
 def ulysses_attention(
@@ -294,15 +353,19 @@ def ulysses_attention(
     *,
     kernel: Optional[str] = None,
     global_seq_len: Optional[int] = None,
+    regather_in_backward: bool = False,
 ) -> Tensor:
     """Exact attention over a zigzag-sharded sequence split across ``group`` by all-to-all (module docstring).
 
     q [b, s_local, hq, d], k/v [b, s_local, hkv, d] -> [b, s_local, hq, d]. Needs hq % P == 0 (P = group size)
     and ``head_chunks`` dividing hq / P. ``group=None`` or a one-rank group computes local attention.
-    ``kernel`` names a local kernel (``kernels.KERNELS``) or "auto". Raises ValueError before communicating.
+    ``kernel`` names a local kernel (``kernels.KERNELS``) or "auto". ``regather_in_backward=True`` saves only
+    q, k, v, out and lse and all-to-alls q/k/v/out again in backward, chunk by chunk (less memory, about 1.5x
+    the traffic). Raises ValueError before communicating.
     """
     size, _ = group_size_and_rank(group)
     plan = check_ulysses_inputs(q, k, v, size, 1, causal, head_chunks, global_seq_len, fn="ulysses_attention")
     scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     kern = select_kernel(q.device, q.dtype, kernel)
-    return ulysses_core(q, k, v, plan, group if size > 1 else None, None, causal, scale, kern)
+    group = group if size > 1 else None
+    return ulysses_core(q, k, v, plan, group, None, causal, scale, kern, bool(regather_in_backward))
