@@ -11,9 +11,12 @@ import torch.nn.functional as F
 from distributed import run_distributed
 from reference import rel_err
 from test_tiling_mlp import LiveBytes
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from nemo_longctx.attention.layouts import zigzag_shard, zigzag_unshard
 from nemo_longctx.memory.tiling import chunked_output_cross_entropy, shift_labels
+
+aten = torch.ops.aten
 
 
 def make_case(seed: int, s: int, b: int, h: int, vocab: int, dtype=torch.float32, masked=True):
@@ -50,6 +53,7 @@ def run_chunked(hidden, weight, labels, mask, grad, chunks, **kw):
     return loss.detach(), gh, gw
 
 
+@pytest.mark.parametrize("precompute", [True, False])
 @pytest.mark.parametrize(
     "s,b,h,vocab,chunks,kw",
     [
@@ -59,7 +63,9 @@ def run_chunked(hidden, weight, labels, mask, grad, chunks, **kw):
         (16, 2, 8, 32, "off", {}),  # one chunk
     ],
 )
-def test_chunked_loss_fp32_matches_fp64_full_logits(s, b, h, vocab, chunks, kw):
+def test_chunked_loss_fp32_matches_fp64_full_logits(s, b, h, vocab, chunks, kw, precompute):
+    """Per-token upstream gradients (different on every token): with precompute the weight grad is recomputed."""
+    kw = dict(kw, precompute_grads=precompute)
     case = make_case(s + vocab, s, b, h, vocab)
     want = reference(*case)
     got = run_chunked(*case, chunks, **kw)
@@ -69,23 +75,54 @@ def test_chunked_loss_fp32_matches_fp64_full_logits(s, b, h, vocab, chunks, kw):
     assert (got[0][case[3] == 0] == 0).all() and got[0].view(-1)[5] == 0  # masked and ignored tokens
 
 
-def test_chunked_loss_bf16_and_scalar_masked_mean():
+@pytest.mark.parametrize("precompute", [True, False])
+def test_chunked_loss_bf16(precompute):
     case = make_case(7, 64, 2, 32, 128, torch.bfloat16)
     want = reference(*case)
-    got = run_chunked(*case, 8)
+    got = run_chunked(*case, 8, precompute_grads=precompute)
     assert got[0].dtype == torch.float32 and got[1].dtype == got[2].dtype == torch.bfloat16
     for g, w in zip(got, want):
         assert rel_err(g, w) <= 1e-2, rel_err(g, w)
-    # the usual reduction: sum(loss * mask) / sum(mask), backward through it
-    hidden, weight, labels, mask, _ = make_case(8, 45, 1, 16, 64)
+
+
+class MatmulCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.matmuls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.matmuls += func.overloadpacket in (aten.mm, aten.addmm, aten.addmm_, aten.bmm)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("precompute", [True, False])
+def test_masked_mean_loss_fast_path_without_recompute(dtype, tol, precompute):
+    """The usual reduction sum(loss * mask) / sum(mask): with precomputed grads backward runs no matmul."""
+    hidden, weight, labels, mask, _ = make_case(8, 45, 2, 16, 64, dtype)
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    loss = chunked_output_cross_entropy(h, w, labels, 6, loss_mask=mask).sum() / mask.sum()
-    loss.backward()
+    loss = chunked_output_cross_entropy(h, w, labels, 6, loss_mask=mask, precompute_grads=precompute)
+    loss = loss.sum() / mask.sum()
+    with MatmulCounter() as counter:
+        loss.backward()
+    assert counter.matmuls == (0 if precompute else 3 * 6)
     hd, wd = hidden.double().requires_grad_(), weight.double().requires_grad_()
     ce = F.cross_entropy(torch.einsum("sbh,vh->bvs", hd, wd), labels, reduction="none", ignore_index=-100)
     want_loss = (ce * mask.double()).sum() / mask.sum()
     want_loss.backward()
-    assert rel_err(loss, want_loss) <= 1e-6 and rel_err(h.grad, hd.grad) <= 1e-6 and rel_err(w.grad, wd.grad) <= 1e-6
+    assert rel_err(loss, want_loss) <= tol and rel_err(h.grad, hd.grad) <= tol and rel_err(w.grad, wd.grad) <= tol
+
+
+def test_precomputed_grads_fall_back_to_recompute_for_unequal_token_grads():
+    """Mask NOT passed in: masked tokens get upstream grad 0, others 1/N -> weight grad must be recomputed."""
+    hidden, weight, labels, mask, _ = make_case(12, 30, 1, 16, 64)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss = (chunked_output_cross_entropy(h, w, labels, 4) * mask).sum() / mask.sum()
+    with MatmulCounter() as counter:
+        loss.backward()
+    assert counter.matmuls == 2 * 4  # logits + grad_weight per chunk, no grad_hidden matmul
+    _, want_gh, want_gw = reference(hidden, weight, labels, mask, mask / mask.sum())
+    assert rel_err(h.grad, want_gh) <= 1e-6 and rel_err(w.grad, want_gw) <= 1e-6
 
 
 def test_cp2_zigzag_shards_sum_to_full_sequence_loss():
@@ -170,6 +207,9 @@ TP_CASES = [
     (21, 64, 1, 32, 128, torch.bfloat16, 8, {}),
     (22, 30, 2, 8, 40, torch.float32, "auto", {"chunk_tokens": 7}),
     (23, 24, 1, 8, 32, torch.float32, 3, {"reduce_grad_hidden": False}),
+    (25, 37, 2, 16, 64, torch.float32, 5, {"precompute_grads": False}),
+    (26, 29, 2, 16, 64, torch.bfloat16, 4, {"precompute_grads": False}),
+    (27, 33, 2, 16, 64, torch.float32, 4, {"constant_grad": True}),  # fast path: grads precomputed in forward
 ]
 
 
@@ -192,6 +232,8 @@ def _tp_worker(rank, world_size):
     out = []
     for seed, s, b, h, vocab, dtype, chunks, kw in TP_CASES:
         hidden, weight, labels, mask, grad = make_case(seed, s, b, h, vocab, dtype)
+        if kw.pop("constant_grad", False):
+            grad = torch.full_like(grad, 0.25)
         shard = weight.chunk(world_size, dim=0)[rank]
         out.append(run_chunked(hidden, shard, labels, mask, grad, chunks, tp_group=group, **kw))
     # CP=2 x TP=2: each TP rank computes both CP shards of a zigzag-sharded sequence.
@@ -209,7 +251,8 @@ def _tp_worker(rank, world_size):
 def test_vocab_parallel_tp2_matches_fp64_full_vocab():
     results = _from_numpy(run_distributed(_tp_worker, 2))
     for i, (seed, s, b, h, vocab, dtype, chunks, kw) in enumerate(TP_CASES):
-        case = make_case(seed, s, b, h, vocab, dtype)
+        hidden, weight, labels, mask, grad = make_case(seed, s, b, h, vocab, dtype)
+        case = (hidden, weight, labels, mask, torch.full_like(grad, 0.25) if kw.get("constant_grad") else grad)
         want_loss, want_gh, want_gw = reference(*case)
         tol = 1e-2 if dtype == torch.bfloat16 else 1e-6
         losses = [r[i][0] for r in results]

@@ -4,15 +4,17 @@
 ``logits = hidden_chunk @ weight.T`` (``[t*b, v_local]``, cast to fp32 like Megatron's cross entropy), the
 vocab-parallel max / sum-exp / target-logit statistics (all-reduced over ``tp_group`` exactly like
 ``megatron.core.tensor_parallel.vocab_parallel_cross_entropy``) and the per-token loss in fp32; only the per-token
-log-sum-exp (``[s, b]`` fp32) is kept. Backward recomputes each chunk's logits, forms
-``(softmax - onehot) * grad_loss`` and immediately produces that chunk's ``grad_hidden`` rows and adds its
-``grad_weight`` contribution (accumulated in fp32), so one chunk's logits are the largest transient.
+log-sum-exp (``[s, b]`` fp32) is kept. Gradients are formed chunk by chunk from ``(softmax - onehot) * grad``:
+that chunk's ``grad_hidden`` rows and its ``grad_weight`` contribution (accumulated in fp32), so one chunk's
+logits are the largest transient. By default this happens in forward, for a unit gradient per token, while the
+chunk's logits exist (no recompute); backward rescales (``precompute_grads``). Otherwise (or when the upstream
+gradient differs between counted tokens) backward recomputes each chunk's logits from the saved log-sum-exp.
 
 Layouts are Megatron's: ``hidden [s, b, h]``, ``weight [v_local, h]`` (the TP shard of the output layer, vocab rows
 ``[vocab_start_index, vocab_start_index + v_local)``), ``labels [b, s]`` already shifted (``labels[i]`` is the token
 after ``tokens[i]``, shifted before any CP sharding; see ``shift_labels``), ``loss_mask [b, s]``. Returns the
-per-token loss ``[b, s]`` in fp32 (fp64 for fp64 inputs; like Megatron's ``compute_language_model_loss``), multiplied by ``loss_mask`` and 0
-where ``labels == ignore_index``.
+per-token loss ``[b, s]`` in fp32 (fp64 for fp64 inputs; like Megatron's ``compute_language_model_loss``),
+multiplied by ``loss_mask`` and 0 where ``labels == ignore_index``.
 
 Tensor parallelism: with ``tp_group`` of size > 1 the gradient w.r.t. ``hidden`` is all-reduced over the group
 in backward (``reduce_grad_hidden=True``, what ColumnParallelLinear does for its input). With sequence parallelism
@@ -27,6 +29,7 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from .tile_policy import DEFAULT_LOSS_CHUNK_TOKENS, TilePolicy, resolve_tiles, tile_bounds
 
@@ -57,12 +60,46 @@ def _row_scale(mask, labels_rows: Tensor, start: int, length: int, ignore_index:
     return scale
 
 
+def _softmax_grad_(probs: Tensor, y: Tensor, scale: Tensor, vocab_start: int) -> Tensor:
+    """In place: softmax rows ``probs [N, v_local]`` -> ``(softmax - onehot(y)) * scale`` (this rank's vocab shard)."""
+    v_local = probs.shape[1]
+    local = (y >= vocab_start) & (y < vocab_start + v_local)
+    rows = torch.arange(y.numel(), device=y.device)[local]
+    probs[rows, y[local] - vocab_start] -= 1.0
+    return probs.mul_(scale.unsqueeze(-1))
+
+
+def _add_chunk_grads(grad_logits: Tensor, h: Tensor, weight: Tensor, grad_hidden_rows, grad_weight) -> None:
+    """grad_hidden_rows <- grad_logits @ weight; grad_weight += grad_logits.T @ h (in its accumulation dtype)."""
+    g = grad_logits.to(weight.dtype)
+    if grad_hidden_rows is not None:
+        grad_hidden_rows.copy_(torch.matmul(g, weight).view_as(grad_hidden_rows))
+    if grad_weight is not None:
+        if grad_weight.dtype == weight.dtype:
+            grad_weight.addmm_(g.t(), h)
+        else:
+            grad_weight.add_(torch.matmul(g.t(), h))
+
+
+def _new_grad_weight(weight: Tensor) -> Tensor:
+    dtype = torch.float32 if weight.dtype in (torch.float16, torch.bfloat16) else weight.dtype
+    return torch.zeros(weight.shape, dtype=dtype, device=weight.device)
+
+
 class _ChunkedOutputCrossEntropy(torch.autograd.Function):
+    """See the module docstring. With ``precompute`` the gradients for a unit upstream gradient per token are
+    formed in forward while each chunk's logits exist (no recompute); backward scales them (see ``backward``)."""
+
     @staticmethod
-    def forward(ctx, hidden, weight, labels, loss_mask, bounds, group, vocab_start, reduce_grad_hidden, ignore_index):
+    def forward(ctx, hidden, weight, labels, loss_mask, bounds, group, vocab_start, reduce_grad_hidden, ignore_index,
+                precompute):
         s, b, _ = hidden.shape
         v_local = weight.shape[0]
         acc = _stats_dtype(hidden.dtype)
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        precompute = precompute and (need_h or need_w)
+        grad_hidden = torch.empty_like(hidden) if precompute and need_h else None
+        grad_weight = _new_grad_weight(weight) if precompute and need_w else None
         loss = torch.empty(b, s, dtype=acc, device=hidden.device)
         lse = torch.empty(s, b, dtype=acc, device=hidden.device)
         for start, length in bounds:
@@ -76,7 +113,6 @@ class _ChunkedOutputCrossEntropy(torch.autograd.Function):
             idx = (y - vocab_start).clamp(0, v_local - 1)
             target_logit = logits.gather(1, idx.unsqueeze(-1)).squeeze(-1) * local
             sum_exp = logits.exp_().sum(dim=-1)
-            del logits
             stats = torch.stack([target_logit, sum_exp])
             if group is not None:
                 dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
@@ -84,50 +120,71 @@ class _ChunkedOutputCrossEntropy(torch.autograd.Function):
             scale = _row_scale(loss_mask, y, start, length, ignore_index, acc)
             loss.narrow(1, start, length).copy_(((log_sum_exp - stats[0]) * scale).view(length, b).t())
             lse.narrow(0, start, length).copy_((log_sum_exp + logits_max).view(length, b))
+            if precompute:
+                probs = _softmax_grad_(logits.div_(stats[1].unsqueeze(-1)), y, scale, vocab_start)
+                rows = grad_hidden.narrow(0, start, length) if grad_hidden is not None else None
+                _add_chunk_grads(probs, h, weight, rows, grad_weight)
+                del probs
+            del logits
         ctx.save_for_backward(hidden, weight, labels, loss_mask, lse)
         ctx.bounds, ctx.group, ctx.vocab_start = bounds, group, vocab_start
         ctx.reduce_grad_hidden, ctx.ignore_index = reduce_grad_hidden, ignore_index
+        ctx.precomputed = precompute
+        ctx.grad_hidden, ctx.grad_weight = grad_hidden, grad_weight
         return loss
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    def _recompute(ctx, grad_rows: Tensor, grad_hidden, grad_weight) -> None:
+        """Recompute each chunk's softmax from the saved log-sum-exp and add its gradients."""
         hidden, weight, labels, loss_mask, lse = ctx.saved_tensors
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        b = hidden.shape[1]
-        v_local = weight.shape[0]
-        vocab_start = ctx.vocab_start
-        grad_hidden = torch.empty_like(hidden) if need_h else None
-        grad_weight = None
-        if need_w:
-            acc_dtype = torch.float32 if weight.dtype in (torch.float16, torch.bfloat16) else weight.dtype
-            grad_weight = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device)
-        grad_rows_all = grad_loss.t()  # [s, b]
         for start, length in ctx.bounds:
             h, y = _chunk_rows(hidden, labels, start, length)
             scale = _row_scale(loss_mask, y, start, length, ctx.ignore_index, lse.dtype)
-            scale = scale * grad_rows_all.narrow(0, start, length).reshape(-1).to(lse.dtype)
-            # softmax, recomputed from the saved log-sum-exp
+            scale = scale * grad_rows.narrow(0, start, length).reshape(-1).to(lse.dtype)
             probs = torch.matmul(h, weight.t()).to(lse.dtype)
             probs.sub_(lse.narrow(0, start, length).reshape(-1, 1)).exp_()
-            local = (y >= vocab_start) & (y < vocab_start + v_local)
-            rows = torch.arange(y.numel(), device=y.device)[local]
-            probs[rows, (y[local] - vocab_start)] -= 1.0
-            probs.mul_(scale.unsqueeze(-1))
-            grad_logits = probs.to(weight.dtype)
+            _softmax_grad_(probs, y, scale, ctx.vocab_start)
+            rows = grad_hidden.narrow(0, start, length) if grad_hidden is not None else None
+            _add_chunk_grads(probs, h, weight, rows, grad_weight)
             del probs
-            if need_h:
-                grad_hidden.narrow(0, start, length).copy_(torch.matmul(grad_logits, weight).view(length, b, -1))
-            if need_w:
-                if grad_weight.dtype == weight.dtype:
-                    grad_weight.addmm_(grad_logits.t(), h)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss):
+        hidden, weight, labels, loss_mask, lse = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_rows = grad_loss.t()  # [s, b], like the saved rows
+        if not ctx.precomputed:
+            grad_hidden = torch.empty_like(hidden) if need_h else None
+            grad_weight = _new_grad_weight(weight) if need_w else None
+            _ChunkedOutputCrossEntropy._recompute(ctx, grad_rows, grad_hidden, grad_weight)
+        else:
+            grad_hidden, grad_weight = ctx.grad_hidden, ctx.grad_weight
+            ctx.grad_hidden = ctx.grad_weight = None
+            # Row r's grad_hidden depends on its own loss only: scale it by grad_loss[r] (in fp32 per chunk).
+            if grad_hidden is not None:
+                for start, length in ctx.bounds:
+                    rows = grad_hidden.narrow(0, start, length)
+                    g = grad_rows.narrow(0, start, length).unsqueeze(-1).to(lse.dtype)
+                    rows.copy_(rows.to(lse.dtype) * g)
+            # grad_weight sums over rows: exact by one factor only if grad_loss is the same on every row that
+            # has a loss (sum or masked mean, with the mask passed in); otherwise recompute it.
+            if grad_weight is not None:
+                y_all = labels.t().reshape(-1)
+                counted = _row_scale(loss_mask, y_all, 0, labels.shape[1], ctx.ignore_index, lse.dtype) != 0
+                g = grad_rows.reshape(-1)[counted]
+                if g.numel() == 0:
+                    grad_weight.zero_()
+                elif bool((g == g[0]).all()):
+                    grad_weight.mul_(g[0].to(grad_weight.dtype))
                 else:
-                    grad_weight.add_(torch.matmul(grad_logits.t(), h))
-            del grad_logits
-        if need_h and ctx.group is not None and ctx.reduce_grad_hidden:
+                    grad_weight.zero_()
+                    _ChunkedOutputCrossEntropy._recompute(ctx, grad_rows, None, grad_weight)
+        if grad_hidden is not None and ctx.group is not None and ctx.reduce_grad_hidden:
             dist.all_reduce(grad_hidden, op=dist.ReduceOp.SUM, group=ctx.group)
         if grad_weight is not None and grad_weight.dtype != weight.dtype:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
 
 
 def chunked_output_cross_entropy(
@@ -142,6 +199,7 @@ def chunked_output_cross_entropy(
     reduce_grad_hidden: bool = True,
     ignore_index: int = -100,
     chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
+    precompute_grads: bool = True,
 ) -> Tensor:
     """Per-token cross entropy ``[b, s]`` (fp32) of ``hidden [s, b, h] @ weight.T`` against ``labels [b, s]``.
 
@@ -149,6 +207,12 @@ def chunked_output_cross_entropy(
     should use their plain path instead). ``weight [v_local, h]`` is this rank's vocab shard starting at
     ``vocab_start_index`` (default ``tp_rank * v_local``); ``tp_group=None`` means no tensor parallelism.
     Labels outside ``[0, vocab)`` other than ``ignore_index`` behave as in Megatron (loss = log-sum-exp).
+
+    ``precompute_grads=True`` (default): gradients are formed in forward (3 matmuls per chunk in all, like the
+    untiled path) and kept until backward (``grad_hidden`` and an fp32 ``grad_weight``). They are exact for any
+    upstream gradient w.r.t. ``hidden``; w.r.t. ``weight`` when the upstream gradient is equal on all tokens that
+    have a loss (``loss.sum()``, or a masked mean with the mask passed as ``loss_mask``), else the weight gradient
+    is recomputed chunk by chunk (one host sync decides). ``False``: backward always recomputes (4 matmuls).
     """
     if not isinstance(hidden, Tensor) or hidden.dim() != 3:
         raise ValueError(f"hidden must be [s, b, h], got shape {getattr(hidden, 'shape', None)}")
@@ -180,6 +244,7 @@ def chunked_output_cross_entropy(
         int(vocab_start_index),
         bool(reduce_grad_hidden),
         int(ignore_index),
+        bool(precompute_grads),
     )
 
 
