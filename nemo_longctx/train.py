@@ -92,10 +92,21 @@ class Built:
     global_batch_size: int
 
 
+def te_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
 def build_model_config(cfg: DictConfig) -> Any:
     from nemo_longctx.integrations.nemo.model import enable_long_context
 
-    config = hydra.utils.instantiate(cfg.model, _convert_="all")
+    kwargs = {}
+    if cfg.model.get("apply_rope_fusion", True) and not te_available():
+        # Megatron refuses apply_rope_fusion without TransformerEngine (TransformerConfig.__post_init__); a kernel
+        # choice only, so it is turned off where TE is missing (CPU machines) and kept as configured elsewhere.
+        kwargs["apply_rope_fusion"] = False
+    config = hydra.utils.instantiate(cfg.model, _convert_="all", **kwargs)
     for field, value in feature_model_overrides(cfg).items():
         if not hasattr(config, field):
             raise ValueError(f"model_overrides: {type(config).__name__} has no field {field!r}")
@@ -211,8 +222,9 @@ def dry_run(cfg: DictConfig) -> Dict[str, Any]:
     config = built.model_config
     built.strategy.connect(built.model)  # the real attach path: parallel sizes -> config, extension, validation
     layer_spec = config.transformer_layer_spec(config)
-    block = _get_block_submodules(config, layer_spec)
-    modules = core_attention_modules(block)
+    modules = []
+    for pp_rank in range(int(config.pipeline_model_parallel_size)):  # every pipeline stage's layers
+        modules += core_attention_modules(_get_block_submodules(config, layer_spec, vp_stage=None, pp_rank=pp_rank))
     if len(modules) != config.num_layers or not all(m is LongContextCoreAttention for m in modules):
         raise RuntimeError(f"core_attention does not resolve to LongContextCoreAttention in every layer: {modules}")
     p = parallel_sizes(cfg)
