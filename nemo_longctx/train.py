@@ -125,7 +125,7 @@ def build_data(cfg: DictConfig, model_config: Any, gbs: int) -> Any:
         return SyntheticDataModule(
             seq_length=model_config.seq_length, vocab_size=model_config.vocab_size, micro_batch_size=mbs,
             global_batch_size=gbs, num_train_samples=int(cfg.data.num_train_samples), period=int(cfg.data.period),
-            seed=int(cfg.data.seed),
+            skew=float(cfg.data.skew), seed=int(cfg.data.seed),
         )
     if kind == "indexed":
         from nemo.collections.common.tokenizers.huggingface.auto_tokenizer import AutoTokenizer

@@ -3,7 +3,8 @@
 ``SyntheticDataModule`` yields dicts of full-sequence ``[b, S]`` tensors -- ``tokens``, ``labels`` (= tokens shifted
 by one), ``loss_mask`` (ones), ``position_ids`` (0..S-1) -- with no ``attention_mask``. Sample i is a function of
 (seed, i) only, so any number of processes sees the same data. Each sample repeats a random block of
-``period`` tokens, so a causal model can learn to copy from far back in the context and the loss visibly falls.
+``period`` tokens drawn from a skewed distribution (token = floor(V * u**skew), u uniform): the skew is learnt in a
+few steps (the loss visibly falls from ln V), copying from one period back later.
 Batching over data-parallel ranks is NeMo's ``MegatronDataSampler``; CP sharding happens in the data step.
 """
 
@@ -17,18 +18,22 @@ from torch.utils.data import DataLoader, Dataset
 
 
 class RepeatedBlockDataset(Dataset):
-    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, period: int, seed: int) -> None:
+    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, period: int, seed: int,
+                 skew: float = 3.0) -> None:
         if period < 1:
             raise ValueError(f"data.period={period} must be >= 1")
+        if skew <= 0:
+            raise ValueError(f"data.skew={skew} must be > 0")
         self.num_samples, self.seq_length, self.vocab_size = num_samples, seq_length, vocab_size
-        self.period, self.seed = period, seed
+        self.period, self.seed, self.skew = period, seed, skew
 
     def __len__(self) -> int:
         return self.num_samples
 
     def __getitem__(self, idx: int) -> Dict[str, torch.Tensor]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + idx)
-        block = torch.randint(0, self.vocab_size, (self.period,), generator=g)
+        u = torch.rand(self.period, generator=g, dtype=torch.float64)
+        block = (self.vocab_size * u.pow(self.skew)).long().clamp_(max=self.vocab_size - 1)
         reps = (self.seq_length + 1 + self.period - 1) // self.period
         seq = block.repeat(reps)[: self.seq_length + 1]
         return {
@@ -48,6 +53,7 @@ class SyntheticDataModule(pl.LightningDataModule):
         global_batch_size: int = 1,
         num_train_samples: int = 100_000,
         period: int = 256,
+        skew: float = 3.0,
         seed: int = 1234,
         reset_attention_mask: bool = False,
     ) -> None:
@@ -58,7 +64,7 @@ class SyntheticDataModule(pl.LightningDataModule):
             raise ValueError("data.reset_attention_mask=true is not supported by nemo_longctx core attention")
         self.seq_length, self.vocab_size = seq_length, vocab_size
         self.micro_batch_size, self.global_batch_size = micro_batch_size, global_batch_size
-        self.num_train_samples, self.period, self.seed = num_train_samples, period, seed
+        self.num_train_samples, self.period, self.skew, self.seed = num_train_samples, period, skew, seed
         self.reset_attention_mask = reset_attention_mask
         self.data_sampler = MegatronDataSampler(
             seq_len=seq_length, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size
@@ -67,7 +73,7 @@ class SyntheticDataModule(pl.LightningDataModule):
 
     def setup(self, stage: str = "") -> None:
         self._train_ds = RepeatedBlockDataset(
-            self.num_train_samples, self.seq_length, self.vocab_size, self.period, self.seed
+            self.num_train_samples, self.seq_length, self.vocab_size, self.period, self.seed, self.skew
         )
 
     def train_dataloader(self) -> DataLoader:
