@@ -61,7 +61,7 @@ def measure(step, reps: int, params):
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
-    return peak, min(times)
+    return peak, (min(times) if times else None)
 
 
 def mlp_step(model, x, grad, mode, tile_tokens):
