@@ -259,3 +259,37 @@ def test_tiled_mlp_peak_live_bytes_is_one_tile():
     assert untiled >= s * 3 * ffn * 4
     assert tiled <= bound, (tiled, bound, one_tile, untiled)
     assert tiled * 3 < untiled, (tiled, untiled)
+
+
+def test_extra_generator_hooks_and_autocast_are_replayed():
+    """rng_state_hooks restore a generator torch does not know about; autocast (CPU bf16) is replayed in the
+    recompute. Reference: the same tiles run with autograd, keeping the graph (same generator seed)."""
+    torch.manual_seed(7)
+    model = SwiGLU(16, 32, norm=False)
+    gen = torch.Generator()
+
+    def fn(t):
+        out, bias = model(t)
+        keep = torch.rand(out.shape, generator=gen) > 0.3
+        return out * keep, bias
+
+    hooks = (gen.get_state, gen.set_state)
+    x = torch.randn(24, 2, 16, requires_grad=True)
+    w_out = torch.randn(24, 2, 16)
+    params = list(model.parameters())
+    for autocast in (False, True):
+        gen.manual_seed(11)
+        outs = []
+        for t in x.split([6, 6, 6, 6], dim=0):  # one autocast region per tile: no weight-cast cache shared by tiles
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                outs.append(fn(t)[0])
+        want = torch.autograd.grad((torch.cat(outs).float() * w_out).sum(), [x, *params], allow_unused=True)
+        gen.manual_seed(11)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out, _ = tiled_mlp(fn, x, 4, params=params, rng_state_hooks=hooks)
+        assert out.dtype == (torch.bfloat16 if autocast else torch.float32)
+        got = torch.autograd.grad((out.float() * w_out).sum(), [x, *params], allow_unused=True)
+        assert [g is None for g in got] == [w is None for w in want] == [False, True, False, False, False]
+        for g, w in zip(got, want):
+            if w is not None:
+                assert rel_err(g, w) < 1e-5, (autocast, rel_err(g, w))

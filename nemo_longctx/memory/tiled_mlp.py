@@ -76,6 +76,7 @@ class _TiledMLPFunction(torch.autograd.Function):
                     bias = tile_bias
                 out.narrow(seq_dim, start, length).copy_(tile_out)
                 del tile_out, tile_bias
+        ctx.set_materialize_grads(False)
         ctx.fn, ctx.bounds, ctx.seq_dim, ctx.rng_hooks, ctx.autocast = fn, bounds, seq_dim, rng_hooks, autocast
         ctx.rng_states = rng_states
         ctx.num_params = len(params)
@@ -101,13 +102,16 @@ class _TiledMLPFunction(torch.autograd.Function):
                 device_type, enabled, dtype = ctx.autocast
                 with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled):
                     tile_out, tile_bias, _ = _split_result(ctx.fn(x_tile))
-                roots, root_grads = [tile_out], [grad_out.narrow(seq_dim, start, length)]
+                roots, root_grads = [], []
+                if grad_out is not None:  # None when the output is unused (grads are not materialized)
+                    roots.append(tile_out)
+                    root_grads.append(grad_out.narrow(seq_dim, start, length))
                 if i == 0 and grad_bias is not None and tile_bias is not None and tile_bias.requires_grad:
                     roots.append(tile_bias)
                     root_grads.append(grad_bias)
                 inputs = ([x_tile] if need_x else []) + [params[j] for j in param_idx]
                 differentiable = [r.requires_grad for r in roots]
-                if inputs and any(differentiable):
+                if inputs and roots and any(differentiable):
                     roots = [r for r, d in zip(roots, differentiable) if d]
                     root_grads = [g for g, d in zip(root_grads, differentiable) if d]
                     tile_grads = list(torch.autograd.grad(roots, inputs, root_grads, allow_unused=True))
@@ -123,8 +127,8 @@ class _TiledMLPFunction(torch.autograd.Function):
                 for j, g in zip(param_idx, tile_grads):
                     if g is None:
                         continue
-                    if grads[j] is None:
-                        grads[j] = g.float() if g.dtype in _HALF else g
+                    if grads[j] is None:  # a copy: never add into a tensor autograd handed out (may be shared)
+                        grads[j] = g.to(torch.float32 if g.dtype in _HALF else g.dtype, copy=True)
                     else:
                         grads[j].add_(g)
                 del tile_grads, g, x_tile
