@@ -49,6 +49,10 @@ def _ring_worker(rank, world_size):
             return zigzag_shard(t, 1, world_size, rank)
 
         ql, kl, vl = (shard(t).detach().clone().requires_grad_() for t in (q, k, v))
+        if b > 1:
+            # Megatron hands over [s, b, h, d] tensors: our [b, s, h, d] view of them is not contiguous
+            ql, kl, vl = (t.detach().transpose(0, 1).contiguous().transpose(0, 1).requires_grad_() for t in (ql, kl, vl))
+            assert not kl.is_contiguous()
         with count_bytes_sent() as fwd_bytes:
             out = ring_attention(ql, kl, vl, group, causal=causal, global_seq_len=s)
         with count_bytes_sent() as bwd_bytes:

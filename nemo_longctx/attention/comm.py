@@ -79,8 +79,8 @@ class RingExchange:
 
     def start(self, tensors: Sequence[Tensor], out: Optional[Sequence[Tensor]] = None) -> _Pending:
         """Post sends of ``tensors`` to next and receives into ``out`` (fresh buffers if None) from prev."""
-        received = [torch.empty_like(t) for t in tensors] if out is None else list(out)
         sent = [t.contiguous() for t in tensors]
+        received = [torch.empty_like(t) for t in sent] if out is None else list(out)
         ops = []
         # Even ranks send first, odd ranks receive first: keeps transports that pair ops in order happy.
         for t, r in zip(sent, received):
