@@ -118,6 +118,7 @@ class _TiledMLPFunction(torch.autograd.Function):
                 else:
                     tile_grads = [None] * len(inputs)
                 del roots, root_grads, tile_out, tile_bias
+                g = None
                 if need_x:
                     g = tile_grads.pop(0)
                     if g is None:
