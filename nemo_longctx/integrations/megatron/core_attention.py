@@ -24,6 +24,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import is_layer_window_attention
 
+from nemo_longctx.memory.keep_attention import kept_ring_attention
+
 from .cp_algorithms import get_cp_algorithm
 
 Tensor = torch.Tensor
@@ -102,6 +104,9 @@ class LongContextCoreAttention(MegatronModule):
         if self.algorithm.validate is not None:
             self.algorithm.validate(config, cp_size)
         self.cp_size = cp_size
+        # recompute=full_keep_attn (memory_options.attach_memory_options): the model's KeptAttentionCache; the ring
+        # then keeps (out, lse) from the no-grad forward for the recompute in backward (memory/keep_attention.py)
+        self.kept_attention_cache = None
 
         # Same value as Megatron's DotProductAttention: 1/sqrt(kv_channels) unless given. Its
         # apply_query_key_layer_scaling divides by layer_number and multiplies back in the softmax: the math is
@@ -145,6 +150,13 @@ class LongContextCoreAttention(MegatronModule):
         # K/V travel between ranks (gloo/NCCL need contiguous buffers): a no-op view when b == 1 and Megatron's
         # key/value are contiguous, one copy otherwise
         k, v = key.transpose(0, 1).contiguous(), value.transpose(0, 1).contiguous()
+        if self.kept_attention_cache is not None:
+            out = kept_ring_attention(
+                q, k, v, self.cp_group if self.cp_size > 1 else None, mask_type == AttnMaskType.causal,
+                self.softmax_scale, cache=self.kept_attention_cache, key=self.layer_number, training=self.training,
+                **self.algorithm_kwargs,
+            )
+            return out.transpose(0, 1).reshape(sq, b, hq * d)
         out = self.algorithm.attention(
             q, k, v,
             group=self.cp_group if self.cp_size > 1 else None,
