@@ -4,9 +4,12 @@ For each world size P (default 2 and 4; one process per rank, 1 thread each) and
 attention forward+backward over a zigzag-sharded sequence is timed; the table reports
   * time      median over --iters of the slowest rank's fwd+bwd wall time (variants interleaved per iter),
   * sent      bytes this rank sent (max over ranks), forward + backward (``comm.count_bytes_sent``),
-  * a2a buf   peak all-to-all staging-buffer bytes (``all_to_all.track_a2a_buffer_bytes``; ring has none),
+  * a2a buf   peak all-to-all staging-buffer bytes (``all_to_all.track_a2a_buffer_bytes``; ring has none;
+              with regather the reused gather buffers count too),
   * live      peak bytes of tensors allocated during fwd+bwd and alive at once, seen at op boundaries by a
-              dispatch-mode probe (includes the output and the gradients; excludes the inputs).
+              dispatch-mode probe (includes the output and the gradients; excludes the inputs),
+  * held      of those, the bytes alive between forward and backward: the output plus what the autograd
+              graph saved (what a model holds per attention layer until its backward).
 Usage: .venv/bin/python bench/cp_compare.py [--seq 4096 --heads 16 --kv-heads 4 --head-dim 64 --iters 3]
 The machines here are shared and noisy, and P ranks share the available cores: compare rows of one run only.
 """
@@ -14,6 +17,7 @@ The machines here are shared and noisy, and P ranks share the available cores: c
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -30,7 +34,7 @@ MIB = 1024 * 1024
 class LiveTensorBytes(torch.utils._python_dispatch.TorchDispatchMode):
     """Peak bytes of storages created inside the mode and still referenced, checked after every op."""
 
-    def __init__(self) -> None:
+    def __init__(self, existing=()) -> None:
         super().__init__()
         from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -38,13 +42,20 @@ class LiveTensorBytes(torch.utils._python_dispatch.TorchDispatchMode):
         self.live: dict = {}
         self.current = 0
         self.peak = 0
+        for t in existing:  # storages allocated before (the inputs): views of them cost nothing
+            self.live[t.untyped_storage().data_ptr()] = (StorageWeakRef(t.untyped_storage()), 0)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+    def sweep(self) -> int:
+        """Forget storages that died; return the bytes still alive."""
         for key, (ref, nbytes) in list(self.live.items()):
             if ref.expired():
                 self.current -= nbytes
                 del self.live[key]
+        return self.current
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.sweep()
         for t in torch.utils._pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.layout == torch.strided:
                 storage = t.untyped_storage()
@@ -57,13 +68,15 @@ class LiveTensorBytes(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 def variants(world_size, hq, chunks_list):
-    out = [dict(name="ring", kind="ring", ulysses=1, chunks=1)]
-    for c in chunks_list:
-        out.append(dict(name=f"ulysses c={c}", kind="ulysses", ulysses=world_size, chunks=c))
-    hybrid_u = [u for u in range(2, world_size) if world_size % u == 0]
-    for u in hybrid_u:
-        for c in chunks_list:
-            out.append(dict(name=f"hybrid {u}x{world_size // u} c={c}", kind="hybrid", ulysses=u, chunks=c))
+    """ring; Ulysses and each hybrid U x R with every head_chunks, then with regather_in_backward."""
+    out = [dict(name="ring", kind="ring", ulysses=1, chunks=1, regather=False)]
+    layouts = [("ulysses", "ulysses", world_size)]
+    layouts += [(f"hybrid {u}x{world_size // u}", "hybrid", u) for u in range(2, world_size) if world_size % u == 0]
+    for regather in (False, True):
+        for label, kind, u in layouts:
+            for c in chunks_list:
+                name = f"{label} c={c}" + (" regather" if regather else "")
+                out.append(dict(name=name, kind=kind, ulysses=u, chunks=c, regather=regather))
     return [v for v in out if (hq // v["ulysses"]) % v["chunks"] == 0 and hq % v["ulysses"] == 0]
 
 
@@ -84,16 +97,21 @@ def _bench_worker(rank, world_size, cfg):
     vs = variants(world_size, cfg["heads"], cfg["chunks"])
     groups = {u: make_cp_groups(world, u) for u in {v_["ulysses"] for v_ in vs if v_["kind"] == "hybrid"}}
 
-    def run(var):
+    def forward(var):
         ql, kl, vl = (t.detach().requires_grad_() for t in (q, k, v))
         if var["kind"] == "ring":
             out = ring_attention(ql, kl, vl, world, causal=True)
         elif var["kind"] == "ulysses":
-            out = ulysses_attention(ql, kl, vl, world, causal=True, head_chunks=var["chunks"])
+            out = ulysses_attention(ql, kl, vl, world, causal=True, head_chunks=var["chunks"],
+                                    regather_in_backward=var["regather"])
         else:
             ug, rg = groups[var["ulysses"]]
-            out = hybrid_attention(ql, kl, vl, ug, rg, causal=True, head_chunks=var["chunks"])
-        out.backward(dout)
+            out = hybrid_attention(ql, kl, vl, ug, rg, causal=True, head_chunks=var["chunks"],
+                                   regather_in_backward=var["regather"])
+        return out
+
+    def run(var):
+        forward(var).backward(dout)
 
     times = {v_["name"]: [] for v_ in vs}
     for it in range(cfg["warmup"] + cfg["iters"]):
@@ -109,13 +127,17 @@ def _bench_worker(rank, world_size, cfg):
     rows = []
     for var in vs:
         with count_bytes_sent() as sent, track_a2a_buffer_bytes() as a2a:
-            live = LiveTensorBytes()
+            live = LiveTensorBytes(existing=(q, k, v, dout))
             with live:
-                run(var)
-        stats = torch.tensor([sent.bytes_sent, a2a.peak_bytes, live.peak], dtype=torch.float64)
+                out = forward(var)
+                gc.collect()  # count only what is referenced, not garbage awaiting the cycle collector
+                held = live.sweep()  # the output plus what the graph saved for backward
+                out.backward(dout)
+                del out
+        stats = torch.tensor([sent.bytes_sent, a2a.peak_bytes, live.peak, held], dtype=torch.float64)
         dist.all_reduce(stats, op=dist.ReduceOp.MAX)
         rows.append(dict(var, time=statistics.median(times[var["name"]]), sent=stats[0].item(),
-                         a2a=stats[1].item(), live=stats[2].item()))
+                         a2a=stats[1].item(), live=stats[2].item(), held=stats[3].item()))
     return rows
 
 
@@ -140,16 +162,16 @@ def main(argv=None):
           f"median of {args.iters} (after {args.warmup} warm-up), slowest rank. Shared, noisy machine: compare "
           "rows of one run only.\n")
     print("| P | variant | time fwd+bwd (s) | sent/rank (MiB) | peak a2a buffers (MiB) "
-          "| peak live attention tensors (MiB) |")
-    print("|---|---|---|---|---|---|")
+          "| peak live attention tensors (MiB) | held fwd->bwd (MiB) |")
+    print("|---|---|---|---|---|---|---|")
     for ws in [int(w) for w in args.world_sizes.split(",")]:
         if args.seq % (2 * ws):
-            print(f"| {ws} | skipped: --seq must be divisible by {2 * ws} | | | | |")
+            print(f"| {ws} | skipped: --seq must be divisible by {2 * ws} | | | | | |")
             continue
         for r in run_distributed(_bench_worker, ws, cfg, threads=1, timeout=3600)[0]:
             a2a = "-" if r["kind"] == "ring" else f"{r['a2a'] / MIB:.1f}"
-            print(f"| {ws} | {r['name']} | {r['time']:.3f} | {r['sent'] / MIB:.1f} | {a2a} | {r['live'] / MIB:.1f} |",
-                  flush=True)
+            print(f"| {ws} | {r['name']} | {r['time']:.3f} | {r['sent'] / MIB:.1f} | {a2a} | {r['live'] / MIB:.1f} "
+                  f"| {r['held'] / MIB:.1f} |", flush=True)
 
 
 if __name__ == "__main__":
