@@ -70,6 +70,17 @@ def feature_callbacks(cfg: DictConfig) -> List[Any]:
     return out
 
 
+def memory_options_of(cfg: DictConfig) -> Any:
+    """``MemoryOptions`` of the ``recompute`` and ``offload`` groups (absent groups: none)."""
+    from nemo_longctx.integrations.megatron.memory_options import memory_options
+
+    def group(name: str) -> Optional[Dict[str, Any]]:
+        node = cfg.get(name)
+        return OmegaConf.to_container(node, resolve=True) if node is not None else None
+
+    return memory_options(group("recompute"), group("offload"))
+
+
 def feature_model_overrides(cfg: DictConfig) -> Dict[str, Any]:
     """Model-config fields set by the optional feature groups (``<group>.model_overrides: {field: value}``)."""
     out: Dict[str, Any] = {}
@@ -166,6 +177,8 @@ def build(cfg: DictConfig, launch: Optional[Launch] = None, extra_callbacks: Opt
     from nemo.collections import llm
 
     from nemo_longctx.integrations.megatron import cpu_compat
+    from nemo_longctx.integrations.megatron.memory_options import apply_recompute_fields, validate_memory_options
+    from nemo_longctx.integrations.nemo.memory_callbacks import ActivationMemoryMetrics, MemoryOptionsCallback
     from nemo_longctx.integrations.nemo.callbacks import SaveFinalParameters, StepMetrics
     from nemo_longctx.integrations.nemo.strategy import LongContextStrategy
 
@@ -173,6 +186,9 @@ def build(cfg: DictConfig, launch: Optional[Launch] = None, extra_callbacks: Opt
     world = world_size_of(cfg, launch)
     p = parallel_sizes(cfg)
     model_config = build_model_config(cfg)
+    memory = memory_options_of(cfg)  # recompute/offload groups: validated, Megatron's recompute fields set
+    validate_memory_options(memory, str(cfg.cp.algorithm), model_config, p["pp"])
+    apply_recompute_fields(model_config, memory)
 
     strategy = LongContextStrategy(
         tensor_model_parallel_size=p["tp"], pipeline_model_parallel_size=p["pp"], context_parallel_size=p["cp"],
@@ -196,7 +212,15 @@ def build(cfg: DictConfig, launch: Optional[Launch] = None, extra_callbacks: Opt
     if launch is not None:
         plugins.append(TorchElasticEnvironment())
     tokens_per_step = gbs * int(model_config.seq_length)
-    callbacks: List[Any] = [StepMetrics(str(cfg.output_dir), tokens_per_step, int(cfg.run.print_every))]
+    mem_cfg = cfg.get("memory") or {}
+    mem_metrics = ActivationMemoryMetrics(
+        count_peak=bool(mem_cfg.get("track_peak", False)),
+        track_activations=bool(mem_cfg.get("track", True)) and not memory.breaks_saved_tensor_hooks,
+    )  # before StepMetrics: its step-end hook closes the tracker that StepMetrics then reads
+    callbacks: List[Any] = [mem_metrics, StepMetrics(str(cfg.output_dir), tokens_per_step, int(cfg.run.print_every),
+                                                     extra=mem_metrics)]
+    if not memory.trivial:
+        callbacks.append(MemoryOptionsCallback(memory, str(cfg.cp.algorithm)))
     if cfg.run.save_final_params:
         callbacks.append(SaveFinalParameters(os.path.join(str(cfg.output_dir), "final_params.pt")))
     callbacks += feature_callbacks(cfg) + list(extra_callbacks or [])
@@ -245,6 +269,7 @@ def dry_run(cfg: DictConfig) -> Dict[str, Any]:
         "strategy": type(built.strategy).__name__,
         "trainer": f"{type(built.trainer).__name__}(devices={cfg.trainer.devices}, num_nodes={cfg.trainer.num_nodes})",
         "data": type(built.data).__name__,
+        "memory": memory_options_of(cfg).describe(),
     }
     print("dry run OK (nothing trained):")
     for k, v in summary.items():
@@ -275,6 +300,9 @@ def train_rank(cfg: DictConfig, launch: Optional[Launch]) -> int:
 
 
 def run(cfg: DictConfig) -> int:
+    from nemo_longctx.integrations.megatron.memory_options import validate_memory_options
+
+    validate_memory_options(memory_options_of(cfg), str(cfg.cp.algorithm))  # config-level checks, before any spawn
     if cfg.run.dry_run:
         dry_run(cfg)
         return 0

@@ -4,7 +4,9 @@
 rank 0, data+context-parallel rank 0), prints ``step N/M | loss L | tokens/s T | elapsed E s`` and appends one JSON
 object per step to ``<output_dir>/metrics.jsonl``: step, loss (NeMo's MaskedTokenLossReduction: token-weighted
 mean over the global batch, all-reduced over the data- and context-parallel ranks), tokens_per_s (global tokens of
-the step / step wall time), step_time_s, elapsed_s, tokens (global tokens of the step), cp_size, world_size.
+the step / step wall time), step_time_s, elapsed_s, tokens (global tokens of the step), cp_size, world_size, plus
+what ``extra.metrics()`` returns (the app passes ``ActivationMemoryMetrics``: activation_bytes_device,
+activation_bytes_host, peak_bytes of this rank), with ``extra.summary()`` appended to the printed line.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ def _is_metrics_rank() -> bool:
 
 
 class StepMetrics(pl.Callback):
-    def __init__(self, output_dir: str, tokens_per_step: int, print_every: int = 1) -> None:
+    def __init__(self, output_dir: str, tokens_per_step: int, print_every: int = 1, extra: Any = None) -> None:
         self.output_dir = output_dir
+        self.extra = extra  # object with metrics() -> dict (merged into each record) and summary() -> str (printed)
         self.tokens_per_step = int(tokens_per_step)
         self.print_every = max(1, int(print_every))
         self.path = os.path.join(output_dir, "metrics.jsonl")
@@ -67,12 +70,15 @@ class StepMetrics(pl.Callback):
             "cp_size": ps.get_context_parallel_world_size(),
             "world_size": torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1,
         }
+        if self.extra is not None:
+            rec.update(self.extra.metrics())
         with open(self.path, "a") as f:
             f.write(json.dumps(rec) + "\n")
         if rec["step"] % self.print_every == 0 or rec["step"] == trainer.max_steps:
             print(
                 f"step {rec['step']}/{trainer.max_steps} | loss {loss:.5f} | tokens/s {rec['tokens_per_s']:.0f} | "
-                f"step {dt:.2f} s | elapsed {rec['elapsed_s']:.1f} s",
+                f"step {dt:.2f} s | elapsed {rec['elapsed_s']:.1f} s"
+                + (f" | {self.extra.summary()}" if self.extra is not None else ""),
                 flush=True,
             )
 
