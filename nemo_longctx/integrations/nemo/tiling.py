@@ -200,3 +200,26 @@ class SequenceTiling(pl.Callback):
             from nemo_longctx.integrations.megatron.chunked_loss import use_chunked_loss
 
             self.num_chunked_models = use_chunked_loss(pl_module, self.loss_chunks, int(self.loss_chunk_tokens))
+        if trainer.global_rank == 0:
+            print(f"nemo-longctx tiling: {self.describe(pl_module.config)}", flush=True)
+
+    def describe(self, config: Any) -> str:
+        """One line: the resolved tile / chunk counts per rank (for logs and dry runs)."""
+        from nemo_longctx.memory.tiling import resolve_tiles
+
+        cp, tp = int(config.context_parallel_size or 1), int(config.tensor_model_parallel_size or 1)
+        tokens = int(config.seq_length) // cp
+        mlp_tokens = tokens // tp if config.sequence_parallel and tp > 1 else tokens
+        parts = []
+        if self.mlp_tiles != "off":
+            n = resolve_tiles(self.mlp_tiles, mlp_tokens, int(self.mlp_tile_tokens), "tiling.mlp_tiles")
+            parts.append(f"MLP mlp_tiles={self.mlp_tiles} -> {n} tiles of <= {-(-mlp_tokens // n)} tokens per rank")
+        else:
+            parts.append("MLP untiled")
+        if self.loss_chunks != "off":
+            n = resolve_tiles(self.loss_chunks, tokens, int(self.loss_chunk_tokens), "tiling.loss_chunks")
+            parts.append(f"output layer + loss loss_chunks={self.loss_chunks} -> {n} chunks of <= {-(-tokens // n)} "
+                         f"tokens per rank ({self.num_chunked_models} chunked model(s) on rank 0)")
+        else:
+            parts.append("output layer + loss unchunked")
+        return "; ".join(parts)
