@@ -65,12 +65,17 @@ def _groups_worker(rank, world_size):
             make_cp_groups(world, bad)
         except ValueError as e:
             errors.append(str(e))
-    return layout, sub, x.item(), errors
+    return (layout, sub, x.item(), errors), _bad_hybrid_inputs(rank, world_size)
 
 
-def test_make_cp_groups_layout():
-    per_rank = run_distributed(_groups_worker, 4)
-    for rank, (layout, sub, reduced, errors) in enumerate(per_rank):
+@pytest.fixture(scope="module")
+def four_rank_groups():
+    """One 4-rank spawn for the group-layout and bad-input tests."""
+    return run_distributed(_groups_worker, 4)
+
+
+def test_make_cp_groups_layout(four_rank_groups):
+    for rank, ((layout, sub, reduced, errors), _) in enumerate(four_rank_groups):
         assert layout[1] == ([rank], [0, 1, 2, 3])
         assert layout[2] == ([2 * (rank // 2), 2 * (rank // 2) + 1], [rank % 2, rank % 2 + 2])
         assert layout[4] == ([0, 1, 2, 3], [rank])
@@ -79,7 +84,7 @@ def test_make_cp_groups_layout():
         assert len(errors) == 3 and all("positive divisor of the CP group size 4" in e for e in errors)
 
 
-def _bad_hybrid_worker(rank, world_size):
+def _bad_hybrid_inputs(rank, world_size):
     import torch.distributed as dist
 
     from nemo_longctx.attention import count_bytes_sent, hybrid_attention, make_cp_groups
@@ -101,8 +106,8 @@ def _bad_hybrid_worker(rank, world_size):
     return msgs, sent.bytes_sent
 
 
-def test_hybrid_bad_inputs_raise_before_communicating():
-    msgs, sent = run_distributed(_bad_hybrid_worker, 4)[0]
+def test_hybrid_bad_inputs_raise_before_communicating(four_rank_groups):
+    msgs, sent = four_rank_groups[0][1]
     assert sent == 0
     assert "hq % ulysses_size != 0" in msgs["hq_split"]
     assert "even" in msgs["odd"]

@@ -181,6 +181,18 @@ def test_kv_replication_is_minimal_and_grouping_exact():
                 assert kv[i // g_local] == h // (hq // hkv), (size, hq, hkv, j, h)
 
 
+def test_head_plan_validation_without_tensors():
+    from nemo_longctx.attention import plan_ulysses_heads
+
+    assert plan_ulysses_heads(32, 8, 8, 4).kv_replicas == 1
+    assert plan_ulysses_heads(32, 8, 16, 2).kv_replicas == 2  # Ulysses degree beyond the KV-head count
+    for args, text in [((12, 4, 8, 1), "hq % ulysses_size != 0"), ((32, 8, 8, 3), "head_chunks=3 must divide"),
+                       ((24, 6, 2, 2), "splits a KV group"), ((8, 3, 2, 1), "multiple of key/value heads"),
+                       ((8, 2, 0, 1), "ulysses_size must be a positive int")]:
+        with pytest.raises(ValueError, match=text):
+            plan_ulysses_heads(*args)
+
+
 def test_no_group_is_plain_attention():
     from nemo_longctx.attention import ulysses_attention
 

@@ -10,7 +10,7 @@ from .layouts import zigzag_indices, zigzag_position_ids, zigzag_shard, zigzag_u
 from .merge import merge_attention, merge_attention_
 from .hybrid import hybrid_attention, make_cp_groups
 from .ring import local_attention, ring_attention, ring_attention_backward, ring_attention_forward
-from .ulysses import UlyssesHeadPlan, check_ulysses_inputs, ulysses_attention
+from .ulysses import UlyssesHeadPlan, check_ulysses_inputs, plan_ulysses_heads, ulysses_attention
 from .validation import check_attention_inputs
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "make_cp_groups",
     "merge_attention",
     "merge_attention_",
+    "plan_ulysses_heads",
     "ring_attention",
     "ring_attention_backward",
     "ring_attention_forward",

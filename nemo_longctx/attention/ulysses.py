@@ -93,19 +93,19 @@ class UlyssesHeadPlan:
         return torch.arange(first, first + self.kv_per_chunk, device=device) // self.kv_replicas
 
 
-def check_ulysses_inputs(
-    q: Tensor, k: Tensor, v: Tensor, ulysses_size: int, ring_size: int, causal: bool, head_chunks: int,
-    global_seq_len: Optional[int], fn: str,
-) -> UlyssesHeadPlan:
-    """Validate inputs (ValueError naming the problem, before any communication); return the head plan."""
-    check_attention_inputs(q, k, v, ulysses_size * ring_size, causal, global_seq_len, fn=fn)
-    hq, hkv = q.shape[2], k.shape[2]
+def plan_ulysses_heads(hq: int, hkv: int, ulysses_size: int, head_chunks: int = 1,
+                       fn: str = "ulysses") -> UlyssesHeadPlan:
+    """Check the head counts for Ulysses over ``ulysses_size`` ranks (no tensors needed: usable at config
+    time) and return the head plan. Raises ValueError naming the problem (e.g. "hq % ulysses_size != 0")."""
+    for name, val in (("hq", hq), ("hkv", hkv), ("ulysses_size", ulysses_size), ("head_chunks", head_chunks)):
+        if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+            raise ValueError(f"{fn}: {name} must be a positive int, got {val!r}")
+    if hq % hkv != 0:
+        raise ValueError(f"{fn}: query heads ({hq}) must be a multiple of key/value heads ({hkv})")
     if hq % ulysses_size != 0:
         raise ValueError(
             f"{fn}: hq % ulysses_size != 0: {hq} query heads cannot be split over ulysses_size={ulysses_size} ranks"
         )
-    if isinstance(head_chunks, bool) or not isinstance(head_chunks, int) or head_chunks < 1:
-        raise ValueError(f"{fn}: head_chunks must be a positive int, got {head_chunks!r}")
     per_rank = hq // ulysses_size
     if per_rank % head_chunks != 0:
         raise ValueError(
@@ -119,6 +119,15 @@ def check_ulysses_inputs(
             f"divisor of the query heads per KV head ({g}) so that no chunk splits a KV group"
         )
     return plan
+
+
+def check_ulysses_inputs(
+    q: Tensor, k: Tensor, v: Tensor, ulysses_size: int, ring_size: int, causal: bool, head_chunks: int,
+    global_seq_len: Optional[int], fn: str,
+) -> UlyssesHeadPlan:
+    """Validate inputs (ValueError naming the problem, before any communication); return the head plan."""
+    check_attention_inputs(q, k, v, ulysses_size * ring_size, causal, global_seq_len, fn=fn)
+    return plan_ulysses_heads(q.shape[2], k.shape[2], ulysses_size, head_chunks, fn=fn)
 
 
 # ----------------------------------------------------------------------------------------------------------
