@@ -55,6 +55,12 @@ _RECOMPUTED_BY = {
     "layernorm": {"input_layernorm", "pre_mlp_layernorm"},
 }
 KEEP_ATTN_ALGORITHMS = ("ring",)
+# fields each option of the two config groups may set (besides `name`)
+_GROUP_FIELDS = {
+    "recompute": {"selective": ("modules",), "full": ("method", "num_layers"),
+                  "full_keep_attn": ("method", "num_layers")},
+    "offload": {"layer_input": ("prefetch_depth", "min_bytes"), "modules": ("modules", "prefetch_depth", "min_bytes")},
+}
 
 
 @dataclass(frozen=True)
@@ -99,16 +105,17 @@ def memory_options(recompute: Optional[Dict[str, Any]] = None, offload: Optional
     r, o = dict(recompute or {}), dict(offload or {})
     r.pop("callbacks", None), r.pop("model_overrides", None), o.pop("callbacks", None), o.pop("model_overrides", None)
     kw: Dict[str, Any] = {"recompute": str(r.pop("name", "none")), "offload": str(o.pop("name", "none"))}
-    for src, prefix, fields in ((r, "recompute", ("modules", "method", "num_layers")),
-                                (o, "offload", ("modules", "prefetch_depth", "min_bytes"))):
-        for f in fields:
-            if f in src:
-                v = src.pop(f)
-                key = {"modules": f"{prefix}_modules", "method": "recompute_method",
-                       "num_layers": "recompute_num_layers"}.get(f, f)
-                kw[key] = tuple(v) if f == "modules" and isinstance(v, (list, tuple)) else v
-        if src:
-            raise ValueError(f"{prefix}: unknown field(s) {sorted(src)} for {prefix}={kw[prefix]}")
+    for src, group, names in ((r, "recompute", {"modules": "recompute_modules", "method": "recompute_method",
+                                                "num_layers": "recompute_num_layers"}),
+                              (o, "offload", {"modules": "offload_modules", "prefetch_depth": "prefetch_depth",
+                                              "min_bytes": "min_bytes"})):
+        allowed = _GROUP_FIELDS[group].get(kw[group], ())
+        unknown = sorted(f for f in src if f not in allowed)
+        if unknown:
+            raise ValueError(f"{group}: unknown field(s) {unknown} for {group}={kw[group]} "
+                             f"(its fields: {list(allowed) or 'none'})")
+        for f, v in src.items():
+            kw[names[f]] = tuple(v) if f == "modules" and isinstance(v, (list, tuple)) else v
     return MemoryOptions(**kw)
 
 
