@@ -75,7 +75,9 @@ def run_cases(rank, world_size, cases):
                 return t.chunk(world_size, dim=1)[rank]
             return zigzag_shard(t, 1, world_size, rank)
 
-        ql, kl, vl = (shard(t).detach().clone().requires_grad_() for t in (q, k, v))
+        # leaves in Megatron's [s, b, h, d] memory order; the functions get [b, s, h, d] views (strided if b > 1)
+        leaves = [shard(t).transpose(0, 1).contiguous().requires_grad_() for t in (q, k, v)]
+        ql, kl, vl = (t.transpose(0, 1) for t in leaves)
         with track_a2a_buffer_bytes() as probe:
             with count_bytes_sent() as fwd_bytes:
                 if case["ulysses"] == world_size and not case.get("force_hybrid"):
@@ -88,8 +90,8 @@ def run_cases(rank, world_size, cases):
             with count_bytes_sent() as bwd_bytes:
                 out.backward(shard(dout))
         errs = {name: rel_err(got, shard(want)) for name, got, want in
-                zip(("out", "dq", "dk", "dv"), (out, ql.grad, kl.grad, vl.grad), ref)}
-        results.append(dict(case=case, errs=errs, dtypes=(out.dtype, ql.grad.dtype, kl.grad.dtype, vl.grad.dtype),
+                zip(("out", "dq", "dk", "dv"), [out] + [t.grad.transpose(0, 1) for t in leaves], ref)}
+        results.append(dict(case=case, errs=errs, dtypes=(out.dtype,) + tuple(t.grad.dtype for t in leaves),
                             fwd_bytes=fwd_bytes.bytes_sent, bwd_bytes=bwd_bytes.bytes_sent,
                             peak_buffer_bytes=probe.peak_bytes))
     return results
