@@ -66,8 +66,21 @@ def feature_callbacks(cfg: DictConfig) -> List[Any]:
     for group in FEATURE_GROUPS:
         node = cfg.get(group)
         if node is not None and node.get("callbacks"):
-            out.extend(hydra.utils.instantiate(c, _convert_="all") for c in node.callbacks)
+            out.extend(_instantiate_callback(c) for c in node.callbacks)
     return out
+
+
+def _instantiate_callback(node: Any) -> Any:
+    """``hydra.utils.instantiate``, re-raising a callback's own ValueError (its config check names the field)
+    instead of Hydra's InstantiationException wrapper."""
+    from hydra.errors import InstantiationException
+
+    try:
+        return hydra.utils.instantiate(node, _convert_="all")
+    except InstantiationException as e:
+        if isinstance(e.__cause__, ValueError):
+            raise e.__cause__ from None
+        raise
 
 
 def memory_options_of(cfg: DictConfig) -> Any:
