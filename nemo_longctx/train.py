@@ -254,6 +254,7 @@ def dry_run(cfg: DictConfig) -> Dict[str, Any]:
 
     from nemo_longctx.integrations.megatron.core_attention import LongContextCoreAttention
     from nemo_longctx.integrations.megatron.spec import core_attention_modules
+    from nemo_longctx.integrations.nemo.tiling import tiling_of
 
     built = build(cfg)
     config = built.model_config
@@ -283,6 +284,7 @@ def dry_run(cfg: DictConfig) -> Dict[str, Any]:
         "trainer": f"{type(built.trainer).__name__}(devices={cfg.trainer.devices}, num_nodes={cfg.trainer.num_nodes})",
         "data": type(built.data).__name__,
         "memory": memory_options_of(cfg).describe(),
+        "tiling": tiling_of(cfg),
     }
     print("dry run OK (nothing trained):")
     for k, v in summary.items():
@@ -316,6 +318,9 @@ def run(cfg: DictConfig) -> int:
     from nemo_longctx.integrations.megatron.memory_options import validate_memory_options
 
     validate_memory_options(memory_options_of(cfg), str(cfg.cp.algorithm))  # config-level checks, before any spawn
+    from nemo_longctx.integrations.nemo.tiling import tiling_of
+
+    tiling_of(cfg)  # tiling group: policies and tiles/chunks vs tokens per rank, before any spawn
     if cfg.run.dry_run:
         dry_run(cfg)
         return 0

@@ -204,22 +204,52 @@ class SequenceTiling(pl.Callback):
             print(f"nemo-longctx tiling: {self.describe(pl_module.config)}", flush=True)
 
     def describe(self, config: Any) -> str:
-        """One line: the resolved tile / chunk counts per rank (for logs and dry runs)."""
-        from nemo_longctx.memory.tiling import resolve_tiles
+        """One line: the resolved tile / chunk counts per rank (for logs)."""
+        line = describe_tiling(
+            self.mlp_tiles, self.loss_chunks, seq_length=int(config.seq_length),
+            cp_size=int(config.context_parallel_size or 1), tp_size=int(config.tensor_model_parallel_size or 1),
+            sequence_parallel=bool(config.sequence_parallel), mlp_tile_tokens=int(self.mlp_tile_tokens),
+            loss_chunk_tokens=int(self.loss_chunk_tokens),
+        )
+        return f"{line} ({self.num_chunked_models} chunked GPT model(s) on this rank)" if self.loss_chunks != "off" else line
 
-        cp, tp = int(config.context_parallel_size or 1), int(config.tensor_model_parallel_size or 1)
-        tokens = int(config.seq_length) // cp
-        mlp_tokens = tokens // tp if config.sequence_parallel and tp > 1 else tokens
-        parts = []
-        if self.mlp_tiles != "off":
-            n = resolve_tiles(self.mlp_tiles, mlp_tokens, int(self.mlp_tile_tokens), "tiling.mlp_tiles")
-            parts.append(f"MLP mlp_tiles={self.mlp_tiles} -> {n} tiles of <= {-(-mlp_tokens // n)} tokens per rank")
-        else:
-            parts.append("MLP untiled")
-        if self.loss_chunks != "off":
-            n = resolve_tiles(self.loss_chunks, tokens, int(self.loss_chunk_tokens), "tiling.loss_chunks")
-            parts.append(f"output layer + loss loss_chunks={self.loss_chunks} -> {n} chunks of <= {-(-tokens // n)} "
-                         f"tokens per rank ({self.num_chunked_models} chunked model(s) on rank 0)")
-        else:
-            parts.append("output layer + loss unchunked")
-        return "; ".join(parts)
+
+def describe_tiling(mlp_tiles: Any, loss_chunks: Any, *, seq_length: int, cp_size: int = 1, tp_size: int = 1,
+                    sequence_parallel: bool = False, mlp_tile_tokens: int = DEFAULT_MLP_TILE_TOKENS,
+                    loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS) -> str:
+    """One line with the tile / chunk counts per rank the settings resolve to (validated first)."""
+    from nemo_longctx.memory.tiling import resolve_tiles
+
+    mlp_tiles, loss_chunks = normalize_policy(mlp_tiles), normalize_policy(loss_chunks)
+    validate_tiling(mlp_tiles, loss_chunks, seq_length=seq_length, cp_size=cp_size, tp_size=tp_size,
+                    sequence_parallel=sequence_parallel, mlp_tile_tokens=mlp_tile_tokens,
+                    loss_chunk_tokens=loss_chunk_tokens)
+    tokens = int(seq_length) // int(cp_size)
+    mlp_tokens = tokens // tp_size if sequence_parallel and tp_size > 1 else tokens
+    parts = []
+    if mlp_tiles != "off":
+        n = resolve_tiles(mlp_tiles, mlp_tokens, int(mlp_tile_tokens), "tiling.mlp_tiles")
+        parts.append(f"mlp_tiles={mlp_tiles}: {n} tile(s) of <= {-(-mlp_tokens // n)} tokens per rank")
+    else:
+        parts.append("mlp_tiles=off")
+    if loss_chunks != "off":
+        n = resolve_tiles(loss_chunks, tokens, int(loss_chunk_tokens), "tiling.loss_chunks")
+        parts.append(f"loss_chunks={loss_chunks}: {n} chunk(s) of <= {-(-tokens // n)} tokens per rank")
+    else:
+        parts.append("loss_chunks=off")
+    return "; ".join(parts)
+
+
+def tiling_of(cfg: Any) -> str:
+    """Validate the app config's ``tiling`` group (absent: off) against model.seq_length, cp.size and the TP /
+    sequence-parallel settings, before any process is spawned; return ``describe_tiling``'s line."""
+    node = cfg.get("tiling") if hasattr(cfg, "get") else None
+    node = node if node is not None else {}
+    s = cfg.trainer.strategy
+    return describe_tiling(
+        node.get("mlp_tiles", "off"), node.get("loss_chunks", "off"), seq_length=int(cfg.model.seq_length),
+        cp_size=int(cfg.cp.size), tp_size=int(s.tensor_model_parallel_size),
+        sequence_parallel=bool(s.sequence_parallel),
+        mlp_tile_tokens=node.get("mlp_tile_tokens", DEFAULT_MLP_TILE_TOKENS),
+        loss_chunk_tokens=node.get("loss_chunk_tokens", DEFAULT_LOSS_CHUNK_TOKENS),
+    )
