@@ -136,7 +136,10 @@ def check_ulysses_inputs(
 
 
 def _gather_sequence(recv: Tensor, dst: Tensor, natural: bool) -> None:
-    """recv [P, b, s, n, d] (may be strided) -> dst [b, P*s, n, d] contiguous, natural zigzag order if asked."""
+    """recv [P, b, s, n, d] (may be strided) -> dst [b, P*s, n, d] (contiguous).
+
+    ``natural``: recv[i] holds zigzag chunks i and 2P-1-i; dst gets the 2P chunks in order. Otherwise dst
+    is recv's shards concatenated in source order."""
     size, b, s, n, d = recv.shape
     if not natural:
         dst.view(b, size, s, n, d).copy_(recv.transpose(0, 1))
@@ -152,10 +155,10 @@ def _scatter_sequence(src: Tensor, send: Tensor, natural: bool) -> None:
     """Inverse of ``_gather_sequence``: src [b, P*s, n, d] -> send [P, b, s, n, d] (may be strided)."""
     size, b, s, n, d = send.shape
     if not natural:
-        send.copy_(src.view(b, size, s, n, d).transpose(0, 1))
+        send.copy_(src.reshape(b, size, s, n, d).transpose(0, 1))
         return
     half = s // 2
-    chunks = src.view(b, 2 * size, half, n, d)
+    chunks = src.reshape(b, 2 * size, half, n, d)
     send[:, :, :half].copy_(chunks[:, :size].transpose(0, 1))
     for i in range(size):
         send[i, :, half:].copy_(chunks[:, 2 * size - 1 - i])
