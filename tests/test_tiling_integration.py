@@ -302,3 +302,64 @@ def test_tiling_group_composes_with_planner_overrides():
     cb = planned.tiling.callbacks[0]
     assert (cb.mlp_tiles, cb.loss_chunks, cb.seq_length, cb.cp_size) == (16, "off", 4096, 2)
     assert (auto.tiling.callbacks[0].mlp_tiles, auto.tiling.callbacks[0].loss_chunks) == ("auto", 8)
+
+
+# ------------------------------------------------------------------------------------------------ the Hydra app
+def _compose(overrides):
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module(config_module="nemo_longctx.conf", version_base=None):
+        return compose("train", overrides=overrides)
+
+
+def test_app_refuses_bad_tiling_before_spawning():
+    from nemo_longctx.integrations.nemo.tiling import tiling_of
+    from nemo_longctx.train import run
+
+    with pytest.raises(ValueError, match=r"tiling\.loss_chunks=4096 exceeds the 2048 tokens per rank"):
+        run(_compose(["tiling.loss_chunks=4096"]))  # raises in the parent: nothing spawned, nothing built
+    with pytest.raises(ValueError, match=r"tiling\.mlp_tiles must be a positive number"):
+        tiling_of(_compose(["tiling.mlp_tiles=-1"]))
+    line = tiling_of(_compose(["tiling=auto", "tiling.loss_chunks=8", "model.seq_length=8192"]))
+    assert line == "mlp_tiles=auto: 2 tile(s) of <= 2048 tokens per rank; loss_chunks=8: 8 chunk(s) of <= 512 tokens per rank"
+
+
+APP = ["trainer.max_steps=3", "model.seq_length=1024", "optim.optimizer=sgd", "optim.lr=0.5", "optim.min_lr=0.05",
+       "run.save_final_params=true", "run.timeout_s=240"]
+
+
+def _app(out_dir, extra):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = f"ulimit -v 8000000; exec {sys.executable} -m nemo_longctx.train output_dir={out_dir} " + " ".join(APP + extra)
+    p = subprocess.run(["bash", "-c", cmd], cwd=root, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    return p.stdout + p.stderr
+
+
+def test_app_tiled_run_matches_the_default_run(tmp_path):
+    """The default job (cp=ring x 2) with tiling.mlp_tiles=3 (ragged: 512 tokens per rank) tiling.loss_chunks=8 vs
+    without: same loss per step and same SGD parameters (the callback wiring under NeMo's DDP/Float16Module)."""
+    import json
+
+    tiled_out = _app(tmp_path / "tiled", ["tiling.mlp_tiles=3", "tiling.loss_chunks=8"])
+    _app(tmp_path / "plain", [])
+    assert ("nemo-longctx tiling: mlp_tiles=3: 3 tile(s) of <= 171 tokens per rank; loss_chunks=8: 8 chunk(s) of "
+            "<= 64 tokens per rank (1 chunked GPT model(s) on this rank)") in tiled_out
+    runs = {}
+    for name in ("tiled", "plain"):
+        metrics = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        runs[name] = ([m["loss"] for m in metrics], torch.load(tmp_path / name / "final_params.pt"))
+    (lt, pt), (lp, pp) = runs["tiled"], runs["plain"]
+    assert len(lt) == len(lp) == 3
+    assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(lt, lp)), (lt, lp)
+    assert sorted(pt["final"]) == sorted(pp["final"])
+    for k, final in pp["final"].items():
+        update = final.double() - pp["initial"][k].double()
+        assert update.norm() > 0, k
+        assert _rel(pt["final"][k] - pt["initial"][k], update) < 2e-6, k
