@@ -7,7 +7,7 @@
   ``use_chunked_loss`` (mlp_tiles=auto with ragged tiles, loss_chunks=8), same state dict, 3 SGD steps through
   ``LossMaskForwardStep`` and NeMo's ``MaskedTokenLossReduction`` with a loss mask that has zeros: per-step loss,
   gradients and parameters equal (fp32, 1e-6 relative) at CP=1 (tied embeddings), CP=2 (ring), TP=2 (vocab-
-  parallel loss) untied and tied; the per-token loss seen by the reduction is unchanged. (Sequence parallelism
+  parallel loss) untied and tied, and CP=2 under Megatron's full and selective (mlp) recompute; the per-token loss seen by the reduction is unchanged. (Sequence parallelism
   cannot be built on CPU: Megatron's local-spec norms refuse it without Apex/TE.)
 - bad settings (tiles <= 0, chunks > tokens per rank, unknown words, MoE layers) raise ValueErrors naming the
   field, and the Hydra ``tiling`` group composes with the planner's overrides.
@@ -78,11 +78,11 @@ def _mlp_cases():
 
 
 # ------------------------------------------------------------------------------------------------ model cases
-def _gpt_config(tp: int, cp: int, sp: bool, tied: bool):
+def _gpt_config(tp: int, cp: int, sp: bool, tied: bool, recompute: dict):
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    return TransformerConfig(
+    return TransformerConfig(**recompute,
         num_layers=2, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4, num_query_groups=2,
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, normalization="RMSNorm",
         tensor_model_parallel_size=tp, context_parallel_size=cp, sequence_parallel=sp,
@@ -110,7 +110,7 @@ def _build_gpt(config, tied, vocab, seq, tiled: bool, mlp_tile_tokens: int, loss
     return model, n
 
 
-def _train_compare(tp, cp, sp, tied, steps=3, seq=44, vocab=64, b=2, loss_chunks=8, mlp_tile_tokens=6):
+def _train_compare(tp, cp, sp, tied, recompute=None, steps=3, seq=44, vocab=64, b=2, loss_chunks=8, mlp_tile_tokens=6):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
@@ -123,7 +123,7 @@ def _train_compare(tp, cp, sp, tied, steps=3, seq=44, vocab=64, b=2, loss_chunks
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    config, tied = _gpt_config(tp, cp, sp, tied)
+    config, tied = _gpt_config(tp, cp, sp, tied, recompute or {})
     torch.manual_seed(7)
     plain, _ = _build_gpt(config, tied, vocab, seq, False, mlp_tile_tokens, loss_chunks)
     tiled, n_chunked = _build_gpt(config, tied, vocab, seq, True, mlp_tile_tokens, loss_chunks)
@@ -176,7 +176,7 @@ def _train_compare(tp, cp, sp, tied, steps=3, seq=44, vocab=64, b=2, loss_chunks
             "params": max(_rel(p_tiled[k], p_plain[k]) for k in p_plain),
         })
     return {
-        "setting": (tp, cp, sp, tied), "keys_ok": not load.missing_keys and not load.unexpected_keys,
+        "setting": (tp, cp, sp, tied, recompute), "keys_ok": not load.missing_keys and not load.unexpected_keys,
         "n_chunked": n_chunked, "n_tiled_mlps": n_tiled_mlps, "steps": per_step,
         "model_class": type(tiled).__name__,
     }
@@ -230,6 +230,10 @@ def _worker(rank: int, world: int):
         _train_compare(tp=1, cp=2, sp=False, tied=False),
         _train_compare(tp=2, cp=1, sp=False, tied=False),
         _train_compare(tp=2, cp=1, sp=False, tied=True),
+        _train_compare(tp=1, cp=2, sp=False, tied=False, steps=2, recompute=dict(
+            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)),
+        _train_compare(tp=1, cp=2, sp=False, tied=False, steps=2, recompute=dict(
+            recompute_granularity="selective", recompute_modules=["mlp", "core_attn"])),
     ]
     ps.destroy_model_parallel()
     if rank == 0:
@@ -253,7 +257,8 @@ def test_tiled_megatron_mlp_matches_megatron_mlp(results):
         assert [c["n_grads"] for c in res["mlp"]] == [3, 5, 5, 3]  # x, fc1 w (+b), fc2 w (+b)
 
 
-@pytest.mark.parametrize("index,setting", [(0, "cp1_tied"), (1, "cp2_ring"), (2, "tp2"), (3, "tp2_tied")])
+@pytest.mark.parametrize("index,setting", [(0, "cp1_tied"), (1, "cp2_ring"), (2, "tp2"), (3, "tp2_tied"),
+                                                (4, "cp2_full_recompute"), (5, "cp2_selective_mlp_recompute")])
 def test_tiled_model_matches_plain_model_over_steps(results, index, setting):
     for res in results:
         m = res["models"][index]
