@@ -32,9 +32,10 @@ COMBOS = {
     "modules[mlp,core_attn]": dict(offload="modules", offload_modules=("mlp", "core_attn"), min_bytes=0),
     "selective[core_attn]": dict(recompute="selective", recompute_modules=("core_attn",)),
     "selective[mlp]": dict(recompute="selective", recompute_modules=("mlp",)),
-    "selective[core_attn,mlp,layernorm]": dict(recompute="selective", recompute_modules=("core_attn", "mlp", "layernorm")),
-    "selective[core_attn]+modules[mlp]": dict(recompute="selective", recompute_modules=("core_attn",), offload="modules",
-                                              offload_modules=("mlp",), min_bytes=0),
+    "selective[core_attn,mlp,layernorm]": dict(recompute="selective",
+                                               recompute_modules=("core_attn", "mlp", "layernorm")),
+    "selective[core_attn]+modules[mlp]": dict(recompute="selective", recompute_modules=("core_attn",),
+                                              offload="modules", offload_modules=("mlp",), min_bytes=0),
     "full": dict(recompute="full"),
     "full(uniform,2)": dict(recompute="full", recompute_num_layers=2),  # chunks [0,2) and the clamped [2,3)
     "full(block,2)": dict(recompute="full", recompute_method="block", recompute_num_layers=2),

@@ -28,7 +28,7 @@ to a TransformerBlock subclass; Megatron itself is not patched).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 RECOMPUTE_MODES = ("none", "selective", "full", "full_keep_attn")
 RECOMPUTE_METHODS = ("uniform", "block")
@@ -100,7 +100,8 @@ class MemoryOptions:
         return f"recompute={r} offload={o}"
 
 
-def memory_options(recompute: Optional[Dict[str, Any]] = None, offload: Optional[Dict[str, Any]] = None) -> MemoryOptions:
+def memory_options(recompute: Optional[Dict[str, Any]] = None,
+                   offload: Optional[Dict[str, Any]] = None) -> MemoryOptions:
     """MemoryOptions from the two config groups as plain dicts (``name`` + the group's fields); None = none."""
     r, o = dict(recompute or {}), dict(offload or {})
     r.pop("callbacks", None), r.pop("model_overrides", None), o.pop("callbacks", None), o.pop("model_overrides", None)
@@ -141,8 +142,8 @@ def memory_option_problems(opts: MemoryOptions, cp_algorithm: str = "ring", mode
         else:
             bad = [m for m in mods if m not in SELECTIVE_MODULES]
             if bad:
-                p.append(f"recompute.modules: unknown module(s) {bad} (megatron-core supports {list(SELECTIVE_MODULES)} "
-                         "for dense GPT layers)")
+                p.append(f"recompute.modules: unknown module(s) {bad} (megatron-core supports "
+                         f"{list(SELECTIVE_MODULES)} for dense GPT layers)")
     if opts.full:
         if opts.recompute_method not in RECOMPUTE_METHODS:
             p.append(f"recompute.method={opts.recompute_method!r} must be one of {list(RECOMPUTE_METHODS)}")

@@ -79,7 +79,8 @@ class ProbeResult:
 
 
 def run_probe_steps(model: Any, runtime: Any, batches: List[Dict[str, torch.Tensor]], *, lr: float = 0.0,
-                    seed: int = 1234, keep_grads: bool = True, count_peak: bool = False, track: bool = True) -> ProbeResult:
+                    seed: int = 1234, keep_grads: bool = True, count_peak: bool = False,
+                    track: bool = True) -> ProbeResult:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
