@@ -4,11 +4,19 @@ An entry maps a name (the ``cp_algorithm`` ModuleSpec param, the ``cp.algorithm`
   attention(q, k, v, *, group, causal, softmax_scale, **kwargs) -> out
       q [b, s_local, hq, d], k/v [b, s_local, hkv, d], sequence zigzag-sharded over ``group`` (None at cp=1);
       returns [b, s_local, hq, d]. ``kwargs`` are the algorithm's own ModuleSpec params (``cp_algorithm_kwargs``).
-  validate(config, cp_size) -> None     raises ValueError naming the config field (called at build time)
+  validate(config, cp_size, tp=1, **kwargs) -> None
+      raises ValueError naming the config field (``cp.*``, ``model.*``); called by ``validation.py`` before the
+      first step and by the core-attention module at construction. ``tp`` = tensor-parallel size (heads are
+      per TP rank), ``kwargs`` = the algorithm's options as configured.
+  setup(group, **kwargs) -> kwargs       optional; run once per core-attention module at construction, on every CP
+      rank in the same layer order (collective setup such as sub-groups goes here, never in forward); returns
+      the kwargs the attention function is then called with.
   cp_comm_types                          values of Megatron's ``config.cp_comm_type`` this algorithm accepts
 
-To add an algorithm (e.g. "ulysses", "hybrid"): ``register_cp_algorithm(CPAlgorithm(name=..., attention=...))``
-in this module (or from the module that implements it, imported here).
+Algorithms: ``ring`` (zigzag P2P ring), ``ulysses`` (all-to-all over the whole CP group, ``head_chunks``),
+``hybrid`` (Ulysses over ``ulysses_size`` consecutive CP ranks x ring across them, ``head_chunks``).
+To add one: ``register_cp_algorithm(CPAlgorithm(name=..., attention=...))`` in this module (or from the module
+that implements it, imported here), and a ``conf/cp/<name>.yaml``.
 """
 
 from __future__ import annotations
@@ -16,10 +24,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, FrozenSet, Optional
 
-from nemo_longctx.attention import ring_attention
+from nemo_longctx.attention import hybrid_attention, make_cp_groups, plan_ulysses_heads, ring_attention, ulysses_attention
 
 AttentionFn = Callable[..., Any]
-ValidateFn = Callable[[Any, int], None]
+ValidateFn = Callable[..., None]
+SetupFn = Callable[..., Dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -27,6 +36,7 @@ class CPAlgorithm:
     name: str
     attention: AttentionFn
     validate: Optional[ValidateFn] = None
+    setup: Optional[SetupFn] = None
     cp_comm_types: FrozenSet[Optional[str]] = field(default_factory=lambda: frozenset({None, "p2p"}))
 
 
@@ -54,3 +64,75 @@ def _ring(q, k, v, *, group, causal, softmax_scale, kernel: Optional[str] = None
 
 
 register_cp_algorithm(CPAlgorithm(name="ring", attention=_ring))
+
+
+# ------------------------------------------------------------------------------------------------ ulysses / hybrid
+ULYSSES_OPTIONS = ("head_chunks", "kernel", "regather_in_backward")
+
+
+def _check_options(name: str, kwargs: Dict[str, Any], allowed) -> None:
+    unknown = sorted(set(kwargs) - set(allowed))
+    if unknown:
+        raise ValueError(f"cp.algorithm={name!r} got unknown options {unknown} (cp.kwargs; known: {sorted(allowed)})")
+
+
+def _check_heads(name: str, config: Any, tp: int, ulysses_size: int, size_field: str, head_chunks: Any) -> None:
+    """Head counts per TP rank vs the Ulysses degree (error names ``size_field``) and ``cp.head_chunks``."""
+    hq, hkv = config.num_attention_heads, config.num_query_groups or config.num_attention_heads
+    if hq % tp or hkv % tp:
+        return  # reported by validation.long_context_problems (heads vs tensor_model_parallel_size)
+    where = (f"model.num_attention_heads={hq}, model.num_query_groups={hkv}"
+             + (f" / tensor_model_parallel_size={tp}" if tp > 1 else ""))
+    try:
+        plan_ulysses_heads(hq // tp, hkv // tp, ulysses_size, 1, fn=f"cp={name}")
+    except ValueError as e:
+        raise ValueError(f"{size_field}={ulysses_size}: {e} ({where})") from None
+    try:
+        plan_ulysses_heads(hq // tp, hkv // tp, ulysses_size, head_chunks, fn=f"cp={name}")
+    except ValueError as e:
+        raise ValueError(f"cp.head_chunks={head_chunks!r}: {e} ({where}, ulysses_size={ulysses_size})") from None
+
+
+def _validate_ulysses(config: Any, cp_size: int, tp: int = 1, head_chunks: Any = 1, **kwargs: Any) -> None:
+    _check_options("ulysses", {"head_chunks": head_chunks, **kwargs}, ULYSSES_OPTIONS)
+    _check_heads("ulysses", config, tp, cp_size, "cp.size", head_chunks)
+
+
+def _ulysses(q, k, v, *, group, causal, softmax_scale, head_chunks: int = 1, **options):
+    return ulysses_attention(q, k, v, group, causal, softmax_scale, head_chunks, **options)
+
+
+def _check_ulysses_size(cp_size: int, ulysses_size: Any) -> None:
+    if isinstance(ulysses_size, bool) or not isinstance(ulysses_size, int) or ulysses_size < 1 or cp_size % ulysses_size:
+        raise ValueError(
+            f"cp.ulysses_size={ulysses_size!r} must be a positive divisor of cp.size={cp_size} (cp=hybrid: Ulysses "
+            "over cp.ulysses_size consecutive CP ranks, ring over cp.size / cp.ulysses_size of those groups)"
+        )
+
+
+def _validate_hybrid(config: Any, cp_size: int, tp: int = 1, ulysses_size: Any = None, head_chunks: Any = 1,
+                     **kwargs: Any) -> None:
+    _check_options("hybrid", {"head_chunks": head_chunks, **kwargs}, ULYSSES_OPTIONS)
+    _check_ulysses_size(cp_size, ulysses_size)
+    _check_heads("hybrid", config, tp, ulysses_size, "cp.ulysses_size", head_chunks)
+
+
+def _setup_hybrid(group, ulysses_size: int, **options: Any) -> Dict[str, Any]:
+    """Replace ``ulysses_size`` by this rank's (ulysses_group, ring_group); ``make_cp_groups`` caches them per CP
+    group, so every layer after the first reuses the same groups (no collective after the first call)."""
+    if group is None:  # CP size 1
+        _check_ulysses_size(1, ulysses_size)
+        return {"ulysses_group": None, "ring_group": None, **options}
+    ulysses_group, ring_group = make_cp_groups(group, ulysses_size)
+    return {"ulysses_group": ulysses_group, "ring_group": ring_group, **options}
+
+
+def _hybrid(q, k, v, *, group, causal, softmax_scale, ulysses_group, ring_group, head_chunks: int = 1, **options):
+    return hybrid_attention(q, k, v, ulysses_group, ring_group, causal, softmax_scale, head_chunks, **options)
+
+
+# cp_comm_type: Megatron/TE's names for the same schemes ("a2a" = Ulysses, "a2a+p2p" = hierarchical) are accepted
+register_cp_algorithm(CPAlgorithm(name="ulysses", attention=_ulysses, validate=_validate_ulysses,
+                                  cp_comm_types=frozenset({None, "a2a"})))
+register_cp_algorithm(CPAlgorithm(name="hybrid", attention=_hybrid, validate=_validate_hybrid, setup=_setup_hybrid,
+                                  cp_comm_types=frozenset({None, "a2a+p2p"})))
