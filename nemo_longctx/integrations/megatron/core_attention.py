@@ -8,7 +8,8 @@ attention_bias=None, packed_seq_params=None) -> [sq, b, hq*d]`` (heads are per t
 not expanded, RoPE applied, the sequence zigzag-sharded over the CP group). Layout conversion to the attention
 layer's ``[b, s, h, d]`` is a transpose view (no copy when b == 1).
 
-The algorithm is looked up by name in ``cp_algorithms.CP_ALGORITHMS`` (ring today). At CP size 1 the same
+The algorithm is looked up by name in ``cp_algorithms.CP_ALGORITHMS`` (ring, ulysses, hybrid); its
+``setup`` (hybrid: the Ulysses/ring sub-groups) runs once here at construction. At CP size 1 the same
 algorithm runs with ``group=None`` (local attention). Unsupported combinations raise ValueError at build time
 (or, for per-call inputs such as packed sequences, at the first call) instead of computing something else.
 """
@@ -102,7 +103,10 @@ class LongContextCoreAttention(MegatronModule):
                 f"{cp_size} ranks"
             )
         if self.algorithm.validate is not None:
-            self.algorithm.validate(config, cp_size)
+            self.algorithm.validate(config, cp_size, tp=config.tensor_model_parallel_size, **self.algorithm_kwargs)
+        if self.algorithm.setup is not None:  # once per module, every CP rank in the same layer order
+            self.algorithm_kwargs = self.algorithm.setup(self.cp_group if cp_size > 1 else None,
+                                                         **self.algorithm_kwargs)
         self.cp_size = cp_size
         # recompute=full_keep_attn (memory_options.attach_memory_options): the model's KeptAttentionCache; the ring
         # then keeps (out, lse) from the no-grad forward for the recompute in backward (memory/keep_attention.py)
