@@ -3,7 +3,7 @@ Hydra app spells it (``model.*`` = fields of the GPT/Llama config, ``cp.*``, ``t
 
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from .cp_algorithms import get_cp_algorithm
 
@@ -15,8 +15,10 @@ def long_context_problems(
     world_size: Optional[int] = None,
     tp: int = 1,
     pp: int = 1,
+    cp_kwargs: Optional[Dict[str, Any]] = None,
 ) -> List[str]:
-    """All problems found (empty list = valid). ``config`` is a Megatron TransformerConfig / NeMo GPTConfig."""
+    """All problems found (empty list = valid). ``config`` is a Megatron TransformerConfig / NeMo GPTConfig;
+    ``cp_kwargs`` the algorithm's options (``cp.kwargs``: e.g. ulysses_size, head_chunks)."""
     problems = []
     try:
         algo = get_cp_algorithm(cp_algorithm)
@@ -60,15 +62,15 @@ def long_context_problems(
         )
     if algo is not None and algo.validate is not None:
         try:
-            algo.validate(config, cp_size)
+            algo.validate(config, cp_size, tp=tp, **dict(cp_kwargs or {}))
         except ValueError as e:
             problems.append(str(e))
     return problems
 
 
 def validate_long_context(config: Any, cp_size: int, cp_algorithm: str, world_size: Optional[int] = None,
-                          tp: int = 1, pp: int = 1) -> None:
+                          tp: int = 1, pp: int = 1, cp_kwargs: Optional[Dict[str, Any]] = None) -> None:
     """Raise ValueError listing every problem (one per line) naming the config fields."""
-    problems = long_context_problems(config, cp_size, cp_algorithm, world_size, tp, pp)
+    problems = long_context_problems(config, cp_size, cp_algorithm, world_size, tp, pp, cp_kwargs)
     if problems:
         raise ValueError("invalid long-context configuration:\n  - " + "\n  - ".join(problems))

@@ -41,6 +41,7 @@ class LongContextStrategy(nl.MegatronStrategy):
             world_size=world_size if world_size is not None else self.expected_world_size(),
             tp=self.tensor_model_parallel_size,
             pp=self.pipeline_model_parallel_size,
+            cp_kwargs=self.cp_algorithm_kwargs,
         )
 
     def connect(self, model: Any) -> None:
