@@ -7,10 +7,13 @@
   ``use_chunked_loss`` (mlp_tiles=auto with ragged tiles, loss_chunks=8), same state dict, 3 SGD steps through
   ``LossMaskForwardStep`` and NeMo's ``MaskedTokenLossReduction`` with a loss mask that has zeros: per-step loss,
   gradients and parameters equal (fp32, 1e-6 relative) at CP=1 (tied embeddings), CP=2 (ring), TP=2 (vocab-
-  parallel loss) untied and tied, and CP=2 under Megatron's full and selective (mlp) recompute; the per-token loss seen by the reduction is unchanged. (Sequence parallelism
-  cannot be built on CPU: Megatron's local-spec norms refuse it without Apex/TE.)
+  parallel loss) untied and tied, and CP=2 under Megatron's full and selective (mlp) recompute; the per-token
+  loss seen by the reduction is unchanged. (Sequence parallelism cannot be built on CPU: Megatron's local-spec
+  norms refuse it without Apex/TE.)
 - bad settings (tiles <= 0, chunks > tokens per rank, unknown words, MoE layers) raise ValueErrors naming the
-  field, and the Hydra ``tiling`` group composes with the planner's overrides.
+  field, and the Hydra ``tiling`` group composes with the planner's overrides;
+- the Hydra app: bad tiling refused before spawning; a 3-step run of the default job (cp=ring x 2) with
+  ``tiling.mlp_tiles=3 tiling.loss_chunks=8`` vs without: same losses and SGD parameters.
 """
 
 from __future__ import annotations
@@ -146,7 +149,8 @@ def _train_compare(tp, cp, sp, tied, recompute=None, steps=3, seq=44, vocab=64, 
                 "position_ids": torch.arange(seq).repeat(b, 1)}
         batch = shard_batch_for_cp(full, cp, ps.get_context_parallel_rank())
         rec = {}
-        for name, model, step_fn in (("plain", plain, forward_step), ("tiled", tiled, LossMaskForwardStep(forward_step))):
+        tiled_step = LossMaskForwardStep(forward_step)
+        for name, model, step_fn in (("plain", plain, forward_step), ("tiled", tiled, tiled_step)):
             model.zero_grad(set_to_none=True)
             out = step_fn(model, batch)
             loss_sum, num_tokens, _ = reduction.forward(dict(batch), out)
@@ -326,7 +330,8 @@ def test_app_refuses_bad_tiling_before_spawning():
     with pytest.raises(ValueError, match=r"tiling\.mlp_tiles must be a positive number"):
         tiling_of(_compose(["tiling.mlp_tiles=-1"]))
     line = tiling_of(_compose(["tiling=auto", "tiling.loss_chunks=8", "model.seq_length=8192"]))
-    assert line == "mlp_tiles=auto: 2 tile(s) of <= 2048 tokens per rank; loss_chunks=8: 8 chunk(s) of <= 512 tokens per rank"
+    assert line == ("mlp_tiles=auto: 2 tile(s) of <= 2048 tokens per rank; "
+                    "loss_chunks=8: 8 chunk(s) of <= 512 tokens per rank")
 
 
 APP = ["trainer.max_steps=3", "model.seq_length=1024", "optim.optimizer=sgd", "optim.lr=0.5", "optim.min_lr=0.05",
@@ -340,7 +345,8 @@ def _app(out_dir, extra):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    cmd = f"ulimit -v 8000000; exec {sys.executable} -m nemo_longctx.train output_dir={out_dir} " + " ".join(APP + extra)
+    args = " ".join(APP + extra)
+    cmd = f"ulimit -v 8000000; exec {sys.executable} -m nemo_longctx.train output_dir={out_dir} {args}"
     p = subprocess.run(["bash", "-c", cmd], cwd=root, capture_output=True, text=True, timeout=300,
                        env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]

@@ -87,7 +87,8 @@ class ChunkedLossGPTModel(GPTModel):
             loss_mask = _scoped_loss_mask()
         if loss_mask is not None and tuple(loss_mask.shape) != tuple(labels.shape):
             raise ValueError(
-                f"loss_mask shape {tuple(loss_mask.shape)} does not match labels {tuple(labels.shape)} (tiling.loss_chunks)"
+                f"tiling.loss_chunks: loss_mask shape {tuple(loss_mask.shape)} does not match labels "
+                f"{tuple(labels.shape)}"
             )
         counted = None if loss_mask is None else (loss_mask != 0).to(torch.float32)
         weight = self.output_weight()

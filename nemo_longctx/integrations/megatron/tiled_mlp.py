@@ -76,7 +76,9 @@ def _layer_specs(spec: Any) -> Iterable[ModuleSpec]:
     layer_specs = getattr(spec, "layer_specs", None)
     if layer_specs is not None:  # TransformerBlockSubmodules
         return list(layer_specs)
-    raise ValueError(f"expected a Megatron layer ModuleSpec or a block spec with layer_specs, got {type(spec).__name__}")
+    raise ValueError(
+        f"expected a Megatron layer ModuleSpec or a block spec with layer_specs, got {type(spec).__name__}"
+    )
 
 
 def tiled_mlp_layer_spec(spec: Any, tiles: Any = "auto", tile_tokens: int = DEFAULT_MLP_TILE_TOKENS) -> Any:

@@ -211,7 +211,9 @@ class SequenceTiling(pl.Callback):
             sequence_parallel=bool(config.sequence_parallel), mlp_tile_tokens=int(self.mlp_tile_tokens),
             loss_chunk_tokens=int(self.loss_chunk_tokens),
         )
-        return f"{line} ({self.num_chunked_models} chunked GPT model(s) on this rank)" if self.loss_chunks != "off" else line
+        if self.loss_chunks != "off":
+            line += f" ({self.num_chunked_models} chunked GPT model(s) on this rank)"
+        return line
 
 
 def describe_tiling(mlp_tiles: Any, loss_chunks: Any, *, seq_length: int, cp_size: int = 1, tp_size: int = 1,
