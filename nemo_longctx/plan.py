@@ -14,18 +14,16 @@ Nothing here imports NeMo or Megatron: planning takes a second.
 from __future__ import annotations
 
 import json
-import math
 import os
 import shlex
 import sys
 from pathlib import Path
 from typing import Any, List, Optional
 
-from nemo_longctx.memory.model_shapes import ModelShape, shape_from_config
+from nemo_longctx.memory.model_shapes import shape_from_config
 from nemo_longctx.memory.planner import (
     GIB,
     ActivationCoefficients,
-    Candidate,
     CostModel,
     Evaluation,
     Hardware,

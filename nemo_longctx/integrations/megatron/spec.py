@@ -10,7 +10,8 @@ Only ``core_attention`` changes: the projections, norms and MLP stay as the orig
 from __future__ import annotations
 
 import copy
-from typing import Any, Iterable
+import inspect
+from typing import Any, Iterable, Optional
 
 from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -26,7 +27,8 @@ def core_attention_spec(cp_algorithm: str = "ring", **algorithm_kwargs: Any) -> 
     )
 
 
-def _layer_specs(spec: Any) -> Iterable[ModuleSpec]:
+def layer_specs_of(spec: Any) -> Iterable[ModuleSpec]:
+    """The per-layer ModuleSpecs of a layer spec (itself) or of a block spec (its ``layer_specs``)."""
     if isinstance(spec, ModuleSpec):
         return [spec]
     layer_specs = getattr(spec, "layer_specs", None)
@@ -35,10 +37,20 @@ def _layer_specs(spec: Any) -> Iterable[ModuleSpec]:
     raise ValueError(f"expected a Megatron layer ModuleSpec or a block spec with layer_specs, got {type(spec).__name__}")
 
 
+def resolve_layer_spec(base: Any, config: Any, vp_stage: Optional[int] = None) -> Any:
+    """A model config's ``transformer_layer_spec`` as a spec: a ModuleSpec/block spec as is, a callable called
+    with ``(config, vp_stage=...)`` when it takes ``vp_stage`` and with ``(config)`` otherwise."""
+    if isinstance(base, ModuleSpec) or hasattr(base, "layer_specs"):
+        return base
+    if "vp_stage" in inspect.signature(base).parameters:
+        return base(config, vp_stage=vp_stage)
+    return base(config)
+
+
 def long_context_layer_spec(spec: Any, cp_algorithm: str = "ring", **algorithm_kwargs: Any) -> Any:
     """Copy of ``spec`` (layer ModuleSpec or block spec) with our core attention in every layer."""
     new = copy.deepcopy(spec)
-    for i, layer in enumerate(_layer_specs(new)):
+    for i, layer in enumerate(layer_specs_of(new)):
         attn = getattr(getattr(layer, "submodules", None), "self_attention", None)
         attn_sub = getattr(attn, "submodules", None)
         if attn_sub is None or not hasattr(attn_sub, "core_attention"):
@@ -53,7 +65,7 @@ def long_context_layer_spec(spec: Any, cp_algorithm: str = "ring", **algorithm_k
 def core_attention_modules(spec: Any) -> list:
     """The core_attention module class of every layer in a layer or block spec (for checks and dry runs)."""
     out = []
-    for layer in _layer_specs(spec):
+    for layer in layer_specs_of(spec):
         ca = layer.submodules.self_attention.submodules.core_attention
         out.append(ca.module if isinstance(ca, ModuleSpec) else ca)
     return out

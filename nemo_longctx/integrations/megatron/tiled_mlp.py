@@ -17,12 +17,13 @@ which is the model's TP group unless a custom ``pg_collection`` is used.
 from __future__ import annotations
 
 import copy
-from typing import Any, Iterable, List
+from typing import Any, List
 
 from megatron.core import tensor_parallel
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from nemo_longctx.integrations.megatron.spec import layer_specs_of
 from nemo_longctx.memory.tiling import DEFAULT_MLP_TILE_TOKENS, check_tiling_policy, tiled_mlp
 
 
@@ -70,22 +71,11 @@ class TiledMegatronMLP(MLP):
         return f"mlp_tiles={self.mlp_tiles!r}, tile_tokens={self.tile_tokens}"
 
 
-def _layer_specs(spec: Any) -> Iterable[ModuleSpec]:
-    if isinstance(spec, ModuleSpec):
-        return [spec]
-    layer_specs = getattr(spec, "layer_specs", None)
-    if layer_specs is not None:  # TransformerBlockSubmodules
-        return list(layer_specs)
-    raise ValueError(
-        f"expected a Megatron layer ModuleSpec or a block spec with layer_specs, got {type(spec).__name__}"
-    )
-
-
 def tiled_mlp_layer_spec(spec: Any, tiles: Any = "auto", tile_tokens: int = DEFAULT_MLP_TILE_TOKENS) -> Any:
     """Copy of ``spec`` (layer ModuleSpec or block spec) whose every dense MLP is ``TiledMegatronMLP``."""
     check_tiling_policy(tiles, "tiling.mlp_tiles")
     new = copy.deepcopy(spec)
-    for i, layer in enumerate(_layer_specs(new)):
+    for i, layer in enumerate(layer_specs_of(new)):
         sub = getattr(layer, "submodules", None)
         mlp = getattr(sub, "mlp", None)
         module = mlp.module if isinstance(mlp, ModuleSpec) else mlp
@@ -104,7 +94,7 @@ def tiled_mlp_layer_spec(spec: Any, tiles: Any = "auto", tile_tokens: int = DEFA
 def mlp_modules(spec: Any) -> List[Any]:
     """The MLP module class of every layer in a layer or block spec (for checks and dry runs)."""
     out = []
-    for layer in _layer_specs(spec):
+    for layer in layer_specs_of(spec):
         mlp = layer.submodules.mlp
         out.append(mlp.module if isinstance(mlp, ModuleSpec) else mlp)
     return out

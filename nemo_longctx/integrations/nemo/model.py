@@ -10,12 +10,10 @@ Idempotent: a config already extended is re-targeted, not wrapped twice.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, Optional
 
-from megatron.core.transformer.spec_utils import ModuleSpec
 
-from nemo_longctx.integrations.megatron.spec import long_context_layer_spec
+from nemo_longctx.integrations.megatron.spec import long_context_layer_spec, resolve_layer_spec
 
 from .steps import long_context_data_step, long_context_forward_step
 
@@ -29,11 +27,7 @@ class LongContextLayerSpec:
         self.algorithm_kwargs = dict(algorithm_kwargs)
 
     def base_spec(self, config: Any, vp_stage: Optional[int] = None) -> Any:
-        if isinstance(self.base, ModuleSpec) or hasattr(self.base, "layer_specs"):
-            return self.base
-        if "vp_stage" in inspect.signature(self.base).parameters:
-            return self.base(config, vp_stage=vp_stage)
-        return self.base(config)
+        return resolve_layer_spec(self.base, config, vp_stage)
 
     def __call__(self, config: Any, vp_stage: Optional[int] = None) -> Any:
         return long_context_layer_spec(self.base_spec(config, vp_stage), self.cp_algorithm, **self.algorithm_kwargs)

@@ -17,12 +17,11 @@ parallelism). ``tiling_problems`` checks them before anything is built (messages
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, Dict, List, Optional
 
 import lightning.pytorch as pl
-from megatron.core.transformer.spec_utils import ModuleSpec
 
+from nemo_longctx.integrations.megatron.spec import resolve_layer_spec
 from nemo_longctx.memory.tiling import DEFAULT_LOSS_CHUNK_TOKENS, DEFAULT_MLP_TILE_TOKENS, check_tiling_policy
 
 FIELDS = ("tiling.mlp_tiles", "tiling.loss_chunks")
@@ -95,11 +94,7 @@ class TiledMLPLayerSpec:
         self.tile_tokens = int(tile_tokens)
 
     def base_spec(self, config: Any, vp_stage: Optional[int] = None) -> Any:
-        if isinstance(self.base, ModuleSpec) or hasattr(self.base, "layer_specs"):
-            return self.base
-        if "vp_stage" in inspect.signature(self.base).parameters:
-            return self.base(config, vp_stage=vp_stage)
-        return self.base(config)
+        return resolve_layer_spec(self.base, config, vp_stage)
 
     def __call__(self, config: Any, vp_stage: Optional[int] = None) -> Any:
         from nemo_longctx.integrations.megatron.tiled_mlp import tiled_mlp_layer_spec
