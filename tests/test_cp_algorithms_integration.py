@@ -8,6 +8,9 @@
   2 ranks: ring (control), ulysses (head_chunks 1/2/4, regather_in_backward), hybrid 2x1 / 1x2 (with and without
   head chunks). 4 ranks: ulysses (KV heads replicated: 2 KV heads over 4 ranks), hybrid 2x2 (head_chunks 1, 2).
 * The hybrid sub-groups are built once (at construction) and shared by all layers.
+* The main job (Hydra app, NeMo trainer): ``nemo-longctx train cp=hybrid cp.size=2 cp.ulysses_size=2
+  cp.head_chunks=2`` (the app spawns 2 processes; sub-groups built inside NeMo's model construction) vs
+  ``python -m nemo_longctx.train cp=none trainer.devices=1``: per-step loss and the SGD parameter updates agree.
 * Errors naming the field, before any step or communication: core attention construction (heads vs
   cp.ulysses_size / cp.head_chunks) and app builds from Hydra overrides (cp.ulysses_size not dividing cp.size,
   hq % ulysses_size, head_chunks); dry runs of llama3_8b with cp=hybrid / cp=ulysses resolve our attention in every
@@ -15,6 +18,12 @@
 """
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -312,3 +321,48 @@ def test_bad_app_configs_fail_before_step_zero_naming_the_field(results2):
     assert "cp.head_chunks=3" in e["head_chunks_kv_group"] and "KV group" in e["head_chunks_kv_group"]
     # heads per TP rank: 8 / tp 2 = 4 query heads over cp.size=4 is fine; 2 KV heads / tp 2 = 1 is replicated
     assert e["ulysses_tp"] is None
+
+
+# ------------------------------------------------------------------------------------------------ main job
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+APP_STEPS = 4
+APP_COMMON = [f"trainer.max_steps={APP_STEPS}", "model.seq_length=1024", "optim.optimizer=sgd", "optim.lr=0.5",
+              "optim.min_lr=0.05", "run.save_final_params=true", "run.timeout_s=300"]
+
+
+def _run_app(cmd, timeout=400):
+    shell = f"ulimit -v 8000000; exec {' '.join(cmd)}"
+    p = subprocess.run(["bash", "-c", shell], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return p.returncode, p.stdout + p.stderr
+
+
+@pytest.fixture(scope="module")
+def app_runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("cp_app")
+    hybrid, none = base / "hybrid", base / "none"
+    code, out = _run_app([str(BIN / "nemo-longctx"), "train", f"output_dir={hybrid}", "cp=hybrid", "cp.size=2",
+                          "cp.ulysses_size=2", "cp.head_chunks=2", *APP_COMMON])
+    assert code == 0, out[-4000:]
+    code_n, out_n = _run_app([sys.executable, "-m", "nemo_longctx.train", f"output_dir={none}", "cp=none",
+                              "trainer.devices=1", *APP_COMMON])
+    assert code_n == 0, out_n[-4000:]
+    return hybrid, none, out
+
+
+def test_main_job_hybrid_matches_cp_none(app_runs):
+    import torch
+
+    hybrid, none, out = app_runs
+    assert "cp=hybrid x 2, world 2" in out
+    mh, mn = ([json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()] for d in (hybrid, none))
+    assert len(mh) == len(mn) == APP_STEPS and mh[0]["cp_size"] == 2 and mn[0]["cp_size"] == 1
+    for a, b in zip(mn, mh):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]), (a, b)
+    a, b = (torch.load(d / "final_params.pt") for d in (none, hybrid))
+    assert a["final"].keys() == b["final"].keys() and len(a["final"]) > 10
+    for name in a["final"]:
+        assert torch.equal(a["initial"][name], b["initial"][name]), name
+        da, db = a["final"][name] - a["initial"][name], b["final"][name] - b["initial"][name]
+        assert da.norm() > 0 and (da - db).norm() <= 1e-4 * da.norm(), (name, ((da - db).norm() / da.norm()).item())
