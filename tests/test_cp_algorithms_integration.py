@@ -366,3 +366,26 @@ def test_main_job_hybrid_matches_cp_none(app_runs):
         assert torch.equal(a["initial"][name], b["initial"][name]), name
         da, db = a["final"][name] - a["initial"][name], b["final"][name] - b["initial"][name]
         assert da.norm() > 0 and (da - db).norm() <= 1e-4 * da.norm(), (name, ((da - db).norm() / da.norm()).item())
+
+
+def test_cp_options_fail_before_any_spawn():
+    from nemo_longctx.integrations.megatron.cp_algorithms import check_cp_options
+
+    def error(*args):
+        try:
+            check_cp_options(*args)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    assert "cp.ulysses_size=3 must be a positive divisor of cp.size=4" in error("hybrid", 4, {"ulysses_size": 3})
+    assert "cp.ulysses_size=None" in error("hybrid", 4, {"head_chunks": 1})
+    assert "cp.head_chunks=0 must be a positive int" in error("ulysses", 2, {"head_chunks": 0})
+    assert "unknown options ['ulysses_size']" in error("ulysses", 2, {"ulysses_size": 2})
+    assert "cp.algorithm='bogus'" in error("bogus", 2, {})
+    assert error("hybrid", 8, {"ulysses_size": 4, "head_chunks": 2, "regather_in_backward": True}) is None
+    assert error("ulysses", 8, {"head_chunks": 4, "kernel": "math"}) is None
+    # the app refuses before spawning its processes
+    code, out = _run_app([str(BIN / "nemo-longctx"), "train", "cp=hybrid", "cp.ulysses_size=3"], timeout=120)
+    assert code != 0 and "cp.ulysses_size=3 must be a positive divisor of cp.size=4" in out
+    assert "spawning" not in out

@@ -8,6 +8,8 @@ An entry maps a name (the ``cp_algorithm`` ModuleSpec param, the ``cp.algorithm`
       raises ValueError naming the config field (``cp.*``, ``model.*``); called by ``validation.py`` before the
       first step and by the core-attention module at construction. ``tp`` = tensor-parallel size (heads are
       per TP rank), ``kwargs`` = the algorithm's options as configured.
+  check_options(cp_size, **kwargs)       optional; the checks that need no model config (run by the app before it
+      spawns any process, ``check_cp_options``); ``validate`` repeats them.
   setup(group, **kwargs) -> kwargs       optional; run once per core-attention module at construction, on every CP
       rank in the same layer order (collective setup such as sub-groups goes here, never in forward); returns
       the kwargs the attention function is then called with.
@@ -29,6 +31,7 @@ from nemo_longctx.attention import hybrid_attention, make_cp_groups, plan_ulysse
 AttentionFn = Callable[..., Any]
 ValidateFn = Callable[..., None]
 SetupFn = Callable[..., Dict[str, Any]]
+CheckOptionsFn = Callable[..., None]
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,7 @@ class CPAlgorithm:
     name: str
     attention: AttentionFn
     validate: Optional[ValidateFn] = None
+    check_options: Optional[CheckOptionsFn] = None
     setup: Optional[SetupFn] = None
     cp_comm_types: FrozenSet[Optional[str]] = field(default_factory=lambda: frozenset({None, "p2p"}))
 
@@ -55,6 +59,16 @@ def get_cp_algorithm(name: str) -> CPAlgorithm:
         raise ValueError(
             f"cp.algorithm={name!r} is not a known context-parallel algorithm; choose one of {sorted(CP_ALGORITHMS)}"
         ) from None
+
+
+def check_cp_options(cp_algorithm: str, cp_size: int, kwargs: Dict[str, Any]) -> None:
+    """Config-level checks of ``cp.*`` (no model config needed; ValueError naming the field): the app runs them
+    before it spawns any process. The head-count checks follow at build time (``validate``)."""
+    algo = get_cp_algorithm(cp_algorithm)
+    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
+        raise ValueError(f"cp.size={cp_size!r} must be a positive int")
+    if algo.check_options is not None:
+        algo.check_options(cp_size, **kwargs)
 
 
 def _ring(q, k, v, *, group, causal, softmax_scale, kernel: Optional[str] = None, **unused):
@@ -93,8 +107,18 @@ def _check_heads(name: str, config: Any, tp: int, ulysses_size: int, size_field:
         raise ValueError(f"cp.head_chunks={head_chunks!r}: {e} ({where}, ulysses_size={ulysses_size})") from None
 
 
-def _validate_ulysses(config: Any, cp_size: int, tp: int = 1, head_chunks: Any = 1, **kwargs: Any) -> None:
+def _check_head_chunks(head_chunks: Any) -> None:
+    if isinstance(head_chunks, bool) or not isinstance(head_chunks, int) or head_chunks < 1:
+        raise ValueError(f"cp.head_chunks={head_chunks!r} must be a positive int")
+
+
+def _ulysses_options(cp_size: int, head_chunks: Any = 1, **kwargs: Any) -> None:
     _check_options("ulysses", {"head_chunks": head_chunks, **kwargs}, ULYSSES_OPTIONS)
+    _check_head_chunks(head_chunks)
+
+
+def _validate_ulysses(config: Any, cp_size: int, tp: int = 1, head_chunks: Any = 1, **kwargs: Any) -> None:
+    _ulysses_options(cp_size, head_chunks, **kwargs)
     _check_heads("ulysses", config, tp, cp_size, "cp.size", head_chunks)
 
 
@@ -110,10 +134,15 @@ def _check_ulysses_size(cp_size: int, ulysses_size: Any) -> None:
         )
 
 
-def _validate_hybrid(config: Any, cp_size: int, tp: int = 1, ulysses_size: Any = None, head_chunks: Any = 1,
-                     **kwargs: Any) -> None:
+def _hybrid_options(cp_size: int, ulysses_size: Any = None, head_chunks: Any = 1, **kwargs: Any) -> None:
     _check_options("hybrid", {"head_chunks": head_chunks, **kwargs}, ULYSSES_OPTIONS)
     _check_ulysses_size(cp_size, ulysses_size)
+    _check_head_chunks(head_chunks)
+
+
+def _validate_hybrid(config: Any, cp_size: int, tp: int = 1, ulysses_size: Any = None, head_chunks: Any = 1,
+                     **kwargs: Any) -> None:
+    _hybrid_options(cp_size, ulysses_size, head_chunks, **kwargs)
     _check_heads("hybrid", config, tp, ulysses_size, "cp.ulysses_size", head_chunks)
 
 
@@ -133,6 +162,7 @@ def _hybrid(q, k, v, *, group, causal, softmax_scale, ulysses_group, ring_group,
 
 # cp_comm_type: Megatron/TE's names for the same schemes ("a2a" = Ulysses, "a2a+p2p" = hierarchical) are accepted
 register_cp_algorithm(CPAlgorithm(name="ulysses", attention=_ulysses, validate=_validate_ulysses,
-                                  cp_comm_types=frozenset({None, "a2a"})))
-register_cp_algorithm(CPAlgorithm(name="hybrid", attention=_hybrid, validate=_validate_hybrid, setup=_setup_hybrid,
+                                  check_options=_ulysses_options, cp_comm_types=frozenset({None, "a2a"})))
+register_cp_algorithm(CPAlgorithm(name="hybrid", attention=_hybrid, validate=_validate_hybrid,
+                                  check_options=_hybrid_options, setup=_setup_hybrid,
                                   cp_comm_types=frozenset({None, "a2a+p2p"})))
