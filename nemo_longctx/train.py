@@ -321,6 +321,9 @@ def run(cfg: DictConfig) -> int:
     from nemo_longctx.integrations.nemo.tiling import tiling_of
 
     tiling_of(cfg)  # tiling group: policies and tiles/chunks vs tokens per rank, before any spawn
+    from nemo_longctx.integrations.megatron.cp_algorithms import check_cp_options
+
+    check_cp_options(str(cfg.cp.algorithm), int(cfg.cp.size), cp_algorithm_kwargs(cfg))  # cp.* (heads: at build)
     if cfg.run.dry_run:
         dry_run(cfg)
         return 0
