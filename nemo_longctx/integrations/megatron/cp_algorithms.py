@@ -26,7 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, FrozenSet, Optional
 
-from nemo_longctx.attention import hybrid_attention, make_cp_groups, plan_ulysses_heads, ring_attention, ulysses_attention
+from nemo_longctx.attention import (
+    hybrid_attention, make_cp_groups, plan_ulysses_heads, ring_attention, ulysses_attention)
 
 AttentionFn = Callable[..., Any]
 ValidateFn = Callable[..., None]
@@ -127,7 +128,8 @@ def _ulysses(q, k, v, *, group, causal, softmax_scale, head_chunks: int = 1, **o
 
 
 def _check_ulysses_size(cp_size: int, ulysses_size: Any) -> None:
-    if isinstance(ulysses_size, bool) or not isinstance(ulysses_size, int) or ulysses_size < 1 or cp_size % ulysses_size:
+    valid = isinstance(ulysses_size, int) and not isinstance(ulysses_size, bool) and ulysses_size >= 1
+    if not valid or cp_size % ulysses_size:
         raise ValueError(
             f"cp.ulysses_size={ulysses_size!r} must be a positive divisor of cp.size={cp_size} (cp=hybrid: Ulysses "
             "over cp.ulysses_size consecutive CP ranks, ring over cp.size / cp.ulysses_size of those groups)"
