@@ -107,8 +107,9 @@ class ActivationCoefficients:
 
     hidden: float = 4.0  # x h: per norm+linear pair the norm input and the normalised linear input (2 pairs)
     query: float = 2.0  # x hq*d: q after RoPE, attention output (also the out-projection input: same storage)
-    kv: float = 1.0  # x hkv*d: k after RoPE
-    qkv_buffer: float = 1.0  # x (hq + 2 hkv)*d: fused QKV projection output, alive because v is a view of it
+    kv: float = 2.0  # x hkv*d: k after RoPE, and the contiguous copy of v our core attention makes
+    # x (hq + 2 hkv)*d: the fused QKV projection output; 0 because nothing keeps it alive (v is copied, not viewed)
+    qkv_buffer: float = 0.0
     ffn: float = 3.0  # x f, gated MLP: fc1 output (gate and up) kept by the fused SwiGLU, fc2 input
     ffn_plain: float = 2.0  # x f, non-gated MLP: fc1 output, fc2 input
     rope: float = 0.0  # x d: per-token cos/sin copies made by an unfused RoPE application (q and k)
@@ -246,6 +247,11 @@ def layer_saved_bytes(shape: ModelShape, c: Candidate, coef: ActivationCoefficie
     if c.ulysses_size > 1:
         r = kv_replication(shape, c.tp, c.ulysses_size)
         attn = (coef.query + 1) * shape.q_width + 2 * r * shape.kv_width
+    elif recompute == "selective_attn":
+        # Megatron's checkpoint around core attention saves its inputs: q and k after RoPE and v as a *view* of
+        # the fused QKV output, which therefore stays alive in full (our contiguous v copy happens inside the
+        # checkpoint); plus the attention output (the out-projection input)
+        attn = coef.query * shape.q_width + shape.kv_width + (shape.q_width + 2 * shape.kv_width)
     else:
         attn = (coef.query * shape.q_width + coef.kv * shape.kv_width
                 + coef.qkv_buffer * (shape.q_width + 2 * shape.kv_width))
