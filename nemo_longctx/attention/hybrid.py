@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import group_size_and_rank
-from .kernels import default_softmax_scale, select_kernel
+from .kernels import resolve_softmax_scale, select_kernel
 from .ring import ring_attention
 from .ulysses import check_ulysses_inputs, ulysses_core
 
@@ -96,7 +96,7 @@ def hybrid_attention(
     plan = check_ulysses_inputs(q, k, v, u_size, r_size, causal, head_chunks, global_seq_len, fn="hybrid_attention")
     if u_size == 1 and head_chunks == 1 and not regather_in_backward:  # pure ring: nothing to exchange or reorder
         return ring_attention(q, k, v, ring_group, causal, softmax_scale, kernel=kernel, global_seq_len=global_seq_len)
-    scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
     kern = select_kernel(q.device, q.dtype, kernel)
     return ulysses_core(
         q, k, v, plan, ulysses_group if u_size > 1 else None, ring_group if r_size > 1 else None, causal, scale, kern,

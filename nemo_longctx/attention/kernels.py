@@ -58,6 +58,11 @@ def default_softmax_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
 
 
+def resolve_softmax_scale(softmax_scale: Optional[float], head_dim: int) -> float:
+    """``softmax_scale`` as a float, or 1/sqrt(head_dim) when it is None."""
+    return default_softmax_scale(head_dim) if softmax_scale is None else float(softmax_scale)
+
+
 # --------------------------------------------------------------------------------------------------------
 # cpu_flash: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu (+ _backward).
 # The op takes [b, h, s, d] views; transposing our [b, s, h, d] tensors is free, and its outputs and

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import RingExchange, group_size_and_rank
-from .kernels import AttentionKernel, default_softmax_scale, select_kernel
+from .kernels import AttentionKernel, resolve_softmax_scale, select_kernel
 from .merge import merge_attention_
 from .validation import check_attention_inputs
 
@@ -149,7 +149,7 @@ def ring_attention(
     """
     size, _ = group_size_and_rank(group)
     check_attention_inputs(q, k, v, size, causal, global_seq_len, fn="ring_attention")
-    scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
     kern = select_kernel(q.device, q.dtype, kernel)
     return _RingAttention.apply(q, k, v, group if size > 1 else None, causal, scale, kern)
 

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from .all_to_all import all_to_all_equal, hold_buffers
 from .comm import group_size_and_rank
-from .kernels import AttentionKernel, default_softmax_scale, select_kernel
+from .kernels import AttentionKernel, resolve_softmax_scale, select_kernel
 from .ring import ring_attention_backward, ring_attention_forward
 from .validation import check_attention_inputs
 
@@ -377,7 +377,7 @@ def ulysses_attention(
     """
     size, _ = group_size_and_rank(group)
     plan = check_ulysses_inputs(q, k, v, size, 1, causal, head_chunks, global_seq_len, fn="ulysses_attention")
-    scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
     kern = select_kernel(q.device, q.dtype, kernel)
     group = group if size > 1 else None
     return ulysses_core(q, k, v, plan, group, None, causal, scale, kern, bool(regather_in_backward))

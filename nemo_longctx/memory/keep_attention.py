@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..attention.comm import group_size_and_rank
-from ..attention.kernels import default_softmax_scale, select_kernel
+from ..attention.kernels import resolve_softmax_scale, select_kernel
 from ..attention.ring import ring_attention, ring_attention_backward, ring_attention_forward
 from ..attention.validation import check_attention_inputs
 from .tracker import report_saved_on_device
@@ -171,7 +171,7 @@ def kept_ring_attention(
         raise ValueError("kept_ring_attention: key must identify the layer (e.g. its layer number), got None")
     size, _ = group_size_and_rank(group)
     check_attention_inputs(q, k, v, size, causal, global_seq_len, fn="kept_ring_attention")
-    scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
     kern = select_kernel(q.device, q.dtype, kernel)
     ring_group = group if size > 1 else None
     meta = (tuple(q.shape), tuple(k.shape), q.dtype, q.device, bool(causal), scale, size)
