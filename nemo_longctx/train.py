@@ -192,7 +192,7 @@ def build(cfg: DictConfig, launch: Optional[Launch] = None, extra_callbacks: Opt
     from nemo_longctx.integrations.megatron import cpu_compat
     from nemo_longctx.integrations.megatron.memory_options import apply_recompute_fields, validate_memory_options
     from nemo_longctx.integrations.nemo.memory_callbacks import ActivationMemoryMetrics, MemoryOptionsCallback
-    from nemo_longctx.integrations.nemo.callbacks import SaveFinalParameters, StepMetrics
+    from nemo_longctx.integrations.nemo.callbacks import SaveFinalParameters, StepMetrics, VerifyLongContextAttention
     from nemo_longctx.integrations.nemo.strategy import LongContextStrategy
 
     cpu_compat.apply()  # no-op with CUDA
@@ -231,7 +231,8 @@ def build(cfg: DictConfig, launch: Optional[Launch] = None, extra_callbacks: Opt
         track_activations=bool(mem_cfg.get("track", True)) and not memory.breaks_saved_tensor_hooks,
     )  # before StepMetrics: its step-end hook closes the tracker that StepMetrics then reads
     callbacks: List[Any] = [mem_metrics, StepMetrics(str(cfg.output_dir), tokens_per_step, int(cfg.run.print_every),
-                                                     extra=mem_metrics)]
+                                                     extra=mem_metrics),
+                            VerifyLongContextAttention(p["cp"], str(cfg.cp.algorithm), p["pp"])]
     if not memory.trivial:
         callbacks.append(MemoryOptionsCallback(memory, str(cfg.cp.algorithm)))
     if cfg.run.save_final_params:

@@ -74,3 +74,35 @@ def validate_long_context(config: Any, cp_size: int, cp_algorithm: str, world_si
     problems = long_context_problems(config, cp_size, cp_algorithm, world_size, tp, pp, cp_kwargs)
     if problems:
         raise ValueError("invalid long-context configuration:\n  - " + "\n  - ".join(problems))
+
+
+def built_attention_problems(model: Any, cp_size: int, cp_algorithm: str, pp: int = 1) -> List[str]:
+    """Problems with the attention actually built into ``model`` (any module tree holding Megatron layers).
+
+    The config checks above cannot see a layer spec replaced after them (a recipe's own spec, NeMo's
+    ``attention_backend`` handling, a future NeMo change): a Megatron ``Attention`` whose ``core_attention`` is not
+    ours would silently run without nemo_longctx context parallelism. Empty list = every layer runs our attention
+    with the configured CP size and algorithm.
+    """
+    from megatron.core.transformer.attention import Attention
+
+    from .core_attention import LongContextCoreAttention
+
+    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, Attention)]
+    if not layers and pp == 1:
+        return ["the built model has no Megatron attention layer, so nemo_longctx core attention is not in use"]
+    problems = []
+    for name, layer in layers:
+        core = getattr(layer, "core_attention", None)
+        if not isinstance(core, LongContextCoreAttention):
+            problems.append(
+                f"{name}.core_attention is {type(core).__name__}, not nemo_longctx's LongContextCoreAttention: this "
+                "layer would run without our context parallelism (was the layer spec replaced after "
+                "enable_long_context, or model.attention_backend set to local?)"
+            )
+        elif core.cp_size != cp_size or core.algorithm.name != cp_algorithm:
+            problems.append(
+                f"{name}.core_attention runs cp.algorithm={core.algorithm.name!r} over {core.cp_size} rank(s), but the "
+                f"run is configured for cp.algorithm={cp_algorithm!r} with cp.size={cp_size}"
+            )
+    return problems

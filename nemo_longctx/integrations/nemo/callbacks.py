@@ -108,3 +108,19 @@ class SaveFinalParameters(pl.Callback):
             return
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         torch.save({"initial": self._initial, "final": _unwrapped_named_parameters(pl_module)}, self.path)
+
+
+class VerifyLongContextAttention(pl.Callback):
+    """At fit start, fail if any built attention layer does not run nemo_longctx attention with the configured CP
+    size and algorithm (``validation.built_attention_problems``): CP must never be disabled silently."""
+
+    def __init__(self, cp_size: int, cp_algorithm: str, pp: int = 1) -> None:
+        self.cp_size, self.cp_algorithm, self.pp = int(cp_size), str(cp_algorithm), int(pp)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        from nemo_longctx.integrations.megatron.validation import built_attention_problems
+
+        problems = built_attention_problems(pl_module, self.cp_size, self.cp_algorithm, self.pp)
+        if problems:
+            raise RuntimeError("the built model does not use nemo_longctx attention as configured:\n  - "
+                               + "\n  - ".join(problems))
