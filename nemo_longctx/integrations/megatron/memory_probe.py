@@ -38,8 +38,10 @@ def tiny_gpt_config(*, num_layers: int = 3, hidden_size: int = 64, heads: int = 
 
 
 def build_probe_model(config: Any, opts: MemoryOptions, *, vocab_size: int, seq_length: int,
-                      cp_kwargs: Optional[Dict[str, Any]] = None, params_from: Any = None, record_events: bool = False):
-    """GPTModel with our core attention, ``opts`` applied; parameters copied from ``params_from`` if given."""
+                      cp_kwargs: Optional[Dict[str, Any]] = None, params_from: Any = None, record_events: bool = False,
+                      cp_algorithm: str = "ring"):
+    """GPTModel with our core attention (``cp_algorithm`` with options ``cp_kwargs``), ``opts`` applied;
+    parameters copied from ``params_from`` if given."""
     import copy
 
     from megatron.core.models.gpt import GPTModel
@@ -48,7 +50,8 @@ def build_probe_model(config: Any, opts: MemoryOptions, *, vocab_size: int, seq_
     from .spec import long_context_layer_spec
 
     config = apply_recompute_fields(copy.copy(config), opts)
-    spec = long_context_layer_spec(get_gpt_layer_local_spec(normalization="RMSNorm"), "ring", **(cp_kwargs or {}))
+    spec = long_context_layer_spec(get_gpt_layer_local_spec(normalization="RMSNorm"), cp_algorithm,
+                                   **(cp_kwargs or {}))
     model = GPTModel(config, spec, vocab_size=vocab_size, max_sequence_length=seq_length,
                      position_embedding_type="rope", share_embeddings_and_output_weights=False)
     if params_from is not None:
