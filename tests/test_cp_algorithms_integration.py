@@ -20,13 +20,12 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from app_runner import run_app
 from distributed import run_distributed
 
 SEQ, VOCAB, STEPS, LAYERS, HEADS, GROUPS, LR = 256, 128, 4, 2, 8, 2, 0.5
@@ -340,10 +339,7 @@ APP_COMMON = [f"trainer.max_steps={APP_STEPS}", "model.seq_length=1024", "optim.
 
 
 def _run_app(cmd, timeout=400):
-    shell = f"ulimit -v 8000000; exec {' '.join(cmd)}"
-    p = subprocess.run(["bash", "-c", shell], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    return p.returncode, p.stdout + p.stderr
+    return run_app(cmd, timeout)
 
 
 @pytest.fixture(scope="module")

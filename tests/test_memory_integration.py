@@ -14,13 +14,12 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from app_runner import run_app
 from distributed import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -236,10 +235,7 @@ def test_planner_overrides_compose_and_validate():
 
 # ------------------------------------------------------------------------------------------------ the app
 def _run(cmd, timeout=300):
-    shell = f"ulimit -v 8000000; exec {' '.join(cmd)}"
-    p = subprocess.run(["bash", "-c", shell], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    return p.returncode, p.stdout + p.stderr
+    return run_app(cmd, timeout)
 
 
 def test_cli_refuses_invalid_combination_before_spawning():

@@ -339,18 +339,13 @@ APP = ["trainer.max_steps=3", "model.seq_length=1024", "optim.optimizer=sgd", "o
 
 
 def _app(out_dir, extra):
-    import os
-    import subprocess
     import sys
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
-    args = " ".join(APP + extra)
-    cmd = f"ulimit -v 8000000; exec {sys.executable} -m nemo_longctx.train output_dir={out_dir} {args}"
-    p = subprocess.run(["bash", "-c", cmd], cwd=root, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
-    return p.stdout + p.stderr
+    from app_runner import run_app
+
+    code, out = run_app([sys.executable, "-m", "nemo_longctx.train", f"output_dir={out_dir}", *APP, *extra], 300)
+    assert code == 0, out[-4000:]
+    return out
 
 
 def test_app_tiled_run_matches_the_default_run(tmp_path):

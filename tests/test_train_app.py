@@ -12,14 +12,13 @@ checks that bad configurations fail (before any step) with messages naming the c
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from app_runner import run_app
 from distributed import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,11 +29,7 @@ COMMON = [f"trainer.max_steps={STEPS}", "model.seq_length=2048", "optim.optimize
 
 
 def _run(cmd, timeout=400):
-    """Run with bounded time and memory; return (returncode, combined output)."""
-    shell = f"ulimit -v 8000000; exec {' '.join(cmd)}"
-    p = subprocess.run(["bash", "-c", shell], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    return p.returncode, p.stdout + p.stderr
+    return run_app(cmd, timeout)
 
 
 def _metrics(out_dir: Path):

@@ -1,0 +1,19 @@
+"""Run the train app (or any command) in a subprocess with bounded time and memory, from the repository root."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+from typing import Sequence, Tuple
+
+ROOT = Path(__file__).resolve().parents[1]
+MEMORY_LIMIT_KB = 8_000_000
+
+
+def run_app(cmd: Sequence[str], timeout: float = 400) -> Tuple[int, str]:
+    """Run ``cmd`` under ``ulimit -v`` with PYTHONUNBUFFERED; return (returncode, stdout + stderr)."""
+    shell = f"ulimit -v {MEMORY_LIMIT_KB}; exec {' '.join(str(c) for c in cmd)}"
+    p = subprocess.run(["bash", "-c", shell], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return p.returncode, p.stdout + p.stderr
