@@ -3,7 +3,10 @@
 Buffers are flat uint8 tensors, bucketed by size (rounded up to ``granularity`` bytes). With an accelerator
 they are pinned (page-locked, needed for async copies); on a CPU-only torch ``pin_memory`` raises, so the
 pool allocates plain host memory and the offload logic runs unchanged. A released buffer may carry an
-event (the last async copy reading/writing it): ``acquire`` waits for it before handing the buffer out.
+event (the last async copy reading/writing it). ``acquire(nbytes, stream)`` never blocks the host on it:
+the stream that will write the buffer waits for the event on the device (``stream.wait_event``); a buffer
+whose copy has already finished is preferred. Only ``acquire`` without a stream (a host-side writer) waits
+on the host.
 """
 
 from __future__ import annotations
@@ -35,19 +38,33 @@ class HostPool:
         self.bytes_in_use = 0
         self.peak_bytes_in_use = 0
         self.allocations = 0  # number of fresh allocations (reuse does not count)
+        self.reuses = 0
 
     def _bucket(self, nbytes: int) -> int:
         g = self.granularity
         return max(g, (int(nbytes) + g - 1) // g * g)
 
-    def acquire(self, nbytes: int) -> Tensor:
-        """A uint8 buffer with at least ``nbytes`` bytes, safe to write now."""
+    def acquire(self, nbytes: int, stream: object = None) -> Tensor:
+        """A uint8 buffer with at least ``nbytes`` bytes. With ``stream`` (e.g. the torch.cuda.Stream that will
+        copy into it) the buffer is safe to write from work enqueued on that stream afterwards: the stream
+        waits for the buffer's pending event on the device, the host does not block. Without ``stream`` the
+        buffer is safe to write from the host now."""
         size = self._bucket(nbytes)
         free = self._free[size]
         if free:
-            buf, event = free.pop()
+            idx = len(free) - 1
+            for i in range(len(free) - 1, -1, -1):  # prefer a buffer whose last copy is already done
+                ev = free[i][1]
+                if ev is None or ev.query():
+                    idx = i
+                    break
+            buf, event = free.pop(idx)
             if event is not None:
-                event.synchronize()
+                if stream is not None:
+                    stream.wait_event(event)
+                else:
+                    event.synchronize()
+            self.reuses += 1
         else:
             with host_allocations():
                 buf = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin_memory)

@@ -17,11 +17,19 @@ prefetching when the gradient of ``t`` (e.g. a layer's output) is computed.
 
 Copies: the storage span covered by the tensor is copied (1-D, ``span = 1 + sum((size-1)*stride)``
 elements) and restored with the same dtype, size and strides (storage offset 0), so the tensor that comes
-back is bit-identical, with the same memory layout. On CUDA: D2H on a side stream into pinned buffers
-(``record_stream`` keeps the source alive), H2D on another side stream into memory allocated on the
-compute stream, events order everything; host buffers return to the pool when autograd drops the saved
-tensor (so ``retain_graph`` / a second backward still work). On CPU the same path runs with synchronous
-copies into an unpinned pool.
+back is bit-identical, with the same memory layout. On CUDA, nothing in the hooks blocks the host:
+  * D2H runs on a side stream (which waits for the compute stream) into a pinned pool buffer; a reused
+    buffer's previous copy is waited for on that stream (``stream.wait_event``), not on the host; the source
+    gets ``record_stream(d2h)`` so the allocator cannot hand its memory out before the copy is done.
+  * H2D runs on another side stream into memory allocated on that stream (so it never waits for the compute
+    stream), after the D2H event; at unpack the compute stream waits for the H2D event and the tensor gets
+    ``record_stream(compute)`` before autograd uses (and later frees) it.
+Host buffers return to the pool, with the event of their last copy, when autograd drops the saved tensor
+(so ``retain_graph`` / a second backward still work). A failure while releasing is logged and counted in
+``release_errors`` (never swallowed). On CPU the same path runs with synchronous copies.
+
+Device: ``device=None`` takes it from the tensors -- the first tensor that qualifies fixes the device type
+(cuda or cpu) the engine offloads from; pass ``device`` to fix it up front.
 
 Not offloaded (kept, reported to the tracker as device bytes): tensors below ``min_bytes``, leaves that
 require grad (parameters: the caller holds them anyway), tensors on another device type, tensor subclasses,
@@ -32,6 +40,8 @@ Saved tensors must not be modified in place after saving (autograd forbids it; h
 from __future__ import annotations
 
 import contextlib
+import logging
+import sys
 import weakref
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Union
 
@@ -42,6 +52,8 @@ from .host_pool import HostPool
 from .tracker import _is_leaf_param, foreign_saved_tensor_hooks, in_backward, report_saved_on_device, report_saved_on_host
 
 Tensor = torch.Tensor
+
+log = logging.getLogger(__name__)
 
 
 def storage_span(t: Tensor) -> int:
@@ -75,18 +87,21 @@ class _Offloaded:
                  "d2h_event", "dev", "h2d_event", "unpacks", "__weakref__")
 
     def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is None:
+            return
         try:
-            self.engine._release(self)
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
+            engine._release(self)
+        except Exception as e:  # noqa: BLE001 - reported, not swallowed (raising in __del__ is not possible)
+            engine._release_failed(e)
 
 
 class ActivationOffloader:
     """Offload engine (see module docstring).
 
     ``prefetch_depth``: groups fetched ahead during backward (0: fetch on demand). ``min_bytes``: smaller
-    tensors stay on the device. ``device``: device type whose tensors are offloaded (default: "cuda" if
-    available else "cpu"). ``pool``: a HostPool (default: a new one, pinned iff CUDA is available).
+    tensors stay on the device. ``device``: device type whose tensors are offloaded (default: taken from the
+    first tensor that qualifies). ``pool``: a HostPool (default: a new one, pinned iff CUDA is available).
     ``record_events``: keep a log of ("d2h" | "h2d" | "unpack", group key, pass) for tests and debugging.
     """
 
@@ -97,18 +112,18 @@ class ActivationOffloader:
             raise ValueError(f"ActivationOffloader: prefetch_depth must be an int >= 0, got {prefetch_depth!r}")
         if not isinstance(min_bytes, int) or min_bytes < 0:
             raise ValueError(f"ActivationOffloader: min_bytes must be an int >= 0, got {min_bytes!r}")
-        if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device_type = torch.device(device).type
+        self.device_type: Optional[str] = None if device is None else torch.device(device).type
+        if self.device_type not in (None, "cpu", "cuda"):
+            raise ValueError(f"ActivationOffloader: device must be 'cpu' or 'cuda', got {device!r}")
         if self.device_type == "cuda" and not torch.cuda.is_available():
             raise ValueError("ActivationOffloader: device='cuda' but CUDA is not available")
         self.prefetch_depth = prefetch_depth
         self.min_bytes = min_bytes
         self.pool = pool if pool is not None else HostPool()
         self.events: Optional[list] = [] if record_events else None
-        self._cuda = self.device_type == "cuda"
-        self._d2h = torch.cuda.Stream() if self._cuda else None
-        self._h2d = torch.cuda.Stream() if self._cuda else None
+        self._streams: Dict[int, tuple] = {}  # CUDA device index -> (d2h stream, h2d stream)
+        self.release_errors = 0
+        self.last_release_error: Optional[str] = None
         self._groups: List[OffloadGroup] = []
         self._pass_id = 0
         self._pass_keys: set = set()
@@ -191,15 +206,29 @@ class ActivationOffloader:
         return t
 
     # -- pack / unpack -----------------------------------------------------------------------------------
+    @property
+    def _cuda(self) -> bool:
+        return self.device_type == "cuda"
+
+    def _cuda_streams(self, device: torch.device) -> tuple:
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        if idx not in self._streams:
+            self._streams[idx] = (torch.cuda.Stream(device=idx), torch.cuda.Stream(device=idx))
+        return self._streams[idx]
+
     def _should_offload(self, t: Tensor) -> bool:
-        return (
+        ok = (
             type(t) is torch.Tensor
             and t.layout == torch.strided
-            and t.device.type == self.device_type
+            and t.device.type in (self.device_type or t.device.type,)
+            and t.device.type in ("cpu", "cuda")
             and not t.is_conj() and not t.is_neg()
             and not _is_leaf_param(t)
             and storage_span(t) * t.element_size() >= max(self.min_bytes, 1)
         )
+        if ok and self.device_type is None:
+            self.device_type = t.device.type  # device from the tensors: fixed by the first one offloaded
+        return ok
 
     def _pack(self, t: Tensor, group: OffloadGroup):
         if in_backward() or not self._should_offload(t):
@@ -212,18 +241,21 @@ class ActivationOffloader:
         h.nbytes = h.span * t.element_size()
         h.dev = h.h2d_event = h.d2h_event = None
         h.unpacks = 0
-        h.buf = self.pool.acquire(h.nbytes)
-        h.host = h.buf[: h.nbytes].view(t.dtype)
         with torch.no_grad():
             src = torch.as_strided(t.detach(), (h.span,), (1,), t.storage_offset())
             if self._cuda:
-                self._d2h.wait_stream(torch.cuda.current_stream(t.device))
-                with torch.cuda.stream(self._d2h):
+                d2h, _ = self._cuda_streams(t.device)
+                h.buf = self.pool.acquire(h.nbytes, stream=d2h)  # d2h waits for the buffer's last copy
+                h.host = h.buf[: h.nbytes].view(t.dtype)
+                d2h.wait_stream(torch.cuda.current_stream(t.device))
+                with torch.cuda.stream(d2h):
                     h.host.copy_(src, non_blocking=True)
                     h.d2h_event = torch.cuda.Event()
-                    h.d2h_event.record(self._d2h)
-                t.record_stream(self._d2h)
+                    h.d2h_event.record(d2h)
+                t.record_stream(d2h)  # the source must outlive the async copy
             else:
+                h.buf = self.pool.acquire(h.nbytes)
+                h.host = h.buf[: h.nbytes].view(t.dtype)
                 h.host.copy_(src)
         group._handles.append(weakref.ref(h))
         self.bytes_offloaded += h.nbytes
@@ -242,22 +274,27 @@ class ActivationOffloader:
         self._prefetch_before(group.pass_id, group.seq, self.prefetch_depth)
         dev = h.dev
         if self._cuda:
-            torch.cuda.current_stream(dev.device).wait_event(h.h2d_event)
+            compute = torch.cuda.current_stream(dev.device)
+            compute.wait_event(h.h2d_event)
+            dev.record_stream(compute)  # allocated on the H2D stream, used (and freed) on the compute stream
         h.dev = None
         h.unpacks += 1
         self._log("unpack", group)
         return dev.as_strided(h.size, h.stride, 0)
 
     def _fetch(self, h: "_Offloaded") -> None:
-        dev = torch.empty(h.span, dtype=h.dtype, device=h.device)
         if self._cuda:
-            self._h2d.wait_stream(torch.cuda.current_stream(h.device))
-            self._h2d.wait_event(h.d2h_event)
-            with torch.cuda.stream(self._h2d):
+            _, h2d = self._cuda_streams(h.device)
+            h2d.wait_event(h.d2h_event)  # the host buffer is complete
+            with torch.cuda.stream(h2d):
+                # allocated on the H2D stream: its memory is ordered after earlier H2D work, not compute work,
+                # so the copy does not wait for the compute stream (prefetch overlaps backward compute)
+                dev = torch.empty(h.span, dtype=h.dtype, device=h.device)
                 dev.copy_(h.host, non_blocking=True)
                 h.h2d_event = torch.cuda.Event()
-                h.h2d_event.record(self._h2d)
+                h.h2d_event.record(h2d)
         else:
+            dev = torch.empty(h.span, dtype=h.dtype, device=h.device)
             dev.copy_(h.host)
         h.dev = dev
         self._log("h2d", h.group)
@@ -281,9 +318,20 @@ class ActivationOffloader:
                 return
 
     def _release(self, h: "_Offloaded") -> None:
+        if h.buf is None:
+            return
         event = h.h2d_event if h.h2d_event is not None else h.d2h_event
-        self.pool.release(h.buf, event)
+        buf = h.buf
         h.buf = h.host = h.dev = None
+        self.pool.release(buf, event)
+
+    def _release_failed(self, exc: BaseException) -> None:
+        self.release_errors += 1
+        self.last_release_error = f"{type(exc).__name__}: {exc}"
+        if sys.is_finalizing():
+            return
+        log.error("ActivationOffloader: releasing an offloaded tensor's host buffer failed (%d so far): %s; "
+                  "its pinned buffer is not returned to the pool", self.release_errors, self.last_release_error)
 
     def _prune(self) -> None:
         self._groups = [g for g in self._groups if g.handles() or g.pass_id == self._pass_id]

@@ -22,7 +22,9 @@ What is counted
     and tensors whose storage is in ``params``, are not activations: they go to ``leaf_bytes`` only.
   * Tensors saved while the autograd engine runs (recompute inside backward) are not counted.
   * ``peak_bytes``: peak of live bytes allocated inside the region (forward and anything run inside it),
-    above the level at entry. CUDA: ``torch.cuda.max_memory_allocated() - memory_allocated() at entry``.
+    above the level at entry. CUDA: ``torch.cuda.max_memory_allocated() - memory_allocated() at entry`` (the
+    caching allocator's host-side counters: no device synchronization is needed; ``synchronize=True`` adds a
+    ``torch.cuda.synchronize()`` at entry and exit, e.g. to time the region).
     CPU (no allocator stats): a ``TorchDispatchMode`` sees every op output whose storage is new (not an
     alias of an input) and follows its death through a weakref on the storage; offload host-pool buffers
     (allocated under ``host_allocations()``) are excluded. Run ``backward`` inside the tracker to include it.
@@ -225,18 +227,27 @@ class MemoryStats:
 class ActivationTracker:
     """Context manager that measures saved-for-backward bytes and peak live bytes (see module docstring).
 
-    ``device``: "cpu"/"cuda"/torch.device (default: cuda if available). ``count_peak=False`` skips the CPU
-    dispatch-mode counter (peak_bytes then 0 on CPU). ``params``: tensors (e.g. ``model.parameters()``,
-    frozen ones included) whose storages are never counted as activations.
+    ``device``: "cpu"/"cuda"/torch.device; default: the device of ``params`` (the model's), else taken from the
+    saved tensors (both CPU and, when available, CUDA peak counters run and the device of the first saved
+    tensor decides which one ``stats`` reports). ``count_peak=False`` skips the CPU dispatch-mode counter
+    (peak_bytes then 0 on CPU). ``params``: tensors (e.g. ``model.parameters()``, frozen ones included)
+    whose storages are never counted as activations. ``synchronize``: ``torch.cuda.synchronize()`` at entry
+    and exit (off by default: the CUDA peak counters do not need it).
     """
 
     def __init__(self, device: Union[str, torch.device, None] = None, *, count_peak: bool = True,
-                 params: Iterable[Tensor] = ()) -> None:
-        if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device_type = torch.device(device).type
-        if self.device_type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("ActivationTracker: device='cuda' but CUDA is not available")
+                 params: Iterable[Tensor] = (), synchronize: bool = False) -> None:
+        params = list(params)
+        self._device: Optional[torch.device] = None
+        if device is None and params:
+            device = params[0].device
+        if device is not None:
+            self._device = torch.device(device)
+            if self._device.type == "cuda" and not torch.cuda.is_available():
+                raise ValueError("ActivationTracker: device='cuda' but CUDA is not available")
+        self.device_type: Optional[str] = None if self._device is None else self._device.type
+        self._seen_device_type: Optional[str] = None
+        self.synchronize = bool(synchronize)
         self.count_peak = count_peak
         self._param_storages = {id(p.untyped_storage()): p.untyped_storage() for p in params}
         self._live_device: Dict[int, tuple] = {}  # storage id -> (nbytes, scope, weakref)
@@ -248,6 +259,7 @@ class ActivationTracker:
         self._scope_at_max: Dict[str, Dict[str, int]] = {}
         self._counter: Optional[_AllocationCounter] = None
         self._cuda_base = 0
+        self._cuda_dev: Optional[torch.device] = None
         self._cuda_peak: Optional[int] = None
         self._hooks = None
         self._entered = False
@@ -265,21 +277,26 @@ class ActivationTracker:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack_identity)
         self._hooks.__enter__()
         _active_trackers.append(self)
-        if self.device_type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self._cuda_base = torch.cuda.memory_allocated()
-        elif self.count_peak:
-            self._counter = _AllocationCounter(self.device_type)
+        if self.device_type == "cuda" or (self.device_type is None and torch.cuda.is_available()):
+            dev = self._device if self._device is not None and self._device.type == "cuda" else None
+            self._cuda_dev = torch.device("cuda", torch.cuda.current_device() if dev is None or dev.index is None
+                                          else dev.index)
+            if self.synchronize:
+                torch.cuda.synchronize(self._cuda_dev)
+            torch.cuda.reset_peak_memory_stats(self._cuda_dev)
+            self._cuda_base = torch.cuda.memory_allocated(self._cuda_dev)
+        if self.device_type != "cuda" and self.count_peak:
+            self._counter = _AllocationCounter(self.device_type or "cpu")
             self._counter.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
         if self._counter is not None:
             self._counter.__exit__(*exc)
-        if self.device_type == "cuda":
-            torch.cuda.synchronize()
-            self._cuda_peak = torch.cuda.max_memory_allocated() - self._cuda_base
+        if self._cuda_dev is not None:
+            if self.synchronize:
+                torch.cuda.synchronize(self._cuda_dev)
+            self._cuda_peak = torch.cuda.max_memory_allocated(self._cuda_dev) - self._cuda_base
         _active_trackers.remove(self)
         self._hooks.__exit__(*exc)
 
@@ -305,6 +322,8 @@ class ActivationTracker:
     def _record_device(self, t: Tensor) -> None:
         if t.layout != torch.strided or t.device.type == "meta":
             return
+        if self._seen_device_type is None:
+            self._seen_device_type = t.device.type
         st = t.untyped_storage()
         key = id(st)
         leaf = key in self._param_storages or _is_leaf_param(t)
@@ -360,12 +379,20 @@ class ActivationTracker:
         """Saved bytes held in the offload host pool right now."""
         return self._host_bytes
 
+    def _reported_device_type(self) -> str:
+        if self.device_type is not None:
+            return self.device_type
+        if self._seen_device_type in ("cpu", "cuda"):
+            return self._seen_device_type
+        return "cuda" if self._cuda_dev is not None and (self._cuda_peak or 0) > 0 else "cpu"
+
     def stats(self) -> MemoryStats:
-        if self.device_type == "cuda":
+        device_type = self._reported_device_type()
+        if device_type == "cuda" and self._cuda_dev is not None:
             if self._cuda_peak is not None:
                 peak = self._cuda_peak
             else:
-                peak = torch.cuda.max_memory_allocated() - self._cuda_base
+                peak = torch.cuda.max_memory_allocated(self._cuda_dev) - self._cuda_base
         else:
             peak = self._counter.peak if self._counter is not None else 0
         return MemoryStats(
@@ -374,7 +401,7 @@ class ActivationTracker:
             peak_bytes=int(peak),
             per_scope={k: dict(v) for k, v in self._scope_at_max.items()},
             leaf_bytes=self._max_leaf,
-            device=self.device_type,
+            device=device_type,
         )
 
 
