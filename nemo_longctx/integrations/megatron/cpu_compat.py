@@ -19,6 +19,9 @@ available, is idempotent, and every patch below says what it fixes (numbers refe
    ``self.fp8`` is set from the truth value of ``fp8``.
 7. NeMo's ``gpt_data_step`` moves batches with ``.cuda()`` (handled by 3; our own data step does not use it) and
    ``MockDataModule`` drops ``create_attention_mask`` (not used: our synthetic data module replaces it).
+8. NeMo's ``MegatronCheckpointIO.load_checkpoint`` ends with ``_fix_tensors_device``, which asserts
+   ``torch.cuda.is_initialized()`` to move loaded tensors to the current GPU: on CPU the loaded tensors are already
+   where they belong, so it returns the checkpoint unchanged (resume from a distributed checkpoint).
 """
 
 from __future__ import annotations
@@ -250,6 +253,17 @@ def _patch_checkpoint_without_output() -> None:
     mrandom.CheckpointWithoutOutput.__init__ = __init__
 
 
+# --------------------------------------------------------------------------------------------------------------
+# 8: checkpoint load moves tensors to "the current CUDA device"
+def _patch_checkpoint_load_device() -> None:
+    from nemo.lightning.io import pl as nemo_io_pl
+
+    def _fix_tensors_device(ckpt: Dict) -> Dict:
+        return ckpt  # fix 8: CPU tensors stay on the CPU
+
+    nemo_io_pl._fix_tensors_device = _fix_tensors_device
+
+
 def apply(force: bool = False) -> bool:
     """Apply all patches once when CUDA is unavailable (or ``force``). Returns True if patches are active."""
     global _APPLIED, _MODE
@@ -261,6 +275,7 @@ def apply(force: bool = False) -> bool:
     _patch_rng_tracker()
     _patch_rope()
     _patch_checkpoint_without_output()
+    _patch_checkpoint_load_device()
     _MODE = _CudaToCpuMode()
     _MODE.__enter__()  # fix 3: stays active for the life of the process
     _APPLIED = True

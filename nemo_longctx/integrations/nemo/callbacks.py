@@ -6,7 +6,10 @@ object per step to ``<output_dir>/metrics.jsonl``: step, loss (NeMo's MaskedToke
 mean over the global batch, all-reduced over the data- and context-parallel ranks), tokens_per_s (global tokens of
 the step / step wall time), step_time_s, elapsed_s, tokens (global tokens of the step), cp_size, world_size, plus
 what ``extra.metrics()`` returns (the app passes ``ActivationMemoryMetrics``: activation_bytes_device,
-activation_bytes_host, peak_bytes of this rank), with ``extra.summary()`` appended to the printed line.
+activation_bytes_host, peak_bytes of this rank), with ``extra.summary()`` appended to the printed line. The same
+scalars go to the trainer's loggers as ``train/<key>`` (TensorBoard). After each validation run a row
+``{"step", "val_loss"}`` is appended (NeMo's ``val_loss``, reduced over CP like the training loss). A resumed run
+keeps the rows up to the restored step.
 """
 
 from __future__ import annotations
@@ -45,8 +48,32 @@ class StepMetrics(pl.Callback):
         self._active = _is_metrics_rank()
         if self._active:
             os.makedirs(self.output_dir, exist_ok=True)
-            open(self.path, "w").close()
+            self._keep_rows_up_to(int(trainer.global_step))
         self._t0 = time.perf_counter()
+
+    def _keep_rows_up_to(self, step: int) -> None:
+        """A fresh run starts an empty file; a resumed one (restored at ``step``) keeps the rows of steps <= step, so
+        the file reads as one run."""
+        rows = []
+        if step > 0 and os.path.exists(self.path):
+            with open(self.path) as f:
+                rows = [ln for ln in f if ln.strip() and json.loads(ln).get("step", 0) <= step]
+        with open(self.path, "w") as f:
+            f.writelines(rows)
+
+    def _log(self, trainer: pl.Trainer, metrics: dict, step: int) -> None:
+        """Scalars to the trainer's loggers (TensorBoard through NeMoLogger) as well."""
+        scalars = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and v is not None}
+        for logger in trainer.loggers:
+            logger.log_metrics(scalars, step=step)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        if not self._active or trainer.sanity_checking or "val_loss" not in trainer.callback_metrics:
+            return
+        rec = {"step": int(trainer.global_step), "val_loss": float(trainer.callback_metrics["val_loss"])}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        print(f"validation at step {rec['step']} | val_loss {rec['val_loss']:.5f}", flush=True)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self._step_start = time.perf_counter()
@@ -74,6 +101,8 @@ class StepMetrics(pl.Callback):
             rec.update(self.extra.metrics())
         with open(self.path, "a") as f:
             f.write(json.dumps(rec) + "\n")
+        self._log(trainer, {f"train/{k}": v for k, v in rec.items() if k not in ("step", "cp_size", "world_size")},
+                  rec["step"])
         if rec["step"] % self.print_every == 0 or rec["step"] == trainer.max_steps:
             print(
                 f"step {rec['step']}/{trainer.max_steps} | loss {loss:.5f} | tokens/s {rec['tokens_per_s']:.0f} | "
@@ -124,3 +153,66 @@ class VerifyLongContextAttention(pl.Callback):
         if problems:
             raise RuntimeError("the built model does not use nemo_longctx attention as configured:\n  - "
                                + "\n  - ".join(problems))
+
+
+class ConfigConsensus(pl.Callback):
+    """Every rank must train the configuration the launcher validated, and all ranks the same one.
+
+    At ``setup`` (the process group exists, nothing is built yet) each rank compares the hash of its resolved config
+    with ``expected`` (what the local launcher computed, when it started the ranks) and with every other rank's (one
+    ``all_gather_object``). Any difference raises on every rank, naming the ranks that differ."""
+
+    def __init__(self, config_hash: str, expected: Optional[str] = None) -> None:
+        self.config_hash, self.expected = str(config_hash), expected
+
+    def setup(self, trainer: pl.Trainer, pl_module: Any, stage: str) -> None:
+        if self.expected and self.expected != self.config_hash:
+            raise RuntimeError(
+                f"rank {trainer.global_rank} resolved a different config (hash {self.config_hash[:12]}) than the "
+                f"launcher validated ({self.expected[:12]}): refusing to train"
+            )
+        if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+            return
+        hashes: list = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(hashes, self.config_hash)
+        if len(set(hashes)) > 1:
+            groups: dict = {}
+            for rank, h in enumerate(hashes):
+                groups.setdefault(h[:12], []).append(rank)
+            raise RuntimeError(f"the ranks resolved different configs (config hash -> ranks: {groups}): refusing to "
+                               "train; pass the same config files and overrides to every rank")
+
+
+class FaultInjection(pl.Callback):
+    """Failure drills (``run.fault=KIND@STEP:RANK``): at the start of training step STEP (1-based) global rank RANK
+    raises (``raise``), kills itself with SIGKILL (``kill``) or hangs (``hang``). Used by the tests of the launcher,
+    the collective timeout and resume after a failure."""
+
+    KINDS = ("raise", "kill", "hang")
+
+    def __init__(self, kind: str, step: int, rank: int) -> None:
+        if kind not in self.KINDS:
+            raise ValueError(f"run.fault kind {kind!r} must be one of {self.KINDS}")
+        self.kind, self.step, self.rank = kind, int(step), int(rank)
+
+    @classmethod
+    def parse(cls, spec: str) -> "FaultInjection":
+        try:
+            kind, rest = spec.split("@")
+            step, rank = rest.split(":")
+            return cls(kind, int(step), int(rank))
+        except ValueError as e:
+            raise ValueError(f"run.fault={spec!r} must look like KIND@STEP:RANK, e.g. raise@2:1 ({e})") from None
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step + 1 != self.step or trainer.global_rank != self.rank:
+            return
+        print(f"run.fault: rank {self.rank} injects '{self.kind}' at step {self.step}", flush=True)
+        if self.kind == "raise":
+            raise RuntimeError(f"injected failure (run.fault) on rank {self.rank} at step {self.step}")
+        if self.kind == "kill":
+            import signal
+
+            os.kill(os.getpid(), signal.SIGKILL)
+        while True:  # hang: the peers block in their next collective until launcher.timeout_s
+            time.sleep(1)

@@ -6,8 +6,8 @@ GROUP_RANK, MASTER_ADDR, MASTER_PORT) and Lightning's ``TorchElasticEnvironment`
   * under srun (a job step: SLURM_STEP_ID set; SLURM_PROCID, SLURM_STEP_NUM_TASKS or SLURM_NTASKS > 1,
     SLURM_LOCALID, SLURM_NODEID, SLURM_STEP_NODELIST / SLURM_JOB_NODELIST) they are derived from the Slurm
     variables (no torchrun needed);
-  * otherwise the app spawns ``world_size`` local processes itself (``spawn_local``) running
-    ``python -m nemo_longctx.train <same overrides>`` with those variables set, and waits for them.
+  * otherwise the app starts ``trainer.devices`` local processes with PyTorch's elastic agent (``launch_local``,
+    what ``torchrun --standalone`` runs) running ``python -m nemo_longctx.train <the same command line>``.
 """
 
 from __future__ import annotations
@@ -15,12 +15,11 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
-import subprocess
 import sys
-import time
+import threading
+import uuid
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 
 @dataclass(frozen=True)
@@ -89,50 +88,74 @@ def detect_external_launch() -> Optional[Launch]:
     return None
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def launch_local(nproc: int, argv: Sequence[str], threads_per_process: int, *, wall_timeout_s: Optional[float] = None,
+                 shutdown_timeout_s: int = 30, env: Optional[Dict[str, str]] = None) -> int:
+    """Start ``python -m nemo_longctx.train *argv`` on ``nproc`` local ranks with PyTorch's elastic agent (the code
+    ``torchrun --standalone`` runs: a c10d rendezvous on a port the OS picks, no restarts) and wait for them.
 
+    Returns 0 when every rank succeeded. When a rank fails (raises, exits non-zero or is killed) the agent stops the
+    others (SIGTERM, SIGKILL after ``shutdown_timeout_s``); the failed rank, its exit code and its error (the
+    traceback the rank recorded) are printed, and the exit code is returned (128 + signal for a killed rank).
+    SIGTERM/SIGINT/SIGHUP to this process stop every rank (the agent's own signal handling) and return 128 + signal;
+    ``wall_timeout_s`` stops the run the same way and returns 124.
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-def spawn_local(world_size: int, argv: Sequence[str], threads_per_process: int, timeout_s: Optional[float] = None) -> int:
-    """Run ``python -m nemo_longctx.train *argv`` on ``world_size`` local processes; return the first non-zero exit
-    code (0 if all succeeded). A failing rank stops the others."""
-    port = free_port()
-    procs: List[subprocess.Popen] = []
-    for rank in range(world_size):
-        env = dict(os.environ)
-        for k in [k for k in env if k.startswith("SLURM_")]:
-            env.pop(k)  # a single-task Slurm allocation: the children are our processes, not Slurm's
-        env.update(
-            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
-            GROUP_RANK="0", ROLE_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-            TORCHELASTIC_RUN_ID="nemo-longctx-local", OMP_NUM_THREADS=str(threads_per_process),
-            NEMO_LONGCTX_SPAWNED="1",
-        )
-        procs.append(subprocess.Popen([sys.executable, "-m", "nemo_longctx.train", *argv], env=env))
-    start = time.time()
-    code = 0
+    for k in [k for k in os.environ if k.startswith("SLURM_")]:
+        os.environ.pop(k)  # a single-task Slurm allocation: the ranks are our processes, not Slurm's
+    os.environ.update(OMP_NUM_THREADS=str(threads_per_process), NEMO_LONGCTX_SPAWNED="1", **(env or {}))
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"nemo-longctx-{uuid.uuid4().hex[:12]}",
+        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.5,
+        start_method="spawn", shutdown_timeout=int(shutdown_timeout_s),
+    )
+    timed_out = threading.Event()
+    timer = None
+    if wall_timeout_s:
+        def _expire() -> None:
+            timed_out.set()
+            os.kill(os.getpid(), signal.SIGTERM)  # the agent's handler stops every rank
+
+        timer = threading.Timer(float(wall_timeout_s), _expire)
+        timer.daemon = True
+        timer.start()
     try:
-        while procs and any(p.poll() is None for p in procs):
-            failed = [p for p in procs if p.poll() not in (None, 0)]
-            if failed:
-                code = failed[0].returncode
-                break
-            if timeout_s is not None and time.time() - start > timeout_s:
-                code = 124
-                break
-            time.sleep(0.2)
-        for p in procs:
-            if p.poll() not in (None, 0) and code == 0:
-                code = p.returncode
+        elastic_launch(config, entrypoint=sys.executable)("-m", "nemo_longctx.train", *argv)
+        return 0
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        print(e.format_msg(), file=sys.stderr, flush=True)
+        code = failure.exitcode
+        what = f"killed by {failure.signal_name()}" if code < 0 else f"exit code {code}"
+        print(f"nemo-longctx: FAILED: rank {rank} {what}: {_first_line(failure.message)}", file=sys.stderr,
+              flush=True)
+        return 128 - code if code < 0 else (code or 1)
+    except SignalException as e:
+        if timed_out.is_set():
+            print(f"nemo-longctx: FAILED: run.timeout_s={wall_timeout_s} exceeded; all ranks were stopped",
+                  file=sys.stderr, flush=True)
+            return 124
+        print(f"nemo-longctx: stopped by {signal.Signals(e.sigval).name}; all ranks were stopped", file=sys.stderr,
+              flush=True)
+        return 128 + int(e.sigval)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-    return code
+        if timer is not None:
+            timer.cancel()
+
+
+def _first_line(message: object) -> str:
+    """The exception a rank recorded (the error file's ``message``), or the last line of a plain message."""
+    if isinstance(message, dict):
+        message = message.get("message", message)
+    lines = [ln for ln in str(message or "").strip().splitlines() if ln.strip()]
+    return lines[-1].strip() if lines else "(no error recorded)"
+
+
+def record_error(exc: BaseException) -> None:
+    """Write ``exc`` to the error file the elastic agent (local launch or torchrun) reads, so the launcher names it."""
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(exc)

@@ -1,7 +1,9 @@
 """``LongContextStrategy``: a ``nemo.lightning.MegatronStrategy`` that owns the long-context settings.
 
-Extra arguments: ``cp_algorithm`` (name in ``cp_algorithms.CP_ALGORITHMS``, default "ring") and
-``cp_algorithm_kwargs``; the CP size is MegatronStrategy's own ``context_parallel_size``. When a model is connected
+Extra arguments: ``cp_algorithm`` (name in ``cp_algorithms.CP_ALGORITHMS``, default "ring"),
+``cp_algorithm_kwargs`` and ``collective_timeout_s`` (the timeout of every process group: the world group and all of
+Megatron's and our sub-groups, so a hung peer ends the job with an error instead of waiting Megatron's default 30
+minutes); the CP size is MegatronStrategy's own ``context_parallel_size``. When a model is connected
 (``trainer.fit`` -> ``strategy.connect``, before the model is built and before any step), the strategy extends the
 model config with our core attention (``enable_long_context``) and validates it against the parallel layout,
 raising ValueError that names the config fields.
@@ -9,11 +11,12 @@ raising ValueError that names the config fields.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any, Dict, Optional
 
+import torch
 from nemo import lightning as nl
 
-from nemo_longctx.integrations.megatron import cpu_compat
 from nemo_longctx.integrations.megatron.validation import validate_long_context
 
 from .model import enable_long_context
@@ -21,11 +24,30 @@ from .model import enable_long_context
 
 class LongContextStrategy(nl.MegatronStrategy):
     def __init__(self, *args: Any, cp_algorithm: str = "ring", cp_algorithm_kwargs: Optional[Dict[str, Any]] = None,
-                 **kwargs: Any) -> None:
-        cpu_compat.apply()  # no-op with CUDA
+                 collective_timeout_s: Optional[float] = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.cp_algorithm = cp_algorithm
         self.cp_algorithm_kwargs = dict(cp_algorithm_kwargs or {})
+        self.collective_timeout_s = collective_timeout_s
+
+    def apply_collective_timeout(self) -> None:
+        """Set ``collective_timeout_s`` on every process group this rank belongs to (created so far)."""
+        if self.collective_timeout_s is None or not torch.distributed.is_initialized():
+            return
+        from torch.distributed import distributed_c10d as c10d
+
+        timeout = timedelta(seconds=float(self.collective_timeout_s))
+        for group in list(c10d._world.pg_map):
+            if not c10d._rank_not_in_group(group):
+                c10d._set_pg_timeout(timeout, group)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()  # world group + Megatron's groups (created with its own 30-minute default)
+        self.apply_collective_timeout()
+
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)
+        self.apply_collective_timeout()  # groups created while the model was built (e.g. hybrid CP sub-groups)
 
     def expected_world_size(self) -> Optional[int]:
         devices = self.parallel_devices

@@ -1,0 +1,444 @@
+"""The train app's NeMo side: config -> validated NeMo objects (nothing is launched or trained here).
+
+``config_problems(cfg)``   every config-level problem at once (no model needed; run before any process starts);
+``build(cfg, launch)``     the run's NeMo objects: the model config with our core attention (``enable_long_context``),
+                           ``LongContextStrategy``, ``nl.Trainer``, the data module, ``nl.MegatronOptimizerModule``,
+                           ``nl.NeMoLogger`` (TensorBoard + ``nl.ModelCheckpoint``) and ``nl.AutoResume``; the
+                           model-level checks run here, once, and report every problem together;
+``fit(built)``             ``llm.train`` -- NeMo's own entry point: logger set-up, auto-resume, fit;
+``dry_run(cfg)``           build + validate in one process and prove every layer's core attention is ours.
+
+Feature groups (``recompute``, ``offload``, ``tiling``, ...) plug in one way: ``<group>.callbacks`` (Lightning
+callbacks, ``_target_``) and ``<group>.model_overrides`` (model-config fields).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from nemo_longctx.integrations.nemo.launch import Launch
+
+FEATURE_GROUPS = ("recompute", "offload", "tiling")
+RESUME_MODES = ("auto", "never")
+
+
+class ConfigError(ValueError):
+    """Every problem of a configuration, one per line, each naming its config field."""
+
+    def __init__(self, problems: List[str]) -> None:
+        self.problems = list(problems)
+        super().__init__("invalid configuration:\n  - " + "\n  - ".join(self.problems))
+
+
+def _collect(problems: List[str], check: Callable[[], Any]) -> Any:
+    """Run one check; a ValueError (its message names the field) becomes a problem instead of stopping the pass."""
+    try:
+        return check()
+    except ConfigError as e:
+        problems.extend(e.problems)
+    except ValueError as e:
+        problems.append(str(e))
+    return None
+
+
+def raise_problems(problems: List[str]) -> None:
+    if len(problems) == 1:
+        raise ValueError(problems[0])
+    if problems:
+        raise ConfigError(problems)
+
+
+# ------------------------------------------------------------------------------------------------ config helpers
+def parallel_sizes(cfg: DictConfig) -> Dict[str, int]:
+    s = cfg.trainer.strategy
+    return {"cp": int(cfg.cp.size), "tp": int(s.tensor_model_parallel_size), "pp": int(s.pipeline_model_parallel_size)}
+
+
+def world_size_of(cfg: DictConfig, launch: Optional[Launch] = None) -> int:
+    if launch is not None:
+        return launch.world_size
+    return int(cfg.trainer.devices) * int(cfg.trainer.num_nodes)
+
+
+def global_batch_size(cfg: DictConfig, world_size: int) -> int:
+    p = parallel_sizes(cfg)
+    dp = max(1, world_size // (p["cp"] * p["tp"] * p["pp"]))
+    mbs = int(cfg.trainer.micro_batch_size)
+    gbs = cfg.trainer.global_batch_size
+    gbs = mbs * dp if gbs is None else int(gbs)
+    if gbs % (mbs * dp) != 0:
+        raise ValueError(
+            f"trainer.global_batch_size={gbs} must be a multiple of trainer.micro_batch_size={mbs} x data-parallel "
+            f"size {dp}"
+        )
+    return gbs
+
+
+def cp_algorithm_kwargs(cfg: DictConfig) -> Dict[str, Any]:
+    node = cfg.cp.get("kwargs")
+    return OmegaConf.to_container(node, resolve=True) if node else {}
+
+
+def config_hash(cfg: DictConfig) -> str:
+    """sha256 of the resolved config (keys sorted): every rank must train exactly the same configuration."""
+    text = OmegaConf.to_yaml(cfg, resolve=True, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def checkpoint_dir(cfg: DictConfig) -> str:
+    node = cfg.get("checkpoint") or {}
+    return str(node.get("dir") or os.path.join(str(cfg.output_dir), "checkpoints"))
+
+
+def feature_callbacks(cfg: DictConfig) -> List[Any]:
+    """Lightning callbacks declared by the optional feature groups (``<group>.callbacks: [{_target_: ...}]``)."""
+    out = []
+    for group in FEATURE_GROUPS:
+        node = cfg.get(group)
+        if node is not None and node.get("callbacks"):
+            out.extend(_instantiate_callback(c) for c in node.callbacks)
+    return out
+
+
+def _instantiate_callback(node: Any) -> Any:
+    """``hydra.utils.instantiate``, re-raising a callback's own ValueError (its config check names the field)
+    instead of Hydra's InstantiationException wrapper."""
+    from hydra.errors import InstantiationException
+
+    try:
+        return hydra.utils.instantiate(node, _convert_="all")
+    except InstantiationException as e:
+        if isinstance(e.__cause__, ValueError):
+            raise e.__cause__ from None
+        raise
+
+
+def memory_options_of(cfg: DictConfig) -> Any:
+    """``MemoryOptions`` of the ``recompute`` and ``offload`` groups (absent groups: none)."""
+    from nemo_longctx.integrations.megatron.memory_options import memory_options
+
+    def group(name: str) -> Optional[Dict[str, Any]]:
+        node = cfg.get(name)
+        return OmegaConf.to_container(node, resolve=True) if node is not None else None
+
+    return memory_options(group("recompute"), group("offload"))
+
+
+def feature_model_overrides(cfg: DictConfig) -> Dict[str, Any]:
+    """Model-config fields set by the optional feature groups (``<group>.model_overrides: {field: value}``)."""
+    out: Dict[str, Any] = {}
+    for group in FEATURE_GROUPS:
+        node = cfg.get(group)
+        if node is not None and node.get("model_overrides"):
+            out.update(OmegaConf.to_container(node.model_overrides, resolve=True))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ validation
+def _check_checkpoint(cfg: DictConfig) -> None:
+    c = cfg.get("checkpoint")
+    if c is None:
+        return
+    every, keep, resume = c.get("every_n_steps", 0), c.get("keep", 1), c.get("resume", "auto")
+    if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+        raise ValueError(f"checkpoint.every_n_steps={every!r} must be an int >= 0 (0 = never save)")
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"checkpoint.keep={keep!r} must be an int >= 1")
+    if resume is None or str(resume) == "":
+        raise ValueError("checkpoint.resume must be auto, never or a checkpoint path (got nothing)")
+    resume = str(resume)
+    if resume not in RESUME_MODES and not os.path.isdir(resume):
+        raise ValueError(f"checkpoint.resume={resume!r} is neither auto/never nor an existing checkpoint directory")
+
+
+def _check_launcher_and_trainer(cfg: DictConfig) -> None:
+    backend = str(cfg.launcher.get("backend", "auto"))
+    if backend not in ("auto", "gloo", "nccl"):
+        raise ValueError(f"launcher.backend={backend!r} must be auto, gloo or nccl")
+    timeout = cfg.launcher.get("timeout_s")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+        raise ValueError(f"launcher.timeout_s={timeout!r} must be a positive number of seconds (or null)")
+    vci = cfg.trainer.get("val_check_interval")
+    if vci is not None and (isinstance(vci, bool) or not isinstance(vci, int) or vci < 1):
+        raise ValueError(f"trainer.val_check_interval={vci!r} must be an int >= 1 (steps) or null (no validation)")
+
+
+def config_problems(cfg: DictConfig) -> List[str]:
+    """Every config-level problem (no model config needed), each naming its field."""
+    from nemo_longctx.integrations.megatron.cp_algorithms import check_cp_options
+    from nemo_longctx.integrations.megatron.memory_options import validate_memory_options
+    from nemo_longctx.integrations.nemo.tiling import tiling_of
+
+    problems: List[str] = []
+    _collect(problems, lambda: validate_memory_options(memory_options_of(cfg), str(cfg.cp.algorithm)))
+    _collect(problems, lambda: tiling_of(cfg))
+    _collect(problems, lambda: check_cp_options(str(cfg.cp.algorithm), int(cfg.cp.size), cp_algorithm_kwargs(cfg)))
+    _collect(problems, lambda: _check_checkpoint(cfg))
+    _collect(problems, lambda: _check_launcher_and_trainer(cfg))
+    return problems
+
+
+# ------------------------------------------------------------------------------------------------ builders
+@dataclass
+class Built:
+    model_config: Any
+    model: Any
+    strategy: Any
+    trainer: Any
+    data: Any
+    world_size: int
+    global_batch_size: int
+    log: Any = None      # nl.NeMoLogger
+    resume: Any = None   # nl.AutoResume or None
+
+
+def te_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def build_model_config(cfg: DictConfig) -> Any:
+    from nemo_longctx.integrations.nemo.model import enable_long_context
+
+    kwargs = {}
+    if cfg.model.get("apply_rope_fusion", True) and not te_available():
+        # Megatron refuses apply_rope_fusion without TransformerEngine (TransformerConfig.__post_init__); a kernel
+        # choice only, so it is turned off where TE is missing (CPU machines) and kept as configured elsewhere.
+        kwargs["apply_rope_fusion"] = False
+    config = hydra.utils.instantiate(cfg.model, _convert_="all", **kwargs)
+    for field, value in feature_model_overrides(cfg).items():
+        if not hasattr(config, field):
+            raise ValueError(f"model_overrides: {type(config).__name__} has no field {field!r}")
+        setattr(config, field, value)
+    return enable_long_context(config, str(cfg.cp.algorithm), **cp_algorithm_kwargs(cfg))
+
+
+def build_data(cfg: DictConfig, model_config: Any, gbs: int) -> Any:
+    kind = cfg.data.kind
+    mbs = int(cfg.trainer.micro_batch_size)
+    if kind == "synthetic":
+        from nemo_longctx.integrations.nemo.data import SyntheticDataModule
+
+        if model_config.vocab_size is None:
+            raise ValueError("model.vocab_size must be set for data=synthetic")
+        return SyntheticDataModule(
+            seq_length=model_config.seq_length, vocab_size=model_config.vocab_size, micro_batch_size=mbs,
+            global_batch_size=gbs, num_train_samples=int(cfg.data.num_train_samples),
+            num_val_samples=int(cfg.data.get("num_val_samples", 64)), period=int(cfg.data.period),
+            skew=float(cfg.data.skew), seed=int(cfg.data.seed),
+        )
+    if kind == "indexed":
+        from nemo.collections.common.tokenizers.huggingface.auto_tokenizer import AutoTokenizer
+        from nemo.collections.llm.gpt.data.pre_training import PreTrainingDataModule
+
+        paths = OmegaConf.to_container(cfg.data.paths, resolve=True)
+        return PreTrainingDataModule(
+            paths=paths, seq_length=model_config.seq_length, tokenizer=AutoTokenizer(cfg.data.tokenizer),
+            micro_batch_size=mbs, global_batch_size=gbs, split=str(cfg.data.split),
+            num_workers=int(cfg.data.num_workers), seed=int(cfg.data.seed), reset_attention_mask=False,
+            reset_position_ids=False, create_attention_mask=False,
+        )
+    raise ValueError(f"data.kind={kind!r} is not known (synthetic | indexed)")
+
+
+def build_optimizer(cfg: DictConfig, precision: str) -> Any:
+    from megatron.core.optimizer import OptimizerConfig
+    from nemo import lightning as nl
+    from nemo.lightning.pytorch.optim import CosineAnnealingScheduler
+
+    o = cfg.optim
+    opt_config = OptimizerConfig(
+        optimizer=str(o.optimizer), lr=float(o.lr), weight_decay=float(o.weight_decay), clip_grad=float(o.clip_grad),
+        adam_beta2=float(o.adam_beta2), use_distributed_optimizer=bool(o.use_distributed_optimizer),
+        bf16=precision.startswith("bf16"), fp16=precision.startswith("16"),
+    )
+    sched = CosineAnnealingScheduler(
+        max_steps=int(cfg.trainer.max_steps), warmup_steps=int(o.warmup_steps), constant_steps=0, min_lr=float(o.min_lr)
+    )
+    return nl.MegatronOptimizerModule(config=opt_config, lr_scheduler=sched)
+
+
+def build_checkpointing(cfg: DictConfig) -> tuple:
+    """(``nl.NeMoLogger``, ``nl.AutoResume`` or None, ``nl.ModelCheckpoint`` or None) of the ``checkpoint`` group.
+
+    NeMo's own log files go to ``<output_dir>/logs`` (NeMoLogger moves a previous run's files into ``run_N`` there),
+    TensorBoard events to ``<output_dir>/tensorboard``, ``metrics.jsonl`` stays in ``output_dir``; checkpoints go to
+    ``checkpoint.dir`` in Megatron's distributed format (torch_dist, through the strategy's MegatronCheckpointIO),
+    named by step and consumed samples; the ``checkpoint.keep`` most recent are kept (plus NeMo's ``-last`` copy).
+    """
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from nemo import lightning as nl
+
+    out = os.path.abspath(str(cfg.output_dir))
+    c = cfg.get("checkpoint") or OmegaConf.create({"every_n_steps": 0, "resume": "never"})
+    every = int(c.get("every_n_steps", 0))
+    ckpt = None
+    if every > 0:
+        ckpt = nl.ModelCheckpoint(
+            dirpath=os.path.abspath(checkpoint_dir(cfg)), filename="{step}-{consumed_samples}",
+            every_n_train_steps=every, save_top_k=int(c.get("keep", 2)), monitor="step", mode="max",
+            save_last=True, save_on_train_epoch_end=False, save_optim_on_train_end=True,  # resumable at the end too
+            always_save_context=True, save_context_on_train_end=True,
+            verbose=False,
+        )
+    tb = TensorBoardLogger(save_dir=out, name="tensorboard", version="") if cfg.get("log", {}).get(
+        "tensorboard", True) else None
+    log = nl.NeMoLogger(explicit_log_dir=os.path.join(out, "logs"), ckpt=ckpt, tensorboard=tb, update_logger_directory=False)
+    mode = str(c.get("resume", "auto"))
+    resume = None
+    if mode == "auto":
+        resume = nl.AutoResume(resume_if_exists=True, resume_ignore_no_checkpoint=True,
+                               resume_from_directory=os.path.abspath(checkpoint_dir(cfg)))
+    elif mode != "never":
+        resume = nl.AutoResume(resume_from_path=os.path.abspath(mode))
+    return log, resume, ckpt
+
+
+def build(cfg: DictConfig, launch: Optional[Launch] = None, extra_callbacks: Optional[List[Any]] = None) -> Built:
+    """Build and validate every NeMo object of the run; nothing is launched or trained. All problems found --
+    config-level and against the model config -- are raised together (``ConfigError``; a single one as ValueError)."""
+    import torch
+    from lightning.pytorch.plugins.environments import TorchElasticEnvironment
+    from nemo import lightning as nl
+    from nemo.collections import llm
+
+    from nemo_longctx.integrations.megatron.memory_options import validate_memory_options
+    from nemo_longctx.integrations.nemo.callbacks import (
+        ConfigConsensus,
+        FaultInjection,
+        SaveFinalParameters,
+        StepMetrics,
+        VerifyLongContextAttention,
+    )
+    from nemo_longctx.integrations.nemo.memory_callbacks import ActivationMemoryMetrics, MemoryOptionsCallback
+    from nemo_longctx.integrations.nemo.strategy import LongContextStrategy
+
+    problems = config_problems(cfg)
+    world = world_size_of(cfg, launch)
+    p = parallel_sizes(cfg)
+    model_config = _collect(problems, lambda: build_model_config(cfg))
+    memory = memory_options_of(cfg) if not problems else None
+    gbs = _collect(problems, lambda: global_batch_size(cfg, world))
+    if model_config is not None and memory is not None:
+        _collect(problems, lambda: validate_memory_options(memory, str(cfg.cp.algorithm), model_config, p["pp"]))
+    backend = str(cfg.launcher.get("backend", "auto"))
+    timeout = cfg.launcher.get("timeout_s")
+    strategy = LongContextStrategy(
+        tensor_model_parallel_size=p["tp"], pipeline_model_parallel_size=p["pp"], context_parallel_size=p["cp"],
+        sequence_parallel=bool(cfg.trainer.strategy.sequence_parallel), cp_algorithm=str(cfg.cp.algorithm),
+        cp_algorithm_kwargs=cp_algorithm_kwargs(cfg), collective_timeout_s=timeout,
+        process_group_backend=None if backend == "auto" else backend,
+        ckpt_load_strictness=None, save_ckpt_format="torch_dist",
+        ckpt_async_save=bool((cfg.get("checkpoint") or {}).get("async_save", False)),
+    )
+    if model_config is not None:
+        _collect(problems, lambda: strategy.validate_model(model_config, world_size=world))
+    raise_problems(problems)
+
+    precision = str(cfg.trainer.precision)
+    model = llm.GPTModel(model_config, optim=build_optimizer(cfg, precision))
+    data = build_data(cfg, model_config, gbs)
+    log, resume, ckpt = build_checkpointing(cfg)
+
+    accelerator = cfg.trainer.accelerator
+    if accelerator == "auto":
+        accelerator = "gpu" if torch.cuda.is_available() else "cpu"
+    devices = launch.local_world_size if launch is not None else int(cfg.trainer.devices)
+    num_nodes = launch.num_nodes if launch is not None else int(cfg.trainer.num_nodes)
+    plugins: List[Any] = [nl.MegatronMixedPrecision(precision=precision)]
+    if launch is not None:
+        plugins.append(TorchElasticEnvironment())
+    tokens_per_step = gbs * int(model_config.seq_length)
+    mem_cfg = cfg.get("memory") or {}
+    mem_metrics = ActivationMemoryMetrics(
+        count_peak=bool(mem_cfg.get("track_peak", False)),
+        track_activations=bool(mem_cfg.get("track", True)) and not memory.breaks_saved_tensor_hooks,
+    )  # before StepMetrics: its step-end hook closes the tracker that StepMetrics then reads
+    callbacks: List[Any] = [
+        ConfigConsensus(config_hash(cfg), os.environ.get("NEMO_LONGCTX_CONFIG_HASH")),
+        mem_metrics,
+        StepMetrics(str(cfg.output_dir), tokens_per_step, int(cfg.run.print_every), extra=mem_metrics),
+        VerifyLongContextAttention(p["cp"], str(cfg.cp.algorithm), p["pp"]),
+    ]
+    if not memory.trivial:
+        callbacks.append(MemoryOptionsCallback(memory, str(cfg.cp.algorithm)))
+    if cfg.run.save_final_params:
+        callbacks.append(SaveFinalParameters(os.path.join(str(cfg.output_dir), "final_params.pt")))
+    if cfg.run.get("fault"):
+        callbacks.append(FaultInjection.parse(str(cfg.run.fault)))
+    callbacks += feature_callbacks(cfg) + list(extra_callbacks or [])
+    if ckpt is not None:
+        callbacks.append(ckpt)
+    vci = cfg.trainer.get("val_check_interval")
+    trainer = nl.Trainer(
+        accelerator=accelerator, devices=devices, num_nodes=num_nodes, max_steps=int(cfg.trainer.max_steps),
+        strategy=strategy, plugins=plugins, callbacks=callbacks, logger=False, enable_checkpointing=ckpt is not None,
+        enable_progress_bar=False, log_every_n_steps=1, use_distributed_sampler=False,
+        limit_val_batches=int(cfg.trainer.get("limit_val_batches", 2)) if vci else 0,
+        val_check_interval=int(vci) if vci else None, check_val_every_n_epoch=None if vci else 1,
+        num_sanity_val_steps=0,
+    )
+    return Built(model_config, model, strategy, trainer, data, world, gbs, log, resume)
+
+
+def fit(built: Built) -> None:
+    """Train with NeMo's own entry point (``llm.train``: NeMoLogger set-up, AutoResume, fit)."""
+    from nemo.collections import llm
+
+    llm.train(built.model, built.data, built.trainer, log=built.log, resume=built.resume)
+
+
+def dry_run(cfg: DictConfig) -> Dict[str, Any]:
+    """Build + validate the real NeMo objects, resolve every layer's core_attention from the layer/block spec,
+    print a summary; no process group, no training. Returns the summary dict."""
+    from megatron.core.transformer.transformer_block import _get_block_submodules
+
+    from nemo_longctx.integrations.megatron.core_attention import LongContextCoreAttention
+    from nemo_longctx.integrations.megatron.spec import core_attention_modules
+    from nemo_longctx.integrations.nemo.tiling import tiling_of
+
+    built = build(cfg)
+    config = built.model_config
+    built.strategy.connect(built.model)  # the real attach path: parallel sizes -> config, extension, validation
+    layer_spec = config.transformer_layer_spec(config)
+    modules = []
+    for pp_rank in range(int(config.pipeline_model_parallel_size)):  # every pipeline stage's layers
+        modules += core_attention_modules(_get_block_submodules(config, layer_spec, vp_stage=None, pp_rank=pp_rank))
+    if len(modules) != config.num_layers or not all(m is LongContextCoreAttention for m in modules):
+        raise RuntimeError(f"core_attention does not resolve to LongContextCoreAttention in every layer: {modules}")
+    p = parallel_sizes(cfg)
+    c = cfg.get("checkpoint") or {}
+    summary = {
+        "model": type(config).__name__,
+        "num_layers": config.num_layers,
+        "hidden_size": config.hidden_size,
+        "heads": f"{config.num_attention_heads}q/{config.num_query_groups}kv",
+        "seq_length": config.seq_length,
+        "cp": f"{cfg.cp.algorithm} x {p['cp']}",
+        "tp": p["tp"], "pp": p["pp"], "dp": built.world_size // (p["cp"] * p["tp"] * p["pp"]),
+        "world_size": built.world_size,
+        "tokens_per_cp_rank": config.seq_length // p["cp"],
+        "global_batch_size": built.global_batch_size,
+        "context_parallel_size_on_config": config.context_parallel_size,
+        "layer_spec": getattr(layer_spec.submodules.self_attention.submodules.linear_qkv, "__name__", "?"),
+        "core_attention": f"{len(modules)}/{config.num_layers} layers {LongContextCoreAttention.__name__}",
+        "strategy": type(built.strategy).__name__,
+        "trainer": f"{type(built.trainer).__name__}(devices={cfg.trainer.devices}, num_nodes={cfg.trainer.num_nodes})",
+        "data": type(built.data).__name__,
+        "memory": memory_options_of(cfg).describe(),
+        "tiling": tiling_of(cfg),
+        "checkpoint": (f"every {c.get('every_n_steps')} steps -> {checkpoint_dir(cfg)} (keep {c.get('keep')}), "
+                       f"resume={c.get('resume')}") if c.get("every_n_steps") else f"none, resume={c.get('resume')}",
+        "config_hash": config_hash(cfg)[:16],
+    }
+    print("dry run OK (nothing trained):")
+    for k, v in summary.items():
+        print(f"  {k:32s} {v}")
+    return summary
