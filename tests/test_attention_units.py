@@ -20,50 +20,69 @@ from nemo_longctx.attention import (
     zigzag_shard,
     zigzag_unshard,
 )
-from nemo_longctx.attention.kernels import KERNEL_ENV_VAR
-
-CPU_KERNELS = ["cpu_flash", "math"]
+from nemo_longctx.attention.kernels import KERNEL_ENV_VAR, TOLERANCE, flash_attn_status
 
 
-def _qkv(b, s, hq, hkv, d, dtype=torch.float32, seed=0):
+def _device_kernels():
+    """(device, kernel name, dtype, tolerance) for every kernel that can run on this machine's devices: the CPU
+    kernels in fp32 everywhere; with CUDA, also each CUDA kernel in a dtype it supports."""
+    cases = [("cpu", n, torch.float32, 1e-5) for n, k in KERNELS.items() if k.device_type in (None, "cpu")]
+    if torch.cuda.is_available():
+        for n, k in KERNELS.items():
+            if k.device_type not in (None, "cuda") or (n == "flash_attn" and flash_attn_status()[0] != "ok"):
+                continue
+            dtype = torch.float32 if k.dtypes is None or torch.float32 in k.dtypes else torch.bfloat16
+            # rel_err here is max-abs relative: allow 4x the Frobenius tolerance of the self-test
+            cases.append(("cuda", n, dtype, 1e-5 if n == "math" else 4 * TOLERANCE[dtype]))
+    return cases
+
+
+DEVICE_KERNELS = _device_kernels()
+_IDS = [f"{dev}-{name}-{str(dt).replace('torch.', '')}" for dev, name, dt, _ in DEVICE_KERNELS]
+
+
+def _qkv(b, s, hq, hkv, d, dtype=torch.float32, seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    return tuple(torch.randn(b, s, h, d, generator=g).to(dtype) for h in (hq, hkv, hkv, hq))
+    return tuple(torch.randn(b, s, h, d, generator=g).to(device=device, dtype=dtype) for h in (hq, hkv, hkv, hq))
 
 
-@pytest.mark.parametrize("name", CPU_KERNELS)
-def test_kernel_forward_backward_against_fp64(name):
+@pytest.mark.parametrize("device,name,dtype,tol", DEVICE_KERNELS, ids=_IDS)
+def test_kernel_forward_backward_against_fp64(device, name, dtype, tol):
     kern = KERNELS[name]
     for (b, s, hq, hkv, d), causal in itertools.product(
         [(1, 16, 4, 4, 32), (2, 30, 8, 2, 64), (2, 12, 4, 1, 32)], (True, False)
     ):
-        q, k, v, dout = _qkv(b, s, hq, hkv, d)
-        ref_out, ref_dq, ref_dk, ref_dv = reference_forward_backward(q, k, v, dout, causal, scale=0.2)
+        q, k, v, dout = _qkv(b, s, hq, hkv, d, dtype=dtype, device=device)
+        ref_out, ref_dq, ref_dk, ref_dv = reference_forward_backward(q.cpu(), k.cpu(), v.cpu(), dout.cpu(), causal,
+                                                                     scale=0.2)
         out, lse = kern.forward(q, k, v, causal, 0.2)
         assert out.shape == q.shape and lse.shape == (b, hq, s) and lse.dtype == torch.float32
+        assert out.device == q.device and lse.device == q.device
         dq, dk, dv = kern.backward(dout, q, k, v, out, lse, causal, 0.2)
         for got, want in zip((out, dq, dk, dv), (ref_out, ref_dq, ref_dk, ref_dv)):
             assert got.shape == want.shape
-            assert rel_err(got, want) < 1e-5, (name, b, s, hq, hkv, causal)
+            assert rel_err(got.cpu(), want) < tol, (name, b, s, hq, hkv, causal)
 
 
-@pytest.mark.parametrize("name", CPU_KERNELS)
-def test_kernel_blocks_merge_to_full_attention(name):
+@pytest.mark.parametrize("device,name,dtype,tol", DEVICE_KERNELS, ids=_IDS)
+def test_kernel_blocks_merge_to_full_attention(device, name, dtype, tol):
     """Split keys in two blocks: LSE-merged forward and per-block backward with the final (out, lse)
     reproduce full attention -- the contract ring attention is built on."""
     kern = KERNELS[name]
     b, s, hq, hkv, d = 2, 32, 8, 2, 32
-    q, k, v, dout = _qkv(b, s, hq, hkv, d, seed=3)
+    q, k, v, dout = _qkv(b, s, hq, hkv, d, seed=3, dtype=dtype, device=device)
     h = s // 2
-    ref_out, ref_dq, ref_dk, ref_dv = reference_forward_backward(q, k, v, dout, causal=False)
+    ref_out, ref_dq, ref_dk, ref_dv = reference_forward_backward(q.cpu(), k.cpu(), v.cpu(), dout.cpu(), causal=False)
     o1, l1 = kern.forward(q, k[:, :h], v[:, :h], False, d**-0.5)
     o2, l2 = kern.forward(q, k[:, h:], v[:, h:], False, d**-0.5)
     out, lse = merge_attention(o1, l1, o2, l2)
-    assert rel_err(out, ref_out) < 1e-5
-    g1 = kern.backward(dout, q, k[:, :h], v[:, :h], out.float(), lse, False, d**-0.5)
-    g2 = kern.backward(dout, q, k[:, h:], v[:, h:], out.float(), lse, False, d**-0.5)
-    assert rel_err(g1[0] + g2[0], ref_dq) < 1e-5
-    assert rel_err(torch.cat([g1[1], g2[1]], 1), ref_dk) < 1e-5
-    assert rel_err(torch.cat([g1[2], g2[2]], 1), ref_dv) < 1e-5
+    assert rel_err(out.cpu(), ref_out) < tol
+    out = out.to(dtype)
+    g1 = kern.backward(dout, q, k[:, :h], v[:, :h], out, lse, False, d**-0.5)
+    g2 = kern.backward(dout, q, k[:, h:], v[:, h:], out, lse, False, d**-0.5)
+    assert rel_err((g1[0].double() + g2[0].double()).cpu(), ref_dq) < tol
+    assert rel_err(torch.cat([g1[1], g2[1]], 1).cpu(), ref_dk) < tol
+    assert rel_err(torch.cat([g1[2], g2[2]], 1).cpu(), ref_dv) < tol
 
 
 def test_merge_handles_empty_rows_and_low_precision_partials():
