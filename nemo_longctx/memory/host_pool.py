@@ -52,14 +52,14 @@ class HostPool:
         size = self._bucket(nbytes)
         free = self._free[size]
         if free:
-            idx = len(free) - 1
+            idx, ready = len(free) - 1, False
             for i in range(len(free) - 1, -1, -1):  # prefer a buffer whose last copy is already done
                 ev = free[i][1]
                 if ev is None or ev.query():
-                    idx = i
+                    idx, ready = i, True
                     break
             buf, event = free.pop(idx)
-            if event is not None:
+            if event is not None and not ready:
                 if stream is not None:
                     stream.wait_event(event)
                 else:
