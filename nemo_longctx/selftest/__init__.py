@@ -571,7 +571,7 @@ def pinned_bandwidth(device: torch.device, nbytes: int = 256 * 2**20, repeats: i
 def offload_overlap(device: torch.device, dtype: torch.dtype, layers: int, d: int, tokens: int, steps: int = 5
                     ) -> Dict[str, float]:
     """Median step time without offload, with layer_input offload (checkpointed, prefetch 1) and the count of
-    host-blocking synchronize calls made during the offloaded step (must be 0)."""
+    host-blocking synchronize calls (Event/Stream/device) made during the offloaded steps (must be 0)."""
     from nemo_longctx.memory import ActivationOffloader
 
     torch.manual_seed(0)
@@ -580,6 +580,7 @@ def offload_overlap(device: torch.device, dtype: torch.dtype, layers: int, d: in
     engine = ActivationOffloader(min_bytes=1024, prefetch_depth=1)
     calls = {"n": 0}
     orig_event_sync, orig_stream_sync = torch.cuda.Event.synchronize, torch.cuda.Stream.synchronize
+    orig_sync = torch.cuda.synchronize
 
     def counting(orig):
         def f(self, *a, **k):
@@ -595,12 +596,14 @@ def offload_overlap(device: torch.device, dtype: torch.dtype, layers: int, d: in
             if count:
                 torch.cuda.Event.synchronize = counting(orig_event_sync)
                 torch.cuda.Stream.synchronize = counting(orig_stream_sync)
+                torch.cuda.synchronize = lambda *a, **k: (calls.__setitem__("n", calls["n"] + 1), orig_sync(*a, **k))
             try:
                 for p in model.parameters():
                     p.grad = None
                 model(x, engine=eng, checkpointed=True).backward()
             finally:
                 torch.cuda.Event.synchronize, torch.cuda.Stream.synchronize = orig_event_sync, orig_stream_sync
+                torch.cuda.synchronize = orig_sync
             torch.cuda.synchronize(device)
             if i:
                 times.append(time.perf_counter() - t0)
@@ -612,7 +615,7 @@ def offload_overlap(device: torch.device, dtype: torch.dtype, layers: int, d: in
     t_base2 = timed(None)
     base = min(t_base, t_base2)
     return dict(t_base=base, t_offload=t_off, overhead=t_off / base - 1.0, host_syncs=calls["n"],
-                bytes_per_step=engine.bytes_offloaded / (2 * steps + 2) if engine.bytes_offloaded else 0)
+                bytes_per_step=engine.bytes_offloaded / (steps + 1))
 
 
 def section_offload(rep: Report, cuda: bool, quick: bool) -> None:
