@@ -301,3 +301,12 @@ def test_cuda_gqa_native_kernels_do_not_repeat_kv_heads():
     gqa_memory_check(rep, torch.device("cuda"), torch.bfloat16,
                      [n for n in CUDA_KERNELS if K.KERNELS[n].gqa_native])
     assert rep.rows and all(r.status == "PASS" for r in rep.rows), [r.detail for r in rep.rows]
+
+
+def test_flash_extra_is_pinned_to_the_supported_api_range():
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    pins = re.findall(r'^flash = \["flash-attn([^"]*)"\]', text, re.M)
+    assert pins == [K.FLASH_ATTN_TESTED], pins
