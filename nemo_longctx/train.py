@@ -36,7 +36,13 @@ from nemo_longctx.integrations.nemo.app import (  # noqa: F401  (re-exported: th
     raise_problems,
     world_size_of,
 )
-from nemo_longctx.integrations.nemo.launch import Launch, detect_external_launch, launch_local, record_error
+from nemo_longctx.integrations.nemo.launch import (
+    Launch,
+    detect_external_launch,
+    die_with_parent,
+    launch_local,
+    record_error,
+)
 
 CONFIG_PATH = "pkg://nemo_longctx.conf"
 CONFIG_NAME = "train"
@@ -61,7 +67,8 @@ def train_rank(cfg: DictConfig, launch: Optional[Launch]) -> int:
     built = build(cfg, launch)
     if built.trainer.global_rank == 0:
         print(
-            f"nemo-longctx train: {type(built.model_config).__name__} seq {built.model_config.seq_length}, "
+            f"nemo-longctx train: {type(built.model_config).__name__} {built.model_config.num_layers} layers, "
+            f"seq {built.model_config.seq_length}, config {config_hash(cfg)[:12]}, "
             f"cp={cfg.cp.algorithm} x {cfg.cp.size}, world {built.world_size}, {cfg.trainer.max_steps} steps, "
             f"metrics -> {os.path.join(str(cfg.output_dir), 'metrics.jsonl')}",
             flush=True,
@@ -122,6 +129,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
+    die_with_parent()  # a rank of the local launcher never outlives it
     args = list(sys.argv[1:] if argv is None else argv)
     if any(a in MULTIRUN_FLAGS for a in args):
         print("nemo-longctx train: --multirun/-m is not supported: start one run per configuration "

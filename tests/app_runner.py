@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 from pathlib import Path
 from typing import Sequence, Tuple
@@ -13,7 +14,7 @@ MEMORY_LIMIT_KB = 8_000_000
 
 def run_app(cmd: Sequence[str], timeout: float = 400) -> Tuple[int, str]:
     """Run ``cmd`` under ``ulimit -v`` with PYTHONUNBUFFERED; return (returncode, stdout + stderr)."""
-    shell = f"ulimit -v {MEMORY_LIMIT_KB}; exec {' '.join(str(c) for c in cmd)}"
+    shell = f"ulimit -v {MEMORY_LIMIT_KB}; exec {' '.join(shlex.quote(str(c)) for c in cmd)}"
     p = subprocess.run(["bash", "-c", shell], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                        env={**os.environ, "PYTHONUNBUFFERED": "1"})
     return p.returncode, p.stdout + p.stderr

@@ -125,12 +125,13 @@ def launch_local(nproc: int, argv: Sequence[str], threads_per_process: int, *, w
         elastic_launch(config, entrypoint=sys.executable)("-m", "nemo_longctx.train", *argv)
         return 0
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
         print(e.format_msg(), file=sys.stderr, flush=True)
+        ranked = sorted(e.failures.items(), key=lambda kv: _root_cause_key(*kv))
+        rank, failure = ranked[0]
+        print(f"nemo-longctx: FAILED: rank {rank} {_describe(failure)}", file=sys.stderr, flush=True)
+        for other, f in ranked[1:]:
+            print(f"nemo-longctx:   then rank {other} {_describe(f)}", file=sys.stderr, flush=True)
         code = failure.exitcode
-        what = f"killed by {failure.signal_name()}" if code < 0 else f"exit code {code}"
-        print(f"nemo-longctx: FAILED: rank {rank} {what}: {_first_line(failure.message)}", file=sys.stderr,
-              flush=True)
         return 128 - code if code < 0 else (code or 1)
     except SignalException as e:
         if timed_out.is_set():
@@ -143,6 +144,26 @@ def launch_local(nproc: int, argv: Sequence[str], threads_per_process: int, *, w
     finally:
         if timer is not None:
             timer.cancel()
+
+
+_PEER_ERRORS = ("connection closed by peer", "connection reset", "broken pipe", "socket closed", "timed out",
+                "timeout", "nccl communicator was aborted")
+
+
+def _root_cause_key(rank: int, failure: object) -> tuple:
+    """Order failures so the root cause comes first: a rank killed by a signal other than the agent's own SIGTERM,
+    then a rank whose error is not a lost/hung peer (those follow from another rank's failure), then the earliest."""
+    code = getattr(failure, "exitcode", 1)
+    killed = code < 0 and -code != int(signal.SIGTERM)
+    message = _first_line(getattr(failure, "message", "")).lower()
+    peer = any(p in message for p in _PEER_ERRORS) or (code < 0 and -code == int(signal.SIGTERM))
+    return (not killed, peer, getattr(failure, "timestamp", 0), rank)
+
+
+def _describe(failure: object) -> str:
+    code = getattr(failure, "exitcode", 1)
+    what = f"killed by {failure.signal_name()}" if code < 0 else f"exit code {code}"  # type: ignore[attr-defined]
+    return f"{what}: {_first_line(getattr(failure, 'message', ''))}"
 
 
 def _first_line(message: object) -> str:
@@ -159,3 +180,16 @@ def record_error(exc: BaseException) -> None:
         from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
         ErrorHandler().record_exception(exc)
+
+
+def die_with_parent() -> None:
+    """In a rank the local launcher started: ask the kernel to SIGKILL this process when the launcher dies, however it
+    dies (a SIGKILL or a ``subprocess`` timeout cannot be handled by the launcher), so no rank is ever orphaned."""
+    if os.environ.get("NEMO_LONGCTX_SPAWNED") != "1" or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() == 1:  # the launcher was already gone before the request took effect
+        os._exit(128 + int(signal.SIGKILL))

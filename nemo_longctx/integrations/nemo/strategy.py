@@ -11,6 +11,8 @@ raising ValueError that names the config fields.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from datetime import timedelta
 from typing import Any, Dict, Optional
 
@@ -42,8 +44,9 @@ class LongContextStrategy(nl.MegatronStrategy):
                 c10d._set_pg_timeout(timeout, group)
 
     def setup_environment(self) -> None:
-        super().setup_environment()  # world group + Megatron's groups (created with its own 30-minute default)
-        self.apply_collective_timeout()
+        with _megatron_groups_timeout(self.collective_timeout_s):
+            super().setup_environment()  # the world group, then Megatron's groups (NeMo's init_model_parallel)
+        self.apply_collective_timeout()  # the world group's collectives (created by NeMo without a timeout)
 
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
@@ -73,3 +76,27 @@ class LongContextStrategy(nl.MegatronStrategy):
             raise ValueError("LongContextStrategy needs a model with a Megatron config (llm.GPTModel and friends)")
         enable_long_context(config, self.cp_algorithm, **self.cp_algorithm_kwargs)
         self.validate_model(config)
+
+
+@contextlib.contextmanager
+def _megatron_groups_timeout(timeout_s: Optional[float]):
+    """Make NeMo's ``init_model_parallel`` create Megatron's groups with ``timeout_s``.
+
+    NeMo 2.7 calls ``parallel_state.initialize_model_parallel`` without ``distributed_timeout_minutes`` (Megatron's
+    default: 30 minutes). A group's timeout must be set when it is created: gloo's point-to-point receives (the ring's
+    K/V exchange) keep the timeout of their creation, ``_set_pg_timeout`` later only reaches collectives. So for the
+    duration of NeMo's set-up only, the function NeMo looks up gets that argument bound; it is restored afterwards.
+    """
+    if timeout_s is None:
+        yield
+        return
+    from megatron.core import parallel_state
+
+    original = parallel_state.initialize_model_parallel
+    parallel_state.initialize_model_parallel = functools.partial(
+        original, distributed_timeout_minutes=float(timeout_s) / 60.0
+    )
+    try:
+        yield
+    finally:
+        parallel_state.initialize_model_parallel = original

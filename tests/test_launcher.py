@@ -1,0 +1,163 @@
+"""The launcher end to end (real processes, gloo on CPU): failures fail, every rank trains the same config.
+
+Local launch (the app starts its ranks with torch's elastic agent) and torchrun:
+  * a rank raising at step 2, a rank SIGKILLed at step 2, a rank hanging (collective timeout ``launcher.timeout_s``):
+    the launcher exits non-zero within a bounded time, naming the failed rank and its error;
+  * SIGTERM to the launcher (what ``scancel`` sends) stops every rank and leaves no process of the run behind;
+  * a user config directory with its own config name (3 layers, seq 2048) is what every rank trains;
+  * ranks that resolve different configs refuse to train; ``--multirun`` is refused.
+Every command runs under ``timeout`` + ``ulimit -v`` (tests/app_runner.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from app_runner import MEMORY_LIMIT_KB, ROOT, run_app
+
+BIN = Path(sys.executable).parent
+APP = [str(BIN / "nemo-longctx"), "train"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+            "nemo_longctx.train"]
+SMALL = ["model.seq_length=1024", "trainer.max_steps=4", "memory.track=false"]
+
+
+def _metrics(out_dir: Path):
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _timed(cmd, timeout=300):
+    t0 = time.perf_counter()
+    code, out = run_app(cmd, timeout)
+    return code, out, time.perf_counter() - t0
+
+
+@pytest.mark.parametrize("launcher", ["local", "torchrun"])
+def test_a_rank_raising_fails_the_run_and_names_the_rank(tmp_path, launcher):
+    cmd = (APP if launcher == "local" else TORCHRUN) + [f"output_dir={tmp_path}", *SMALL, "run.fault=raise@2:1"]
+    code, out, _ = _timed(cmd)
+    assert code != 0, out[-3000:]
+    assert "injected failure (run.fault) on rank 1 at step 2" in out, out[-3000:]
+    if launcher == "local":
+        assert "nemo-longctx: FAILED: rank 1 exit code 1: RuntimeError: injected failure" in out, out[-3000:]
+    rows = _metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1], rows  # step 1 trained, step 2 never finished
+
+
+def test_a_killed_rank_stops_the_others_within_bounded_time(tmp_path):
+    code, out, elapsed = _timed(APP + [f"output_dir={tmp_path}", *SMALL, "run.fault=kill@2:0"])
+    assert code == 128 + signal.SIGKILL, (code, out[-3000:])
+    assert "nemo-longctx: FAILED: rank 0 killed by SIGKILL" in out, out[-3000:]
+    # the surviving rank was blocked in a collective with the dead one: the agent stopped it (start-up ~25 s)
+    assert elapsed < 25 + 60, elapsed
+
+
+def test_a_hung_rank_ends_the_job_through_the_collective_timeout(tmp_path):
+    code, out, elapsed = _timed(APP + [f"output_dir={tmp_path}", *SMALL, "run.fault=hang@2:1",
+                                       "launcher.timeout_s=15"])
+    assert code != 0, out[-3000:]
+    # rank 0's ring exchange with the hung rank 1 timed out after launcher.timeout_s; the agent then stopped rank 1
+    # (it ignores SIGTERM while hung: SIGKILL after launcher.shutdown_timeout_s). Both are named.
+    assert "nemo-longctx: FAILED: rank 1 killed by SIG" in out, out[-3000:]
+    assert "then rank 0 exit code 1: RuntimeError:" in out and "Timed out waiting 15000ms" in out, out[-3000:]
+    assert elapsed < 25 + 15 + 30 + 30, elapsed
+
+
+def _run_processes(marker: str):
+    """Command lines of the live processes that mention ``marker`` (the run's unique output dir)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = next(ln for ln in (proc / "status").read_text().splitlines() if ln.startswith("State:"))
+        except (OSError, StopIteration):
+            continue
+        if marker in cmdline and "Z (zombie)" not in state:
+            found.append(f"{proc.name}: {cmdline}")
+    return found
+
+
+def test_sigterm_to_the_launcher_stops_every_rank(tmp_path):
+    out_file = tmp_path / "out.txt"
+    shell = f"ulimit -v {MEMORY_LIMIT_KB}; exec {' '.join(APP)} output_dir={tmp_path} model.seq_length=1024 " \
+            f"trainer.max_steps=100000 memory.track=false"
+    with open(out_file, "w") as f:
+        proc = subprocess.Popen(["bash", "-c", shell], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.time() + 240
+        while "step 2/" not in out_file.read_text():
+            assert proc.poll() is None and time.time() < deadline, out_file.read_text()[-3000:]
+            time.sleep(1)
+        assert len(_run_processes(str(tmp_path))) >= 3  # the launcher and its two ranks
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = out_file.read_text()
+    assert code == 128 + signal.SIGTERM, (code, out[-3000:])
+    assert "stopped by SIGTERM; all ranks were stopped" in out, out[-3000:]
+    time.sleep(1)
+    assert _run_processes(str(tmp_path)) == []  # no rank left behind
+
+
+def test_run_timeout_stops_all_ranks(tmp_path):
+    code, out, _ = _timed(APP + [f"output_dir={tmp_path}", "model.seq_length=1024", "trainer.max_steps=100000",
+                                 "run.timeout_s=40", "memory.track=false"])
+    assert code == 124, (code, out[-3000:])
+    assert "run.timeout_s=40 exceeded; all ranks were stopped" in out
+    assert _run_processes(str(tmp_path)) == []
+
+
+USER_CONFIG = """\
+# a user's own config: the packaged train config with 3 layers at seq 2048
+defaults:
+  - train
+  - _self_
+model:
+  num_layers: 3
+  seq_length: 2048
+trainer:
+  max_steps: 2
+memory:
+  track: false
+"""
+
+
+@pytest.mark.parametrize("launcher", ["local", "torchrun"])
+def test_a_user_config_dir_and_name_reach_every_rank(tmp_path, launcher):
+    conf = tmp_path / "myconf"
+    conf.mkdir()
+    (conf / "long3.yaml").write_text(USER_CONFIG)
+    flags = ["--config-dir", str(conf), "--config-name", "long3"] if launcher == "local" else \
+        ["-cd", str(conf), "--config-name=long3"]
+    cmd = (APP if launcher == "local" else TORCHRUN) + flags + [f"output_dir={tmp_path / 'out'}"]
+    code, out, _ = _timed(cmd)
+    assert code == 0, out[-4000:]
+    assert "Llama3Config 3 layers, seq 2048" in out, out[-3000:]
+    rows = _metrics(tmp_path / "out")
+    assert [r["step"] for r in rows] == [1, 2] and all(r["tokens"] == 2048 for r in rows)
+    # every rank built 3 layers: the model check at fit start counts the attention layers on each rank
+    assert out.count("nemo-longctx train: Llama3Config 3 layers") == 1  # printed by rank 0 only
+
+
+def test_ranks_resolving_different_configs_refuse_to_train(tmp_path):
+    # an interpolation that resolves per process: the launcher sees RANK unset (0), the ranks see 0 and 1
+    code, out, _ = _timed(APP + [f"output_dir={tmp_path}", *SMALL, "+run.note=${oc.env:RANK,0}"])
+    assert code != 0, out[-3000:]
+    assert "resolved a different config" in out or "resolved different configs" in out, out[-3000:]
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_multirun_is_refused():
+    code, out = run_app(APP + ["--multirun", "cp.size=1,2"], 60)
+    assert code == 2 and "--multirun/-m is not supported" in out, out
