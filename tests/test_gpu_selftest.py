@@ -36,8 +36,9 @@ def test_selftest_runs_every_section_and_passes(tmp_path):
     passed = {(r["section"], r["check"], r["device"]) for r in rows if r["status"] == "PASS"}
     for want in (("kernels", "cpu_flash", "cpu"), ("kernels", "math", "cpu"),
                  ("kernels", "start-up self_test_kernel", "cpu"), ("cp", "ring P=4", "cpu"),
-                 ("cp", "ulysses P=4", "cpu"), ("cp", "hybrid P=4", "cpu"), ("offload", "layer_input exact", "cpu"),
-                 ("offload", "modules exact", "cpu"), ("tiling", "tiled MLP", "cpu"), ("tiling", "chunked loss", "cpu")):
+                 ("cp", "ulysses P=4", "cpu"), ("cp", "hybrid P=4", "cpu"),
+                 ("offload", "layer_input exact", "cpu"), ("offload", "modules exact", "cpu"),
+                 ("tiling", "tiled MLP", "cpu"), ("tiling", "chunked loss", "cpu")):
         assert want in passed, want
     cuda_rows = [r for r in rows if r["device"] == "cuda"]
     assert cuda_rows
