@@ -65,6 +65,8 @@ def train_rank(cfg: DictConfig, launch: Optional[Launch]) -> int:
 
     pl.seed_everything(int(cfg.seed), verbose=False)
     built = build(cfg, launch)
+    if cfg.run.get("kernel_self_test"):
+        kernel_self_test(str(cfg.trainer.precision), local_rank=launch.local_rank if launch is not None else 0)
     if built.trainer.global_rank == 0:
         print(
             f"nemo-longctx train: {type(built.model_config).__name__} {built.model_config.num_layers} layers, "
@@ -75,6 +77,21 @@ def train_rank(cfg: DictConfig, launch: Optional[Launch]) -> int:
         )
     fit(built)
     return 0
+
+
+def kernel_self_test(precision: str, local_rank: int = 0) -> None:
+    """``run.kernel_self_test=true``: check the attention kernel this rank will select against the float64 reference
+    on a small GQA input (forward, backward, split-KV) before training; KernelSelfTestError names what disagreed."""
+    import torch
+
+    from nemo_longctx.attention.kernels import select_kernel, self_test_kernel
+
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    dtype = {"bf16": torch.bfloat16, "16": torch.float16}.get(precision.split("-")[0], torch.float32)
+    kernel = select_kernel(device, dtype)
+    worst = self_test_kernel(kernel, device, dtype)
+    print(f"run.kernel_self_test: kernel {kernel.name} on {device}/{dtype} matches float64 "
+          f"(worst rel err {max(worst.values()):.2e})", flush=True)
 
 
 def _refuse_multirun() -> None:

@@ -13,8 +13,15 @@ MEMORY_LIMIT_KB = 8_000_000
 
 
 def run_app(cmd: Sequence[str], timeout: float = 400) -> Tuple[int, str]:
-    """Run ``cmd`` under ``ulimit -v`` with PYTHONUNBUFFERED; return (returncode, stdout + stderr)."""
+    """Run ``cmd`` under ``ulimit -v`` with PYTHONUNBUFFERED; return (returncode, stdout + stderr); 124 and the output
+    so far when it runs past ``timeout`` (the ranks of a local launch die with it: PR_SET_PDEATHSIG)."""
     shell = f"ulimit -v {MEMORY_LIMIT_KB}; exec {' '.join(shlex.quote(str(c)) for c in cmd)}"
-    p = subprocess.run(["bash", "-c", shell], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        p = subprocess.run(["bash", "-c", shell], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    except subprocess.TimeoutExpired as e:  # the output so far, for the assertion message (the process was killed)
+        def text(b):
+            return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+
+        return 124, text(e.stdout) + text(e.stderr) + f"\n[app_runner: killed after {timeout} s]"
     return p.returncode, p.stdout + p.stderr

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -35,9 +36,11 @@ def _metrics(out_dir: Path):
 
 
 def _timed(cmd, timeout=300):
-    t0 = time.perf_counter()
+    """(exit code, output, seconds from the injected fault -- or the start when none was injected -- to the end)."""
+    t0 = time.time()
     code, out = run_app(cmd, timeout)
-    return code, out, time.perf_counter() - t0
+    m = re.search(r"run\.fault: .* \(unix time ([0-9.]+)\)", out)
+    return code, out, time.time() - (float(m.group(1)) if m else t0)
 
 
 @pytest.mark.parametrize("launcher", ["local", "torchrun"])
@@ -56,19 +59,19 @@ def test_a_killed_rank_stops_the_others_within_bounded_time(tmp_path):
     code, out, elapsed = _timed(APP + [f"output_dir={tmp_path}", *SMALL, "run.fault=kill@2:0"])
     assert code == 128 + signal.SIGKILL, (code, out[-3000:])
     assert "nemo-longctx: FAILED: rank 0 killed by SIGKILL" in out, out[-3000:]
-    # the surviving rank was blocked in a collective with the dead one: the agent stopped it (start-up ~25 s)
-    assert elapsed < 25 + 60, elapsed
+    # the surviving rank was blocked in a collective with the dead one: the agent stopped it
+    assert elapsed < 60, elapsed
 
 
 def test_a_hung_rank_ends_the_job_through_the_collective_timeout(tmp_path):
     code, out, elapsed = _timed(APP + [f"output_dir={tmp_path}", *SMALL, "run.fault=hang@2:1",
-                                       "launcher.timeout_s=15"])
+                                       "launcher.timeout_s=15", "launcher.shutdown_timeout_s=10"])
     assert code != 0, out[-3000:]
     # rank 0's ring exchange with the hung rank 1 timed out after launcher.timeout_s; the agent then stopped rank 1
     # (it ignores SIGTERM while hung: SIGKILL after launcher.shutdown_timeout_s). Both are named.
     assert "nemo-longctx: FAILED: rank 1 killed by SIG" in out, out[-3000:]
     assert "then rank 0 exit code 1: RuntimeError:" in out and "Timed out waiting 15000ms" in out, out[-3000:]
-    assert elapsed < 25 + 15 + 30 + 30, elapsed
+    assert elapsed < 15 + 10 + 35, elapsed  # launcher.timeout_s + launcher.shutdown_timeout_s + teardown
 
 
 def _run_processes(marker: str):

@@ -207,7 +207,8 @@ class FaultInjection(pl.Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if trainer.global_step + 1 != self.step or trainer.global_rank != self.rank:
             return
-        print(f"run.fault: rank {self.rank} injects '{self.kind}' at step {self.step}", flush=True)
+        print(f"run.fault: rank {self.rank} injects '{self.kind}' at step {self.step} (unix time {time.time():.2f})",
+              flush=True)
         if self.kind == "raise":
             raise RuntimeError(f"injected failure (run.fault) on rank {self.rank} at step {self.step}")
         if self.kind == "kill":
