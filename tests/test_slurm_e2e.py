@@ -79,3 +79,21 @@ def test_cpu_demo_sbatch_trains_under_srun(slurm_cluster, tmp_path):
         assert math.isfinite(r["loss"]) and 0 < r["loss"] < 20
         assert r["tokens_per_s"] > 0
         assert r.get("world_size", 2) == 2 and r.get("cp_size", 2) == 2
+
+
+def test_a_failing_rank_fails_the_slurm_job(slurm_cluster, tmp_path):
+    """A rank raising at step 2 under srun: the job ends FAILED with a non-zero exit code (not COMPLETED)."""
+    out_dir = tmp_path / "out"
+    nemo_longctx = Path(sys.executable).with_name("nemo-longctx")
+    env = dict(os.environ, NEMO_LONGCTX=str(nemo_longctx), OUTPUT_DIR=str(out_dir), MAX_STEPS="4",
+               EXTRA_OVERRIDES="model.seq_length=1024 run.fault=raise@2:1", MEM_LIMIT_KB=str(8 * 1024 * 1024))
+    sub = subprocess.run(["sbatch", "--parsable", f"--chdir={tmp_path}", str(DEMO)], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert sub.returncode == 0, sub.stderr
+    job = sub.stdout.strip().split(";")[0]
+    waited = _slurm("wait", job, "420", timeout=480)
+    log = next(tmp_path.glob(f"*-{job}.out"), None)
+    log_text = log.read_text() if log else "(no job output file)"
+    assert waited.returncode not in (0, 124), f"job {job}: {waited.stderr}\n{log_text[-3000:]}"
+    assert "FAILED" in waited.stderr or "FAILED" in waited.stdout, waited.stderr
+    assert "injected failure (run.fault) on rank 1 at step 2" in log_text, log_text[-3000:]

@@ -1,0 +1,164 @@
+"""Checkpoints, resume, validation and TensorBoard through NeMo's own machinery (real processes, gloo on CPU).
+
+Runs of the default job (tiny GQA Llama, ring CP=2, Adam + cosine LR, fp32, seq 1024), 6 steps, checkpoint every 2
+steps, validation every 2 steps:
+  * ``full``: uninterrupted;
+  * ``killed``: the same run with rank 1 SIGKILLed at step 5 (exit != 0; checkpoints of steps 2 and 4 on disk), then
+    ``resumed`` with the same command (``checkpoint.resume=auto``): steps 5 and 6 equal ``full``'s (<= 1e-6 relative)
+    -- model, optimizer, LR schedule and data position all come back;
+  * from ``full``'s step-4 checkpoint (``checkpoint.resume=<path>``): ``cp.size=4`` on 4 ranks and
+    ``cp.algorithm=ulysses``: the next step's loss equals ``full``'s step 5 (<= 1e-5), and their step-6 validation
+    loss equals ``full``'s;
+  * ``none``: cp=none on one process, 6 steps with validation: validation losses equal the ring's (reduced over CP).
+Plus: the checkpoint's NeMo context (io.json) restores our layer spec; TensorBoard event files hold the scalars;
+``checkpoint.keep`` prunes; bad checkpoint settings fail before anything starts.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from app_runner import run_app
+
+BIN = Path(sys.executable).parent
+APP = [str(BIN / "nemo-longctx"), "train"]
+STEPS = 6
+COMMON = ["model.seq_length=1024", f"trainer.max_steps={STEPS}", "checkpoint.every_n_steps=2", "checkpoint.keep=3",
+          "trainer.val_check_interval=2", "trainer.limit_val_batches=2", "memory.track=false"]
+
+
+def _metrics(out_dir: Path):
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    train = {r["step"]: r["loss"] for r in rows if "loss" in r}
+    val = {r["step"]: r["val_loss"] for r in rows if "val_loss" in r}
+    return train, val
+
+
+def _ckpt(out_dir: Path, step: int) -> Path:
+    """NeMo names a checkpoint by its 0-based step: the one saved after N steps is ``step=N-1-...``."""
+    found = [p for p in (out_dir / "checkpoints").glob(f"step={step - 1}-*") if not p.name.endswith("-last")]
+    assert len(found) == 1, sorted(p.name for p in (out_dir / "checkpoints").iterdir())
+    return found[0]
+
+
+def _ok(cmd, timeout=420):
+    code, out = run_app(cmd, timeout)
+    assert code == 0, out[-4000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("ckpt")
+    d = {name: base / name for name in ("full", "killed", "cp4", "ulysses", "none")}
+    _ok(APP + [f"output_dir={d['full']}", *COMMON])
+    code, out = run_app(APP + [f"output_dir={d['killed']}", *COMMON, "run.fault=kill@5:1"], 420)
+    assert code != 0 and "rank 1 killed by SIGKILL" in out, out[-3000:]
+    killed_rows = _metrics(d["killed"])
+    killed_ckpts = sorted(p.name for p in (d["killed"] / "checkpoints").iterdir())
+    resumed_out = _ok(APP + [f"output_dir={d['killed']}", *COMMON])  # the same command again: auto-resume
+    step4 = _ckpt(d["full"], 4)
+    _ok(APP + [f"output_dir={d['cp4']}", *COMMON, "cp.size=4", "trainer.devices=4", f"checkpoint.resume='{step4}'"],
+        timeout=600)
+    _ok(APP + [f"output_dir={d['ulysses']}", *COMMON, "cp=ulysses", f"checkpoint.resume='{step4}'"])
+    none_out = _ok([sys.executable, "-m", "nemo_longctx.train", f"output_dir={d['none']}", *COMMON, "cp=none",
+                    "trainer.devices=1", "run.kernel_self_test=true"])
+    return {"dirs": d, "killed_rows": killed_rows, "killed_ckpts": killed_ckpts, "resumed_out": resumed_out,
+            "none_out": none_out}
+
+
+def _close(a: float, b: float, rel: float) -> bool:
+    return abs(a - b) <= rel * abs(a)
+
+
+def test_resume_after_a_killed_rank_continues_the_same_run(runs):
+    full, full_val = _metrics(runs["dirs"]["full"])
+    assert sorted(full) == list(range(1, STEPS + 1)) and sorted(full_val) == [2, 4, 6]
+    train_before, _ = runs["killed_rows"]
+    assert sorted(train_before) == [1, 2, 3, 4]  # killed at the start of step 5
+    assert any(n.startswith("step=3-") for n in runs["killed_ckpts"]), runs["killed_ckpts"]
+    assert "Restoring states from the checkpoint path" in runs["resumed_out"] and "step=3-" in runs["resumed_out"]
+    resumed, resumed_val = _metrics(runs["dirs"]["killed"])
+    assert sorted(resumed) == list(range(1, STEPS + 1))  # metrics.jsonl reads as one run
+    for step in range(1, STEPS + 1):
+        assert _close(full[step], resumed[step], 1e-6), (step, full[step], resumed[step])
+    assert _close(full_val[6], resumed_val[6], 1e-6)
+    assert full[5] != full[4]  # the comparison is not vacuous: the loss moves step to step
+
+
+@pytest.mark.parametrize("layout", ["cp4", "ulysses"])
+def test_resume_at_another_cp_layout_continues_with_the_same_loss(runs, layout):
+    full, full_val = _metrics(runs["dirs"]["full"])
+    other, other_val = _metrics(runs["dirs"][layout])
+    assert sorted(other) == [5, 6], other  # resumed after step 4
+    assert _close(full[5], other[5], 1e-5), (full[5], other[5])
+    assert _close(full[6], other[6], 1e-5), (full[6], other[6])
+    assert _close(full_val[6], other_val[6], 1e-5), (full_val[6], other_val[6])
+
+
+def test_validation_loss_is_reduced_over_cp(runs):
+    _, ring_val = _metrics(runs["dirs"]["full"])
+    none, none_val = _metrics(runs["dirs"]["none"])
+    assert sorted(none_val) == sorted(ring_val) == [2, 4, 6]
+    for step in (2, 4, 6):
+        assert _close(none_val[step], ring_val[step], 1e-5), (step, none_val[step], ring_val[step])
+    assert len({round(v, 4) for v in ring_val.values()}) == 3  # validation follows training
+
+
+def test_opt_in_kernel_self_test_runs_before_training(runs):
+    out = runs["none_out"]
+    assert "run.kernel_self_test: kernel cpu_flash on cpu/torch.float32 matches float64" in out, out[-2000:]
+    assert out.index("run.kernel_self_test:") < out.index("step 1/")
+
+
+def test_checkpoint_keep_prunes_old_checkpoints(runs):
+    names = sorted(p.name for p in (runs["dirs"]["full"] / "checkpoints").iterdir())
+    regular = [n for n in names if not n.endswith("-last")]
+    assert regular == ["step=1-consumed_samples=2.0", "step=3-consumed_samples=4.0", "step=5-consumed_samples=6.0"]
+    assert "step=5-consumed_samples=6.0-last" in names  # the end of training is saved too
+
+
+def test_tensorboard_event_files_hold_the_scalars(runs):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = runs["dirs"]["full"] / "tensorboard"
+    acc = EventAccumulator(str(tb))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    for tag in ("reduced_train_loss", "val_loss", "train/loss", "train/tokens_per_s", "train/step_time_s"):
+        assert tag in tags, sorted(tags)
+    losses = [e.value for e in acc.Scalars("train/loss")]
+    full, _ = _metrics(runs["dirs"]["full"])
+    assert len(losses) == STEPS and abs(losses[-1] - full[STEPS]) <= 1e-6 * abs(full[STEPS])
+
+
+CONTEXT_CHECK = """
+import json, sys
+from nemo.lightning import io
+model = io.load_context(sys.argv[1], subpath="model")
+spec = model.config.transformer_layer_spec
+print(json.dumps({"spec": type(spec).__name__, "algorithm": spec.cp_algorithm,
+                  "data_step": model.config.data_step_fn.__name__, "layers": model.config.num_layers}))
+"""
+
+
+def test_checkpoint_context_restores_our_layer_spec(runs):
+    ctx = _ckpt(runs["dirs"]["ulysses"], 6) / "context"
+    p = subprocess.run([sys.executable, "-c", CONTEXT_CHECK, str(ctx)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got == {"spec": "LongContextLayerSpec", "algorithm": "ulysses", "data_step": "long_context_data_step",
+                   "layers": 2}, got
+
+
+def test_bad_checkpoint_settings_fail_before_anything_starts(tmp_path):
+    code, out = run_app(APP + [f"output_dir={tmp_path}", "checkpoint.every_n_steps=-1", "checkpoint.keep=0",
+                               f"checkpoint.resume={tmp_path / 'missing'}"], 120)
+    assert code != 0 and "spawning" not in out, out[-3000:]
+    assert "checkpoint.every_n_steps=-1" in out and "checkpoint.keep=0" in out, out[-3000:]
+    assert "is neither auto/never nor an existing checkpoint directory" in out, out[-3000:]
