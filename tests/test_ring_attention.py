@@ -86,7 +86,8 @@ def _bad_input_worker(rank, world_size):
         "odd": (torch.randn(1, 7, 4, 16), torch.randn(1, 7, 2, 16), torch.randn(1, 7, 2, 16), {}),
         "heads": (torch.randn(1, 8, 3, 16), kv, kv, {}),
         "shape": (q, torch.randn(1, 6, 2, 16), torch.randn(1, 6, 2, 16), {}),
-        "kv_mismatch": (q, kv, torch.randn(1, 8, 2, 8), {}),
+        # v's head dim may differ from k's (MLA), its heads may not
+        "kv_mismatch": (q, kv, torch.randn(1, 8, 1, 16), {}),
         "dtype": (q, kv.double(), kv.double(), {}),
         "layout": (q, kv, kv, {"global_seq_len": 8 * (world_size + 1)}),
         "rank3": (q[0], kv[0], kv[0], {}),
@@ -147,7 +148,7 @@ def test_bad_inputs_raise_before_communicating():
     assert "even" in msgs0["odd"] and "2*cp" in msgs0["odd"]
     assert "multiple of key/value heads" in msgs0["heads"]
     assert "must agree" in msgs0["shape"]
-    assert "same shape" in msgs0["kv_mismatch"]
+    assert "k and v must agree" in msgs0["kv_mismatch"]
     assert "dtype" in msgs0["dtype"]
     assert "does not match the layout" in msgs0["layout"]
     assert "4-D" in msgs0["rank3"]

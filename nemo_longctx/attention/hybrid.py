@@ -86,8 +86,8 @@ def hybrid_attention(
 ) -> Tensor:
     """Exact attention, Ulysses over ``ulysses_group`` x ring over ``ring_group`` (groups from ``make_cp_groups``).
 
-    q [b, s_local, hq, d], k/v [b, s_local, hkv, d], zigzag-sharded over the whole CP group (U*R ranks) ->
-    [b, s_local, hq, d]. Needs hq % U == 0 and ``head_chunks`` dividing hq / U; KV heads are replicated only
+    q [b, s_local, hq, d], k [b, s_local, hkv, d], v [b, s_local, hkv, dv] (dv may differ from d: MLA),
+    zigzag-sharded over the whole CP group (U*R ranks) -> [b, s_local, hq, dv]. Needs hq % U == 0 and ``head_chunks`` dividing hq / U; KV heads are replicated only
     as far as U needs (the ring is GQA-native). ``regather_in_backward`` as in ``ulysses_attention``.
     Raises ValueError before communicating.
     """
@@ -97,7 +97,7 @@ def hybrid_attention(
     if u_size == 1 and head_chunks == 1 and not regather_in_backward:  # pure ring: nothing to exchange or reorder
         return ring_attention(q, k, v, ring_group, causal, softmax_scale, kernel=kernel, global_seq_len=global_seq_len)
     scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
-    kern = select_kernel(q.device, q.dtype, kernel)
+    kern = select_kernel(q.device, q.dtype, kernel, head_dim=q.shape[-1], value_dim=v.shape[-1])
     return ulysses_core(
         q, k, v, plan, ulysses_group if u_size > 1 else None, ring_group if r_size > 1 else None, causal, scale, kern,
         bool(regather_in_backward),

@@ -14,7 +14,9 @@ the shapes of q, k, v. ``out`` and ``lse`` may be the *final* merged values of t
 block's own): that is how ring attention computes per-block gradients (the "split-KV contract").
 
 Kernels:
-  * ``cpu_flash``   torch's fused CPU flash attention op pair (GQA-native).
+  * ``cpu_flash``   torch's fused CPU flash attention op pair (GQA-native). The op needs one head size for
+                    q, k and v: with dv != d the operands are zero-padded to max(d, dv) (exact; costs a
+                    padded copy and the matmuls at the padded width).
   * ``flash_attn``  the flash-attn package on CUDA (GQA-native), 2.6.x and 2.7+ APIs, detected from the
                     signature of ``flash_attn.flash_attn_interface._flash_attn_forward`` (not a version string).
   * ``sdpa_flash``  torch's CUDA flash op pair ``aten._scaled_dot_product_flash_attention(_backward)``
@@ -116,7 +118,22 @@ def resolve_softmax_scale(softmax_scale: Optional[float], head_dim: int) -> floa
 # --------------------------------------------------------------------------------------------------------
 
 
+def _pad_head_dim(x: Tensor, dim: int) -> Tensor:
+    """``x`` [..., e] zero-padded to [..., dim] (``x`` itself when e == dim)."""
+    e = x.shape[-1]
+    return x if e == dim else torch.nn.functional.pad(x, (0, dim - e))
+
+
 def _cpu_flash_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> Tuple[Tensor, Tensor]:
+    d, dv = q.shape[-1], v.shape[-1]
+    if dv != d:
+        # The op wants one head size for q, k and v (MLA: d_qk=192, d_v=128). Zero-padding is exact: zero
+        # columns of q/k add 0 to every score (the scale is passed explicitly), zero columns of v give zero
+        # output columns, which are sliced off. Cost: one padded copy of the smaller operand(s) and the matmuls
+        # of the padded width max(d, dv) (1.5x the P@V work for MLA's 192/128).
+        e = max(d, dv)
+        out, lse = _cpu_flash_forward(_pad_head_dim(q, e), _pad_head_dim(k, e), _pad_head_dim(v, e), causal, scale)
+        return out[..., :dv].contiguous(), lse
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, attn_mask=None, scale=scale
     )
@@ -126,6 +143,15 @@ def _cpu_flash_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: flo
 def _cpu_flash_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
 ) -> Tuple[Tensor, Tensor, Tensor]:
+    d, dv = q.shape[-1], v.shape[-1]
+    if dv != d:
+        # Padded as in the forward: the padded out/dout columns are zero, so delta = rowsum(dout * out) and
+        # every real gradient column are unchanged; the padded gradient columns are sliced off.
+        e = max(d, dv)
+        dq, dk, dvv = _cpu_flash_backward(
+            _pad_head_dim(dout, e), _pad_head_dim(q, e), _pad_head_dim(k, e), _pad_head_dim(v, e),
+            _pad_head_dim(out, e), lse, causal, scale)
+        return dq[..., :d], dk[..., :d], dvv[..., :dv]
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         dout.transpose(1, 2),
         q.transpose(1, 2),
@@ -483,7 +509,8 @@ def _sdpa_cuda_backward(
 
 KERNELS: Dict[str, AttentionKernel] = {
     "cpu_flash": AttentionKernel("cpu_flash", _cpu_flash_forward, _cpu_flash_backward, device_type="cpu",
-                                 dtypes=(torch.float32, torch.float64, torch.bfloat16, torch.float16)),
+                                 dtypes=(torch.float32, torch.float64, torch.bfloat16, torch.float16),
+                                 value_dim_differs=True),
     "math": AttentionKernel("math", _math_forward, _math_backward, value_dim_differs=True),
     "flash_attn": AttentionKernel("flash_attn", _flash_attn_forward, _flash_attn_backward, device_type="cuda",
                                   dtypes=_HALF, max_head_dim=256),
@@ -528,19 +555,37 @@ def _auto_kernel_name(device: torch.device, dtype: torch.dtype) -> str:
     return "math"
 
 
-def select_kernel(device: torch.device, dtype: torch.dtype, name: Optional[str] = None) -> AttentionKernel:
+# "auto" fallbacks, in order, when the usual choice does not take the problem's head dims (MLA: dv != d)
+_AUTO_FALLBACK = ("sdpa_cudnn", "sdpa_cuda", "math")
+
+
+def _auto_kernel_for_dims(device: torch.device, dtype: torch.dtype, head_dim: Optional[int],
+                          value_dim: Optional[int]) -> str:
+    name = _auto_kernel_name(device, dtype)
+    if head_dim is None or KERNELS[name].supports(device.type, dtype, head_dim, value_dim):
+        return name
+    for alt in _AUTO_FALLBACK:
+        if KERNELS[alt].supports(device.type, dtype, head_dim, value_dim):
+            return alt
+    return "math"
+
+
+def select_kernel(device: torch.device, dtype: torch.dtype, name: Optional[str] = None, *,
+                  head_dim: Optional[int] = None, value_dim: Optional[int] = None) -> AttentionKernel:
     """Return the kernel for ``device``/``dtype``.
 
     ``name`` is one of ``KERNELS`` or ``"auto"``/None; with "auto" the environment variable
     ``NEMO_LONGCTX_ATTN_KERNEL`` (if set) wins, otherwise: float64 -> math, a default registered for the
     device (``register_default_kernel``), CPU -> cpu_flash, CUDA half/bf16 -> flash_attn if installed else
     sdpa_flash, CUDA float32 -> sdpa_cuda, anything else -> math. A broken flash-attn install raises.
+    ``head_dim``/``value_dim`` (q/k and v head sizes), when given: "auto" skips kernels that do not take
+    them (then sdpa_cudnn, sdpa_cuda, math in that order), and a named kernel that does not is a ValueError.
     """
     requested = name or "auto"
     if requested == "auto":
         requested = os.environ.get(KERNEL_ENV_VAR, "auto") or "auto"
     dev = torch.device(device)
-    chosen = _auto_kernel_name(dev, dtype) if requested == "auto" else requested
+    chosen = _auto_kernel_for_dims(dev, dtype, head_dim, value_dim) if requested == "auto" else requested
     if chosen not in KERNELS:
         raise ValueError(f"unknown attention kernel {chosen!r}; choose one of {sorted(KERNELS)} or 'auto'")
     kern = KERNELS[chosen]
@@ -553,6 +598,10 @@ def select_kernel(device: torch.device, dtype: torch.dtype, name: Optional[str] 
     if kern.dtypes is not None and dtype not in kern.dtypes:
         raise ValueError(f"attention kernel {chosen!r} does not support {dtype} "
                          f"(supported: {[str(t) for t in kern.dtypes]})")
+    if head_dim is not None and not kern.supports(dev.type, dtype, head_dim, value_dim):
+        raise ValueError(f"attention kernel {chosen!r} does not support head dims q/k={head_dim}, "
+                         f"v={value_dim if value_dim is not None else head_dim} (value_dim_differs="
+                         f"{kern.value_dim_differs}, max_head_dim={kern.max_head_dim})")
     key = (dev.type, dtype, chosen)
     if key not in _logged_choices:
         _logged_choices.add(key)

@@ -1,7 +1,9 @@
 """Ring (P2P) context-parallel attention, GQA/MQA-native, zigzag-balanced, comm overlapped with compute.
 
-Layout: q [b, s_local, hq, d], k/v [b, s_local, hkv, d], the sequence zigzag-sharded over the CP group
-(rank r holds global chunks r and 2P-1-r of 2P; see ``layouts``). Returns [b, s_local, hq, d].
+Layout: q [b, s_local, hq, d], k [b, s_local, hkv, d], v [b, s_local, hkv, dv], the sequence zigzag-sharded
+over the CP group (rank r holds global chunks r and 2P-1-r of 2P; see ``layouts``). Returns [b, s_local, hq, dv].
+dv may differ from d (MLA: d = 192, dv = 128): K and V travel at their own sizes, nothing is padded for
+communication (a kernel may pad locally, see ``kernels``).
 
 Forward: K/V (only the hkv real heads) travel around the ring; step i+1's exchange is posted before step
 i's block is computed. With causal masking each step does the same work on every rank:
@@ -52,7 +54,7 @@ def ring_attention_forward(
     q: Tensor, k: Tensor, v: Tensor, group: Optional[dist.ProcessGroup], causal: bool, scale: float,
     kernel: AttentionKernel,
 ) -> Tuple[Tensor, Tensor]:
-    """Forward pass without autograd: (out [b, s_local, hq, d] in q.dtype, lse [b, hq, s_local] fp32/fp64)."""
+    """Forward pass without autograd: (out [b, s_local, hq, dv] in q.dtype, lse [b, hq, s_local] fp32/fp64)."""
     size, rank = group_size_and_rank(group)
     ring = RingExchange(group) if size > 1 else None
     c = q.shape[1] // 2
@@ -150,7 +152,7 @@ def ring_attention(
     size, _ = group_size_and_rank(group)
     check_attention_inputs(q, k, v, size, causal, global_seq_len, fn="ring_attention")
     scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
-    kern = select_kernel(q.device, q.dtype, kernel)
+    kern = select_kernel(q.device, q.dtype, kernel, head_dim=q.shape[-1], value_dim=v.shape[-1])
     return _RingAttention.apply(q, k, v, group if size > 1 else None, causal, scale, kern)
 
 

@@ -1,7 +1,9 @@
 """Ulysses (all-to-all) context-parallel attention, GQA/MQA-aware, with chunked heads ("untied" Ulysses).
 
-Layout: q [b, s_local, hq, d], k/v [b, s_local, hkv, d], the sequence zigzag-sharded over the Ulysses group
-of P ranks (rank r holds global chunks r and 2P-1-r of 2P; see ``layouts``). Returns [b, s_local, hq, d].
+Layout: q [b, s_local, hq, d], k [b, s_local, hkv, d], v [b, s_local, hkv, dv], the sequence zigzag-sharded
+over the Ulysses group of P ranks (rank r holds global chunks r and 2P-1-r of 2P; see ``layouts``). Returns
+[b, s_local, hq, dv]. dv may differ from d (MLA): the staging buffers hold each tensor's heads x head-dim
+columns, so q/k and v (and their gradients) travel at their own sizes.
 
 Forward, per head chunk t (of ``head_chunks``):
   1. one all-to-all turns [b, s_local, heads, d] shards into the full sequence of this rank's heads: rank j
@@ -185,45 +187,52 @@ def _inner_backward(dout, q, k, v, out, lse, ring_group, causal, scale, kernel):
     return ring_attention_backward(dout, q, k, v, out, lse, ring_group, causal, scale, kernel)
 
 
-def _front(buf: Tensor, n: int) -> Tensor:
-    """A contiguous [P, b, s, n, d] view on the front of a [P, b, s, nh, d] buffer's storage (n <= nh)."""
-    size, b, s, _, d = buf.shape
-    return buf.view(-1)[: size * b * s * n * d].view(size, b, s, n, d)
+def _front(buf: Tensor, f: int) -> Tensor:
+    """A contiguous [P, b, s, f] view on the front of a [P, b, s, F] buffer's storage (f <= F)."""
+    size, b, s, _ = buf.shape
+    return buf.view(-1)[: size * b * s * f].view(size, b, s, f)
+
+
+def _features(t: Tensor) -> int:
+    """Elements per token of a [b, s, n, e] tensor: n heads of e (tensors of different head dims share a
+    buffer by their flattened head x head-dim columns, so K and V travel at their own sizes)."""
+    return t.shape[2] * t.shape[3]
 
 
 def _to_heads(sources, outs, send, recv, group, natural) -> None:
     """All-to-all sequence shards -> full sequence of a few heads.
 
-    ``sources``: (x [b, s_local, H, d], heads_of(j) -> x's head index for rank j); ``outs``: matching
-    [b, P*s_local, n, d] tensors. Uses the front of the reused ``send``/``recv`` buffers."""
-    widths = [o.shape[2] for o in outs]
+    ``sources``: (x [b, s_local, H, e], heads_of(j) -> x's head index for rank j); ``outs``: matching
+    [b, P*s_local, n, e] tensors (e may differ per tensor). Uses the front of the reused ``send``/``recv``
+    buffers ([P, b, s_local, F], F >= the outs' total features)."""
+    widths = [_features(o) for o in outs]
     snd, rcv = _front(send, sum(widths)), _front(recv, sum(widths))
     for j in range(snd.shape[0]):
         lo = 0
-        for (x, heads_of), w in zip(sources, widths):
-            snd[j, :, :, lo:lo + w].copy_(_pick_heads(x, heads_of(j)))
+        for (x, heads_of), o, w in zip(sources, outs, widths):
+            snd[j, :, :, lo:lo + w].unflatten(-1, o.shape[2:]).copy_(_pick_heads(x, heads_of(j)))
             lo += w
     all_to_all_equal(snd, rcv, group)
     lo = 0
     for o, w in zip(outs, widths):
-        _gather_sequence(rcv[..., lo:lo + w, :], o, natural)
+        _gather_sequence(rcv[..., lo:lo + w].unflatten(-1, o.shape[2:]), o, natural)
         lo += w
 
 
 def _to_sequence(tensors, sinks, send, recv, group, natural) -> None:
-    """Inverse of ``_to_heads``: for [b, P*s_local, n, d] ``tensors``, ``sinks[i](j, part)`` receives the
-    [b, s_local, n, d] part of tensor i that rank j computed for this rank's sequence shard."""
-    widths = [t.shape[2] for t in tensors]
+    """Inverse of ``_to_heads``: for [b, P*s_local, n, e] ``tensors``, ``sinks[i](j, part)`` receives the
+    [b, s_local, n, e] part of tensor i that rank j computed for this rank's sequence shard."""
+    widths = [_features(t) for t in tensors]
     snd, rcv = _front(send, sum(widths)), _front(recv, sum(widths))
     lo = 0
     for t, w in zip(tensors, widths):
-        _scatter_sequence(t, snd[..., lo:lo + w, :], natural)
+        _scatter_sequence(t, snd[..., lo:lo + w].unflatten(-1, t.shape[2:]), natural)
         lo += w
     all_to_all_equal(snd, rcv, group)
     for j in range(rcv.shape[0]):
         lo = 0
-        for sink, w in zip(sinks, widths):
-            sink(j, rcv[j, :, :, lo:lo + w])
+        for t, sink, w in zip(tensors, sinks, widths):
+            sink(j, rcv[j, :, :, lo:lo + w].unflatten(-1, t.shape[2:]))
             lo += w
 
 
@@ -231,16 +240,17 @@ class _UlyssesAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan: UlyssesHeadPlan, group, ring_group, causal, scale, kernel: AttentionKernel,
                 regather: bool):
-        size, b, s, d = plan.size, q.shape[0], q.shape[1], q.shape[3]
+        size, b, s, d, dv = plan.size, q.shape[0], q.shape[1], q.shape[3], v.shape[3]
         nqc, nkc, seq = plan.q_per_chunk, plan.kv_per_chunk, plan.size * q.shape[1]
         natural = causal and size > 1  # non-causal attention does not depend on the sequence order
-        send = q.new_empty(size, b, s, nqc + 2 * nkc, d)  # reused by every chunk: [q | k | v] heads
+        # reused by every chunk: [q | k | v] heads, each at its own head dim (flattened columns)
+        send = q.new_empty(size, b, s, nqc * d + nkc * (d + dv))
         recv = torch.empty_like(send)
-        out = q.new_empty(q.shape)
+        out = q.new_empty(b, s, q.shape[2], dv)
         saved: List[Tensor] = []
         staging = [send, recv]
         if regather:  # gathered q/k/v are not saved: one set of buffers serves every chunk
-            ql, kl, vl = q.new_empty(b, seq, nqc, d), q.new_empty(b, seq, nkc, d), q.new_empty(b, seq, nkc, d)
+            ql, kl, vl = q.new_empty(b, seq, nqc, d), q.new_empty(b, seq, nkc, d), q.new_empty(b, seq, nkc, dv)
             staging += [ql, kl, vl]
 
         def out_sink(t):
@@ -252,7 +262,7 @@ class _UlyssesAttention(torch.autograd.Function):
                 if not regather:
                     ql = q.new_empty(b, seq, nqc, d)
                     if new_kv:
-                        kl, vl = q.new_empty(b, seq, nkc, d), q.new_empty(b, seq, nkc, d)
+                        kl, vl = q.new_empty(b, seq, nkc, d), q.new_empty(b, seq, nkc, dv)
                 sources = [(q, lambda j: plan.q_heads(j, t))]
                 outs = [ql]
                 if new_kv:
@@ -268,6 +278,7 @@ class _UlyssesAttention(torch.autograd.Function):
         ctx.save_for_backward(*saved)
         ctx.args = (plan, group, ring_group, causal, scale, kernel, regather)
         ctx.kv_dtype = k.dtype
+        ctx.head_dim = d
         return out
 
     @staticmethod
@@ -277,25 +288,28 @@ class _UlyssesAttention(torch.autograd.Function):
         if regather:
             q, k, v, out = saved[:4]
             saved = saved[4:]
-        size, (b, s, hq, d) = plan.size, dout.shape
+        size, (b, s, hq, dvh), d = plan.size, dout.shape, ctx.head_dim
         nqc, nkc, seq = plan.q_per_chunk, plan.kv_per_chunk, plan.size * s
-        kv_shape = (b, s, plan.hkv, d)
+        k_shape, v_shape = (b, s, plan.hkv, d), (b, s, plan.hkv, dvh)
         natural = causal and size > 1
-        send = dout.new_empty(size, b, s, (3 * nqc if regather else nqc) + 2 * nkc, d)
+        # in: dout (+ q, out, k, v when regathering); back: dq, dk, dv -- each at its own head dim
+        width_in = nqc * dvh + (nqc * (d + dvh) + nkc * (d + dvh) if regather else 0)
+        width_back = nqc * d + nkc * (d + dvh)
+        send = dout.new_empty(size, b, s, max(width_in, width_back))
         recv = torch.empty_like(send)
-        dout_l = dout.new_empty(b, seq, nqc, d)
+        dout_l = dout.new_empty(b, seq, nqc, dvh)
         staging = [send, recv, dout_l]
         if regather:
-            ql, ol = dout.new_empty(b, seq, nqc, d), dout.new_empty(b, seq, nqc, d)
-            kl, vl = dout.new_empty(b, seq, nkc, d), dout.new_empty(b, seq, nkc, d)
+            ql, ol = dout.new_empty(b, seq, nqc, d), dout.new_empty(b, seq, nqc, dvh)
+            kl, vl = dout.new_empty(b, seq, nkc, d), dout.new_empty(b, seq, nkc, dvh)
             staging += [ql, ol, kl, vl]
         dq = dout.new_empty(b, s, hq, d)
         acc_dtype = torch.float64 if ctx.kv_dtype == torch.float64 else torch.float32
         if plan.kv_replicas > 1:  # replicas' gradients are summed into the original KV heads
-            dk = torch.zeros(kv_shape, dtype=acc_dtype, device=dout.device)
-            dv = torch.zeros(kv_shape, dtype=acc_dtype, device=dout.device)
+            dk = torch.zeros(k_shape, dtype=acc_dtype, device=dout.device)
+            dv = torch.zeros(v_shape, dtype=acc_dtype, device=dout.device)
         else:
-            dk, dv = dout.new_empty(kv_shape), dout.new_empty(kv_shape)
+            dk, dv = dout.new_empty(k_shape), dout.new_empty(v_shape)
 
         def q_sink(t):
             return lambda j, part: dq[:, :, plan.q_heads(j, t)].copy_(part)
@@ -369,7 +383,8 @@ def ulysses_attention(
 ) -> Tensor:
     """Exact attention over a zigzag-sharded sequence split across ``group`` by all-to-all (module docstring).
 
-    q [b, s_local, hq, d], k/v [b, s_local, hkv, d] -> [b, s_local, hq, d]. Needs hq % P == 0 (P = group size)
+    q [b, s_local, hq, d], k [b, s_local, hkv, d], v [b, s_local, hkv, dv] -> [b, s_local, hq, dv] (dv may
+    differ from d). Needs hq % P == 0 (P = group size)
     and ``head_chunks`` dividing hq / P. ``group=None`` or a one-rank group computes local attention.
     ``kernel`` names a local kernel (``kernels.KERNELS``) or "auto". ``regather_in_backward=True`` saves only
     q, k, v, out and lse and all-to-alls q/k/v/out again in backward, chunk by chunk (less memory, about 1.5x
@@ -378,6 +393,6 @@ def ulysses_attention(
     size, _ = group_size_and_rank(group)
     plan = check_ulysses_inputs(q, k, v, size, 1, causal, head_chunks, global_seq_len, fn="ulysses_attention")
     scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
-    kern = select_kernel(q.device, q.dtype, kernel)
+    kern = select_kernel(q.device, q.dtype, kernel, head_dim=q.shape[-1], value_dim=v.shape[-1])
     group = group if size > 1 else None
     return ulysses_core(q, k, v, plan, group, None, causal, scale, kern, bool(regather_in_backward))

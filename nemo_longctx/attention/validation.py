@@ -19,7 +19,8 @@ def check_attention_inputs(
     global_seq_len: Optional[int] = None,
     fn: str = "attention",
 ) -> None:
-    """Validate q [b, s_local, hq, d], k/v [b, s_local, hkv, d] for a zigzag-sharded CP group of ``cp_size``."""
+    """Validate q [b, s_local, hq, d], k [b, s_local, hkv, d], v [b, s_local, hkv, dv] (dv may differ from d:
+    MLA) for a zigzag-sharded CP group of ``cp_size``."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -31,8 +32,11 @@ def check_attention_inputs(
         raise ValueError(f"{fn}: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"{fn}: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if k.shape != v.shape:
-        raise ValueError(f"{fn}: k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(
+            f"{fn}: k and v must agree in batch, sequence length and heads (the value head dim may differ), got "
+            f"{tuple(k.shape)} and {tuple(v.shape)}"
+        )
     b, s, hq, d = q.shape
     if k.shape[0] != b or k.shape[1] != s or k.shape[3] != d:
         raise ValueError(
