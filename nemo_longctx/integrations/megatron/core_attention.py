@@ -2,10 +2,13 @@
 
 Built by Megatron's ``Attention`` from the layer spec as
 ``LongContextCoreAttention(config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-softmax_scale=None, cp_comm_type=None, pg_collection=None, cp_algorithm="ring", cp_algorithm_kwargs=None)``
-and called as ``forward(query [sq, b, hq, d], key/value [sk, b, hkv, d], attention_mask, attn_mask_type=None,
-attention_bias=None, packed_seq_params=None) -> [sq, b, hq*d]`` (heads are per tensor-parallel partition, GQA heads
-not expanded, RoPE applied, the sequence zigzag-sharded over the CP group). Layout conversion to the attention
+softmax_scale=None, cp_comm_type=None, pg_collection=None, cp_algorithm="ring", cp_algorithm_kwargs=None,
+k_channels=None, v_channels=None)`` and called as ``forward(query [sq, b, hq, dk], key [sk, b, hkv, dk], value
+[sk, b, hkv, dv], attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None) ->
+[sq, b, hq*dv]`` (heads are per tensor-parallel partition, GQA heads not expanded, RoPE applied, the sequence
+zigzag-sharded over the CP group). ``k_channels``/``v_channels`` are the query/key and value head dims that
+Megatron's MLA (``MultiLatentAttention``: q_head_dim = qk_head_dim + qk_pos_emb_head_dim, v_head_dim) passes;
+both default to ``config.kv_channels``. K and V then travel between CP ranks at their own sizes. Layout conversion to the attention
 layer's ``[b, s, h, d]`` is a transpose view (no copy when b == 1).
 
 The algorithm is looked up by name in ``cp_algorithms.CP_ALGORITHMS`` (ring, ulysses, hybrid); its
@@ -61,6 +64,8 @@ class LongContextCoreAttention(MegatronModule):
         pg_collection: Any = None,
         cp_algorithm: str = "ring",
         cp_algorithm_kwargs: Optional[Dict[str, Any]] = None,
+        k_channels: Optional[int] = None,
+        v_channels: Optional[int] = None,
         **params: Any,
     ) -> None:
         super().__init__(config=config)
@@ -112,10 +117,16 @@ class LongContextCoreAttention(MegatronModule):
         # then keeps (out, lse) from the no-grad forward for the recompute in backward (memory/keep_attention.py)
         self.kept_attention_cache = None
 
-        # Same value as Megatron's DotProductAttention: 1/sqrt(kv_channels) unless given. Its
-        # apply_query_key_layer_scaling divides by layer_number and multiplies back in the softmax: the math is
-        # unchanged, so it is ignored here.
-        head_dim = config.kv_channels
+        # Head dims: MLA passes k_channels (query/key) and v_channels (value); otherwise both are kv_channels.
+        for name, val in (("k_channels", k_channels), ("v_channels", v_channels)):
+            if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 1):
+                raise ValueError(f"LongContextCoreAttention: {name}={val!r} must be a positive int")
+        self.k_channels = config.kv_channels if k_channels is None else k_channels
+        self.v_channels = config.kv_channels if v_channels is None else v_channels
+        # Same value as Megatron's DotProductAttention (and TE's with k_channels): 1/sqrt(query/key head dim)
+        # unless given (MLA gives its mscale-corrected one). apply_query_key_layer_scaling divides by layer_number
+        # and multiplies back in the softmax: the math is unchanged, so it is ignored here.
+        head_dim = self.k_channels
         self.softmax_scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
 
     def _check_mask_type(self, attn_mask_type: Any) -> AttnMaskType:
@@ -138,7 +149,7 @@ class LongContextCoreAttention(MegatronModule):
         attention_bias: Optional[Tensor] = None,
         packed_seq_params: Any = None,
     ) -> Tensor:
-        """query [sq, b, hq, d], key/value [sk, b, hkv, d] -> [sq, b, hq*d]."""
+        """query [sq, b, hq, dk], key [sk, b, hkv, dk], value [sk, b, hkv, dv] -> [sq, b, hq*dv]."""
         if packed_seq_params is not None:
             raise ValueError("packed sequences (THD, packed_seq_params) are not supported by nemo_longctx core attention")
         if attention_bias is not None:
@@ -149,7 +160,13 @@ class LongContextCoreAttention(MegatronModule):
                 "nemo_longctx core attention got an explicit attention_mask: only the implicit causal (or no) mask "
                 "is supported; use a data step that passes attention_mask=None (e.g. data.create_attention_mask=false)"
             )
-        sq, b, hq, d = query.shape
+        sq, b, hq, _ = query.shape
+        if (query.shape[-1], key.shape[-1], value.shape[-1]) != (self.k_channels, self.k_channels, self.v_channels):
+            raise ValueError(
+                f"nemo_longctx core attention: head dims q={query.shape[-1]}, k={key.shape[-1]}, v={value.shape[-1]} "
+                f"do not match k_channels={self.k_channels}, v_channels={self.v_channels}"
+            )
+        dv = value.shape[-1]
         q = query.transpose(0, 1)  # [b, s, h, d] view
         # K/V travel between ranks (gloo/NCCL need contiguous buffers): a no-op view when b == 1 and Megatron's
         # key/value are contiguous, one copy otherwise
@@ -160,7 +177,7 @@ class LongContextCoreAttention(MegatronModule):
                 self.softmax_scale, cache=self.kept_attention_cache, key=self.layer_number, training=self.training,
                 **self.algorithm_kwargs,
             )
-            return out.transpose(0, 1).reshape(sq, b, hq * d)
+            return out.transpose(0, 1).reshape(sq, b, hq * dv)
         out = self.algorithm.attention(
             q, k, v,
             group=self.cp_group if self.cp_size > 1 else None,
@@ -168,4 +185,4 @@ class LongContextCoreAttention(MegatronModule):
             softmax_scale=self.softmax_scale,
             **self.algorithm_kwargs,
         )
-        return out.transpose(0, 1).reshape(sq, b, hq * d)
+        return out.transpose(0, 1).reshape(sq, b, hq * dv)
