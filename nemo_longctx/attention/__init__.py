@@ -6,10 +6,11 @@ Layout everywhere: ``[batch, seq, heads, head_dim]``; the sequence is zigzag-sha
 from .all_to_all import A2ABufferProbe, all_to_all_equal, track_a2a_buffer_bytes
 from .comm import ByteCounter, RingExchange, count_bytes_sent
 from .kernels import KERNELS, AttentionKernel, default_softmax_scale, select_kernel
-from .layouts import zigzag_indices, zigzag_position_ids, zigzag_shard, zigzag_unshard
+from .layouts import thd_zigzag_indices, zigzag_indices, zigzag_position_ids, zigzag_shard, zigzag_unshard
 from .merge import merge_attention, merge_attention_
 from .hybrid import hybrid_attention, make_cp_groups
 from .ring import local_attention, ring_attention, ring_attention_backward, ring_attention_forward
+from .thd import ThdLayout
 from .ulysses import UlyssesHeadPlan, check_ulysses_inputs, plan_ulysses_heads, ulysses_attention
 from .validation import check_attention_inputs
 
@@ -35,6 +36,8 @@ __all__ = [
     "ring_attention_backward",
     "ring_attention_forward",
     "select_kernel",
+    "ThdLayout",
+    "thd_zigzag_indices",
     "track_a2a_buffer_bytes",
     "ulysses_attention",
     "zigzag_indices",

@@ -42,7 +42,10 @@ import torch.distributed as dist
 from .all_to_all import all_to_all_equal, hold_buffers
 from .comm import group_size_and_rank
 from .kernels import AttentionKernel, resolve_softmax_scale, select_kernel
+from .layouts import thd_zigzag_indices
 from .ring import ring_attention_backward, ring_attention_forward
+from .ring_thd import ring_thd_backward, ring_thd_forward
+from .thd import ThdLayout, thd_layout_or_none
 from .validation import check_attention_inputs
 
 Tensor = torch.Tensor
@@ -137,12 +140,39 @@ def check_ulysses_inputs(
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _gather_sequence(recv: Tensor, dst: Tensor, natural: bool) -> None:
+@dataclass(frozen=True)
+class ThdOrder:
+    """Packed sequences: where the all-to-all's source-order tokens go. ``gather[t]`` is the source-order index
+    of target token t, ``scatter`` its inverse; the target is the per-document zigzag shard of ring rank rho over
+    the R ring ranks (R = 1: the natural packed order), ``layout`` the packed layout for that ring."""
+
+    gather: Tensor
+    scatter: Tensor
+    layout: ThdLayout
+
+
+def thd_order(layout: ThdLayout, cu_seqlens_padded, ulysses_size: int, ring_size: int, ring_rank: int,
+              device) -> ThdOrder:
+    """The ThdOrder of Ulysses group ``ring_rank`` (cp ranks ring_rank*U ... ring_rank*U+U-1 of N = U*R)."""
+    n = ulysses_size * ring_size
+    src = torch.cat([thd_zigzag_indices(cu_seqlens_padded, n, ring_rank * ulysses_size + j)
+                     for j in range(ulysses_size)])
+    tgt = thd_zigzag_indices(cu_seqlens_padded, ring_size, ring_rank)
+    where = torch.full((layout.total,), -1, dtype=torch.long)
+    where[src] = torch.arange(src.numel())
+    gather = where[tgt]
+    return ThdOrder(gather.to(device), torch.argsort(gather).to(device), layout)
+
+
+def _gather_sequence(recv: Tensor, dst: Tensor, natural) -> None:
     """recv [P, b, s, n, d] (may be strided) -> dst [b, P*s, n, d] (contiguous).
 
-    ``natural``: recv[i] holds zigzag chunks i and 2P-1-i; dst gets the 2P chunks in order. Otherwise dst
-    is recv's shards concatenated in source order."""
+    ``natural``: recv[i] holds zigzag chunks i and 2P-1-i; dst gets the 2P chunks in order. A ``ThdOrder``:
+    dst gets the tokens in its target order. Otherwise dst is recv's shards concatenated in source order."""
     size, b, s, n, d = recv.shape
+    if isinstance(natural, ThdOrder):
+        dst.copy_(recv.transpose(0, 1).reshape(b, size * s, n, d).index_select(1, natural.gather))
+        return
     if not natural:
         dst.view(b, size, s, n, d).copy_(recv.transpose(0, 1))
         return
@@ -153,9 +183,12 @@ def _gather_sequence(recv: Tensor, dst: Tensor, natural: bool) -> None:
         chunks[:, 2 * size - 1 - i].copy_(recv[i, :, half:])
 
 
-def _scatter_sequence(src: Tensor, send: Tensor, natural: bool) -> None:
+def _scatter_sequence(src: Tensor, send: Tensor, natural) -> None:
     """Inverse of ``_gather_sequence``: src [b, P*s, n, d] -> send [P, b, s, n, d] (may be strided)."""
     size, b, s, n, d = send.shape
+    if isinstance(natural, ThdOrder):
+        send.copy_(src.index_select(1, natural.scatter).view(b, size, s, n, d).transpose(0, 1))
+        return
     if not natural:
         send.copy_(src.reshape(b, size, s, n, d).transpose(0, 1))
         return
@@ -175,13 +208,17 @@ def _pick_heads(x: Tensor, heads: HeadIndex) -> Tensor:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _inner_forward(q, k, v, ring_group, causal, scale, kernel):
+def _inner_forward(q, k, v, ring_group, causal, scale, kernel, thd=None):
+    if thd is not None:
+        return ring_thd_forward(q, k, v, ring_group, causal, scale, kernel, thd.layout)
     if ring_group is None:
         return kernel.forward(q, k, v, causal, scale)
     return ring_attention_forward(q, k, v, ring_group, causal, scale, kernel)
 
 
-def _inner_backward(dout, q, k, v, out, lse, ring_group, causal, scale, kernel):
+def _inner_backward(dout, q, k, v, out, lse, ring_group, causal, scale, kernel, thd=None):
+    if thd is not None:
+        return ring_thd_backward(dout, q, k, v, out, lse, ring_group, causal, scale, kernel, thd.layout)
     if ring_group is None:
         return kernel.backward(dout, q, k, v, out, lse, causal, scale)
     return ring_attention_backward(dout, q, k, v, out, lse, ring_group, causal, scale, kernel)
@@ -239,10 +276,11 @@ def _to_sequence(tensors, sinks, send, recv, group, natural) -> None:
 class _UlyssesAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan: UlyssesHeadPlan, group, ring_group, causal, scale, kernel: AttentionKernel,
-                regather: bool):
+                regather: bool, thd: Optional[ThdOrder] = None):
         size, b, s, d, dv = plan.size, q.shape[0], q.shape[1], q.shape[3], v.shape[3]
         nqc, nkc, seq = plan.q_per_chunk, plan.kv_per_chunk, plan.size * q.shape[1]
-        natural = causal and size > 1  # non-causal attention does not depend on the sequence order
+        # non-causal attention does not depend on the sequence order; packed documents always do
+        natural = thd if thd is not None else causal and size > 1
         # reused by every chunk: [q | k | v] heads, each at its own head dim (flattened columns)
         send = q.new_empty(size, b, s, nqc * d + nkc * (d + dv))
         recv = torch.empty_like(send)
@@ -270,20 +308,20 @@ class _UlyssesAttention(torch.autograd.Function):
                     sources += [(k, kv_of), (v, kv_of)]
                     outs += [kl, vl]
                 _to_heads(sources, outs, send, recv, group, natural)
-                ol, lse = _inner_forward(ql, kl, vl, ring_group, causal, scale, kernel)
+                ol, lse = _inner_forward(ql, kl, vl, ring_group, causal, scale, kernel, thd)
                 _to_sequence([ol], [out_sink(t)], send, recv, group, natural)
                 saved += [lse] if regather else [ql, kl, vl, ol, lse]
         if regather:
             saved = [q, k, v, out] + saved
         ctx.save_for_backward(*saved)
-        ctx.args = (plan, group, ring_group, causal, scale, kernel, regather)
+        ctx.args = (plan, group, ring_group, causal, scale, kernel, regather, thd)
         ctx.kv_dtype = k.dtype
         ctx.head_dim = d
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        plan, group, ring_group, causal, scale, kernel, regather = ctx.args
+        plan, group, ring_group, causal, scale, kernel, regather, thd = ctx.args
         saved = ctx.saved_tensors
         if regather:
             q, k, v, out = saved[:4]
@@ -291,7 +329,7 @@ class _UlyssesAttention(torch.autograd.Function):
         size, (b, s, hq, dvh), d = plan.size, dout.shape, ctx.head_dim
         nqc, nkc, seq = plan.q_per_chunk, plan.kv_per_chunk, plan.size * s
         k_shape, v_shape = (b, s, plan.hkv, d), (b, s, plan.hkv, dvh)
-        natural = causal and size > 1
+        natural = thd if thd is not None else causal and size > 1
         # in: dout (+ q, out, k, v when regathering); back: dq, dk, dv -- each at its own head dim
         width_in = nqc * dvh + (nqc * (d + dvh) + nkc * (d + dvh) if regather else 0)
         width_back = nqc * d + nkc * (d + dvh)
@@ -339,7 +377,7 @@ class _UlyssesAttention(torch.autograd.Function):
                 else:
                     ql, kl, vl, ol, lse = saved[5 * t: 5 * t + 5]
                     _to_heads([(dout, q_of)], [dout_l], send, recv, group, natural)
-                dql, dkl, dvl = _inner_backward(dout_l, ql, kl, vl, ol, lse, ring_group, causal, scale, kernel)
+                dql, dkl, dvl = _inner_backward(dout_l, ql, kl, vl, ol, lse, ring_group, causal, scale, kernel, thd)
                 # chunks that share KV heads sum their KV gradients locally; they travel once, with the last one
                 last_kv = t == plan.head_chunks - 1 or plan.chunk_starts_kv_block(t + 1)
                 if not (new_kv and last_kv):
@@ -356,16 +394,30 @@ class _UlyssesAttention(torch.autograd.Function):
                 else:
                     _to_sequence([dql], [q_sink(t)], send, recv, group, natural)
                 del dql, dkl, dvl
-        return dq, dk.to(ctx.kv_dtype), dv.to(ctx.kv_dtype), None, None, None, None, None, None, None
+        return dq, dk.to(ctx.kv_dtype), dv.to(ctx.kv_dtype), None, None, None, None, None, None, None, None
 
 
 def ulysses_core(
     q: Tensor, k: Tensor, v: Tensor, plan: UlyssesHeadPlan, group: Optional[dist.ProcessGroup],
     ring_group: Optional[dist.ProcessGroup], causal: bool, scale: float, kernel: AttentionKernel,
-    regather_in_backward: bool = False,
+    regather_in_backward: bool = False, thd: Optional[ThdOrder] = None,
 ) -> Tensor:
-    """Differentiable Ulysses attention on already validated inputs (``ring_group`` None: local kernel)."""
-    return _UlyssesAttention.apply(q, k, v, plan, group, ring_group, causal, scale, kernel, regather_in_backward)
+    """Differentiable Ulysses attention on already validated inputs (``ring_group`` None: local kernel;
+    ``thd``: a packed sequence, see ``thd_order``)."""
+    return _UlyssesAttention.apply(q, k, v, plan, group, ring_group, causal, scale, kernel, regather_in_backward,
+                                   thd)
+
+
+def thd_order_for(q: Tensor, ulysses_size: int, ring_group, cu_seqlens, cu_seqlens_padded,
+                  fn: str) -> Optional[ThdOrder]:
+    """Validate a packed sequence for Ulysses x ring (ValueError before communicating) and build its ThdOrder."""
+    ring_size, ring_rank = group_size_and_rank(ring_group)
+    layout = thd_layout_or_none(q, ulysses_size * ring_size, cu_seqlens, cu_seqlens_padded, fn=fn)
+    if layout is None:
+        return None
+    ring_layout = ThdLayout(cu_seqlens, cu_seqlens_padded, ring_size, fn=fn)
+    cup = cu_seqlens if cu_seqlens_padded is None else cu_seqlens_padded
+    return thd_order(ring_layout, cup, ulysses_size, ring_size, ring_rank, q.device)
 
 
 def ulysses_attention(
@@ -380,6 +432,8 @@ def ulysses_attention(
     kernel: Optional[str] = None,
     global_seq_len: Optional[int] = None,
     regather_in_backward: bool = False,
+    cu_seqlens=None,
+    cu_seqlens_padded=None,
 ) -> Tensor:
     """Exact attention over a zigzag-sharded sequence split across ``group`` by all-to-all (module docstring).
 
@@ -388,11 +442,15 @@ def ulysses_attention(
     and ``head_chunks`` dividing hq / P. ``group=None`` or a one-rank group computes local attention.
     ``kernel`` names a local kernel (``kernels.KERNELS``) or "auto". ``regather_in_backward=True`` saves only
     q, k, v, out and lse and all-to-alls q/k/v/out again in backward, chunk by chunk (less memory, about 1.5x
-    the traffic). Raises ValueError before communicating.
+    the traffic). ``cu_seqlens`` / ``cu_seqlens_padded`` (int32, global, the same on every rank): a packed
+    sequence on [1, s_local, h, d] tensors (per-document zigzag, see ``thd``); after the all-to-all the tokens
+    are put in natural packed order and each document attends only to itself. Raises ValueError before
+    communicating.
     """
     size, _ = group_size_and_rank(group)
     plan = check_ulysses_inputs(q, k, v, size, 1, causal, head_chunks, global_seq_len, fn="ulysses_attention")
+    thd = thd_order_for(q, size, None, cu_seqlens, cu_seqlens_padded, fn="ulysses_attention")
     scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
     kern = select_kernel(q.device, q.dtype, kernel, head_dim=q.shape[-1], value_dim=v.shape[-1])
     group = group if size > 1 else None
-    return ulysses_core(q, k, v, plan, group, None, causal, scale, kern, bool(regather_in_backward))
+    return ulysses_core(q, k, v, plan, group, None, causal, scale, kern, bool(regather_in_backward), thd)
