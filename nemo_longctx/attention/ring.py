@@ -29,8 +29,9 @@ from .comm import RingExchange, group_size_and_rank
 from .kernels import AttentionKernel, resolve_softmax_scale, select_kernel
 from .merge import merge_attention_
 from .ring_thd import ring_thd_attention
+from .ring_window import ring_window_attention
 from .thd import thd_layout_or_none
-from .validation import check_attention_inputs
+from .validation import check_attention_inputs, check_window
 
 Tensor = torch.Tensor
 
@@ -146,6 +147,7 @@ def ring_attention(
     global_seq_len: Optional[int] = None,
     cu_seqlens=None,
     cu_seqlens_padded=None,
+    window_size=None,
 ) -> Tensor:
     """Exact attention over a zigzag-sharded sequence split across ``group`` (see module docstring).
 
@@ -153,13 +155,18 @@ def ring_attention(
     (``kernels.KERNELS``) or "auto". ``global_seq_len``, if given, is checked against s_local * group size.
     ``cu_seqlens`` / ``cu_seqlens_padded`` (int32, global, the same on every rank): a packed sequence of
     documents on [1, s_local, h, d] tensors, per-document zigzag and attention (``thd``, ``ring_thd``).
+    ``window_size=(left, right)``: sliding-window attention (flash-attn convention, ``(-1, -1)`` = none, causal
+    SWA = ``(W, 0)``); only the K/V the window needs travel (``ring_window``).
     Raises ValueError on inconsistent inputs before communicating.
     """
     size, _ = group_size_and_rank(group)
     check_attention_inputs(q, k, v, size, causal, global_seq_len, fn="ring_attention")
     layout = thd_layout_or_none(q, size, cu_seqlens, cu_seqlens_padded, fn="ring_attention")
+    window = check_window(window_size, causal, size, q.shape[1], layout is not None, fn="ring_attention")
     scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
     kern = select_kernel(q.device, q.dtype, kernel, head_dim=q.shape[-1], value_dim=v.shape[-1])
+    if window is not None:
+        return ring_window_attention(q, k, v, group if size > 1 else None, causal, scale, kern, window)
     if layout is not None:
         return ring_thd_attention(q, k, v, group if size > 1 else None, causal, scale, kern, layout)
     return _RingAttention.apply(q, k, v, group if size > 1 else None, causal, scale, kern)
@@ -167,8 +174,8 @@ def ring_attention(
 
 def local_attention(
     q: Tensor, k: Tensor, v: Tensor, causal: bool = True, softmax_scale: Optional[float] = None, *,
-    kernel: Optional[str] = None, cu_seqlens=None, cu_seqlens_padded=None,
+    kernel: Optional[str] = None, cu_seqlens=None, cu_seqlens_padded=None, window_size=None,
 ) -> Tensor:
     """Differentiable single-device attention with the same layout and kernels (CP size 1)."""
     return ring_attention(q, k, v, None, causal, softmax_scale, kernel=kernel, cu_seqlens=cu_seqlens,
-                          cu_seqlens_padded=cu_seqlens_padded)
+                          cu_seqlens_padded=cu_seqlens_padded, window_size=window_size)

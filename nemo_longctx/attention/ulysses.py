@@ -45,8 +45,9 @@ from .kernels import AttentionKernel, resolve_softmax_scale, select_kernel
 from .layouts import thd_zigzag_indices
 from .ring import ring_attention_backward, ring_attention_forward
 from .ring_thd import ring_thd_backward, ring_thd_forward
+from .ring_window import ring_window_backward, ring_window_forward
 from .thd import ThdLayout, thd_layout_or_none
-from .validation import check_attention_inputs
+from .validation import check_attention_inputs, check_window
 
 Tensor = torch.Tensor
 HeadIndex = Union[slice, Tensor]
@@ -208,7 +209,9 @@ def _pick_heads(x: Tensor, heads: HeadIndex) -> Tensor:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _inner_forward(q, k, v, ring_group, causal, scale, kernel, thd=None):
+def _inner_forward(q, k, v, ring_group, causal, scale, kernel, thd=None, window=None):
+    if window is not None:
+        return ring_window_forward(q, k, v, ring_group, causal, scale, kernel, window)
     if thd is not None:
         return ring_thd_forward(q, k, v, ring_group, causal, scale, kernel, thd.layout)
     if ring_group is None:
@@ -216,7 +219,9 @@ def _inner_forward(q, k, v, ring_group, causal, scale, kernel, thd=None):
     return ring_attention_forward(q, k, v, ring_group, causal, scale, kernel)
 
 
-def _inner_backward(dout, q, k, v, out, lse, ring_group, causal, scale, kernel, thd=None):
+def _inner_backward(dout, q, k, v, out, lse, ring_group, causal, scale, kernel, thd=None, window=None):
+    if window is not None:
+        return ring_window_backward(dout, q, k, v, out, lse, ring_group, causal, scale, kernel, window)
     if thd is not None:
         return ring_thd_backward(dout, q, k, v, out, lse, ring_group, causal, scale, kernel, thd.layout)
     if ring_group is None:
@@ -276,11 +281,11 @@ def _to_sequence(tensors, sinks, send, recv, group, natural) -> None:
 class _UlyssesAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan: UlyssesHeadPlan, group, ring_group, causal, scale, kernel: AttentionKernel,
-                regather: bool, thd: Optional[ThdOrder] = None):
+                regather: bool, thd: Optional[ThdOrder] = None, window=None):
         size, b, s, d, dv = plan.size, q.shape[0], q.shape[1], q.shape[3], v.shape[3]
         nqc, nkc, seq = plan.q_per_chunk, plan.kv_per_chunk, plan.size * q.shape[1]
         # non-causal attention does not depend on the sequence order; packed documents always do
-        natural = thd if thd is not None else causal and size > 1
+        natural = thd if thd is not None else (causal or window is not None) and size > 1
         # reused by every chunk: [q | k | v] heads, each at its own head dim (flattened columns)
         send = q.new_empty(size, b, s, nqc * d + nkc * (d + dv))
         recv = torch.empty_like(send)
@@ -308,20 +313,20 @@ class _UlyssesAttention(torch.autograd.Function):
                     sources += [(k, kv_of), (v, kv_of)]
                     outs += [kl, vl]
                 _to_heads(sources, outs, send, recv, group, natural)
-                ol, lse = _inner_forward(ql, kl, vl, ring_group, causal, scale, kernel, thd)
+                ol, lse = _inner_forward(ql, kl, vl, ring_group, causal, scale, kernel, thd, window)
                 _to_sequence([ol], [out_sink(t)], send, recv, group, natural)
                 saved += [lse] if regather else [ql, kl, vl, ol, lse]
         if regather:
             saved = [q, k, v, out] + saved
         ctx.save_for_backward(*saved)
-        ctx.args = (plan, group, ring_group, causal, scale, kernel, regather, thd)
+        ctx.args = (plan, group, ring_group, causal, scale, kernel, regather, thd, window)
         ctx.kv_dtype = k.dtype
         ctx.head_dim = d
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        plan, group, ring_group, causal, scale, kernel, regather, thd = ctx.args
+        plan, group, ring_group, causal, scale, kernel, regather, thd, window = ctx.args
         saved = ctx.saved_tensors
         if regather:
             q, k, v, out = saved[:4]
@@ -329,7 +334,7 @@ class _UlyssesAttention(torch.autograd.Function):
         size, (b, s, hq, dvh), d = plan.size, dout.shape, ctx.head_dim
         nqc, nkc, seq = plan.q_per_chunk, plan.kv_per_chunk, plan.size * s
         k_shape, v_shape = (b, s, plan.hkv, d), (b, s, plan.hkv, dvh)
-        natural = thd if thd is not None else causal and size > 1
+        natural = thd if thd is not None else (causal or window is not None) and size > 1
         # in: dout (+ q, out, k, v when regathering); back: dq, dk, dv -- each at its own head dim
         width_in = nqc * dvh + (nqc * (d + dvh) + nkc * (d + dvh) if regather else 0)
         width_back = nqc * d + nkc * (d + dvh)
@@ -377,7 +382,7 @@ class _UlyssesAttention(torch.autograd.Function):
                 else:
                     ql, kl, vl, ol, lse = saved[5 * t: 5 * t + 5]
                     _to_heads([(dout, q_of)], [dout_l], send, recv, group, natural)
-                dql, dkl, dvl = _inner_backward(dout_l, ql, kl, vl, ol, lse, ring_group, causal, scale, kernel, thd)
+                dql, dkl, dvl = _inner_backward(dout_l, ql, kl, vl, ol, lse, ring_group, causal, scale, kernel, thd, window)
                 # chunks that share KV heads sum their KV gradients locally; they travel once, with the last one
                 last_kv = t == plan.head_chunks - 1 or plan.chunk_starts_kv_block(t + 1)
                 if not (new_kv and last_kv):
@@ -394,18 +399,18 @@ class _UlyssesAttention(torch.autograd.Function):
                 else:
                     _to_sequence([dql], [q_sink(t)], send, recv, group, natural)
                 del dql, dkl, dvl
-        return dq, dk.to(ctx.kv_dtype), dv.to(ctx.kv_dtype), None, None, None, None, None, None, None, None
+        return dq, dk.to(ctx.kv_dtype), dv.to(ctx.kv_dtype), None, None, None, None, None, None, None, None, None
 
 
 def ulysses_core(
     q: Tensor, k: Tensor, v: Tensor, plan: UlyssesHeadPlan, group: Optional[dist.ProcessGroup],
     ring_group: Optional[dist.ProcessGroup], causal: bool, scale: float, kernel: AttentionKernel,
-    regather_in_backward: bool = False, thd: Optional[ThdOrder] = None,
+    regather_in_backward: bool = False, thd: Optional[ThdOrder] = None, window=None,
 ) -> Tensor:
     """Differentiable Ulysses attention on already validated inputs (``ring_group`` None: local kernel;
-    ``thd``: a packed sequence, see ``thd_order``)."""
+    ``thd``: a packed sequence, see ``thd_order``; ``window``: a normalized sliding window)."""
     return _UlyssesAttention.apply(q, k, v, plan, group, ring_group, causal, scale, kernel, regather_in_backward,
-                                   thd)
+                                   thd, window)
 
 
 def thd_order_for(q: Tensor, ulysses_size: int, ring_group, cu_seqlens, cu_seqlens_padded,
@@ -434,6 +439,7 @@ def ulysses_attention(
     regather_in_backward: bool = False,
     cu_seqlens=None,
     cu_seqlens_padded=None,
+    window_size=None,
 ) -> Tensor:
     """Exact attention over a zigzag-sharded sequence split across ``group`` by all-to-all (module docstring).
 
@@ -444,13 +450,15 @@ def ulysses_attention(
     q, k, v, out and lse and all-to-alls q/k/v/out again in backward, chunk by chunk (less memory, about 1.5x
     the traffic). ``cu_seqlens`` / ``cu_seqlens_padded`` (int32, global, the same on every rank): a packed
     sequence on [1, s_local, h, d] tensors (per-document zigzag, see ``thd``); after the all-to-all the tokens
-    are put in natural packed order and each document attends only to itself. Raises ValueError before
-    communicating.
+    are put in natural packed order and each document attends only to itself. ``window_size=(left, right)``:
+    sliding-window attention (flash-attn convention), applied by the local attention after the all-to-all.
+    Raises ValueError before communicating.
     """
     size, _ = group_size_and_rank(group)
     plan = check_ulysses_inputs(q, k, v, size, 1, causal, head_chunks, global_seq_len, fn="ulysses_attention")
     thd = thd_order_for(q, size, None, cu_seqlens, cu_seqlens_padded, fn="ulysses_attention")
+    window = check_window(window_size, causal, size, q.shape[1], thd is not None, fn="ulysses_attention")
     scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
     kern = select_kernel(q.device, q.dtype, kernel, head_dim=q.shape[-1], value_dim=v.shape[-1])
     group = group if size > 1 else None
-    return ulysses_core(q, k, v, plan, group, None, causal, scale, kern, bool(regather_in_backward), thd)
+    return ulysses_core(q, k, v, plan, group, None, causal, scale, kern, bool(regather_in_backward), thd, window)
