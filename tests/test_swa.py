@@ -1,6 +1,7 @@
 """Sliding-window attention (window_size=(left, right), flash-attn convention) under ring, Ulysses and hybrid CP on
 2 and 4 gloo ranks vs an fp64 full-sequence reference (forward and backward): window < chunk, window > chunk,
-window >= sequence, non-causal bands; only the K/V the window needs travel (bytes == the needed positions)."""
+window >= sequence, non-causal bands; only the K/V the window needs travel (bytes == the needed positions);
+and windows within packed documents (THD + SWA) vs an fp64 per-document reference."""
 
 from __future__ import annotations
 
@@ -170,5 +171,82 @@ def test_bad_windows():
         for bad, msg in (((3,), "pair"), ((-2, 0), "left=-2"), ((1.5, 0), "left=1.5")):
             with pytest.raises(ValueError, match=msg):
                 fn(x, x, x, None, window_size=bad)
-        with pytest.raises(ValueError, match="packed sequences"):
-            fn(x, x, x, None, window_size=(2, 0), cu_seqlens=torch.tensor([0, 8], dtype=torch.int32))
+
+
+# ---------------------------------------------------------------------------------------------- THD + SWA
+
+
+def reference_packed_window(q, k, v, dout, cu, cup, causal, scale, left, right):
+    """fp64 per-document windowed attention on the packed sequence; padding rows give 0."""
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    g = q.shape[2] // k.shape[2]
+    pieces = []
+    for i in range(len(cu) - 1):
+        n, start, end = int(cu[i + 1] - cu[i]), int(cup[i]), int(cup[i + 1])
+        if n:
+            sl = slice(start, start + n)
+            sc = torch.einsum("bshd,bthd->bhst", q[:, sl], k[:, sl].repeat_interleave(g, 2)) * scale
+            sc = sc.masked_fill(~allowed(n, causal, left, right), float("-inf"))
+            pieces.append(torch.einsum("bhst,bthd->bshd", torch.softmax(sc, -1), v[:, sl].repeat_interleave(g, 2)))
+        pieces.append(torch.zeros(1, end - start - n, q.shape[2], v.shape[3], dtype=torch.float64))
+    out = torch.cat(pieces, 1)
+    out.backward(dout.double())
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _thd_swa_cases(world):
+    f32, f64 = torch.float32, torch.float64
+    spec = [("ring", 1, True, (3, 0), f32), ("ring", 1, True, (20, 0), f64), ("ring", 1, False, (2, 5), f64),
+            ("ulysses", world, True, (3, 0), f32), ("ulysses", world, False, (4, 1), f64),
+            ("hybrid", 2, True, (6, 0), f64)]
+    return [dict(name=f"thd-{a}-u{u}-{'causal' if c else 'full'}-w{w[0]}.{w[1]}-{str(t)[6:]}", algo=a, ulysses=u,
+                 causal=c, window=w, dtype=t) for a, u, c, w, t in spec]
+
+
+def _thd_swa_worker(rank, world, cases):
+    import torch.distributed as dist
+
+    import nemo_longctx.attention.window as window_mod
+    from nemo_longctx.attention import hybrid_attention, make_cp_groups, ring_attention, ulysses_attention, zigzag_shard
+
+    window_mod.DEFAULT_TILE = 4
+    m = 2 * world
+    lengths, extra = [5, 1, 3 * m, 0, m + 3, 2 * m - 1], (0, m, 0, m, 0, 0)
+    cu, cup = [0], [0]
+    for n, e in zip(lengths, extra):
+        cu.append(cu[-1] + n)
+        cup.append(cup[-1] + -(-n // m) * m + e)
+    cu, cup = torch.tensor(cu, dtype=torch.int32), torch.tensor(cup, dtype=torch.int32)
+    S = int(cup[-1])
+    wg = dist.group.WORLD
+    results = []
+    for case in cases:
+        gen = torch.Generator().manual_seed(zlib.crc32(case["name"].encode()))
+        q, k, v, dout = (torch.randn(1, S, h, 16, generator=gen).to(case["dtype"]) for h in (4, 2, 2, 4))
+        ref = reference_packed_window(q, k, v, dout, cu, cup, case["causal"], 0.3, *case["window"])
+        sh = lambda t: zigzag_shard(t, 1, world, rank, cu_seqlens_padded=cup)  # noqa: E731
+        leaves = [sh(t).clone().requires_grad_() for t in (q, k, v)]
+        kw = dict(causal=case["causal"], softmax_scale=0.3, window_size=case["window"], cu_seqlens=cu,
+                  cu_seqlens_padded=cup)
+        if case["algo"] == "ring":
+            out = ring_attention(*leaves, wg, **kw)
+        elif case["algo"] == "ulysses":
+            out = ulysses_attention(*leaves, wg, **kw)
+        else:
+            ug, rg = make_cp_groups(wg, case["ulysses"])
+            out = hybrid_attention(*leaves, ug, rg, **kw)
+        out.backward(sh(dout))
+        results.append(dict(case=case, errs=[rel_err(a, sh(w)) for a, w in zip([out] + [t.grad for t in leaves],
+                                                                                 ref)]))
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_thd_swa_matches_fp64_per_document_reference(world):
+    cases = _thd_swa_cases(world)
+    for rank_results in run_distributed(_thd_swa_worker, world, cases, timeout=300):
+        assert len(rank_results) == len(cases)
+        for r in rank_results:
+            tol = TOL[r["case"]["dtype"]]
+            for name, err in zip(("out", "dq", "dk", "dv"), r["errs"]):
+                assert err <= tol, f"{r['case']['name']}: {name} rel err {err:.2e} > {tol}"

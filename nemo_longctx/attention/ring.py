@@ -165,10 +165,10 @@ def ring_attention(
     window = check_window(window_size, causal, size, q.shape[1], layout is not None, fn="ring_attention")
     scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
     kern = select_kernel(q.device, q.dtype, kernel, head_dim=q.shape[-1], value_dim=v.shape[-1])
+    if layout is not None:
+        return ring_thd_attention(q, k, v, group if size > 1 else None, causal, scale, kern, layout, window)
     if window is not None:
         return ring_window_attention(q, k, v, group if size > 1 else None, causal, scale, kern, window)
-    if layout is not None:
-        return ring_thd_attention(q, k, v, group if size > 1 else None, causal, scale, kern, layout)
     return _RingAttention.apply(q, k, v, group if size > 1 else None, causal, scale, kern)
 
 

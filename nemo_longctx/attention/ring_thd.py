@@ -6,8 +6,9 @@ own head dims) travel around the ring, the next exchange posted before the curre
 a float32 dK/dV accumulator per block travels one step behind and arrives home after P-1 exchanges. Each step
 computes only the dense sub-blocks with an unmasked pair (``ThdLayout.blocks``): documents never attend to each
 other, and a step in which no document has such a pair computes nothing (its K/V still travel, since the ring
-needs them further on). Partials merge by log-sum-exp into float32 (float64) accumulators that start at
-(0, -inf), so padding rows stay (0, -inf).
+needs them further on). With a sliding window (``window``) the sub-blocks are cut to the band within each
+document (``ThdLayout.window_blocks``); the K/V still make the whole ring. Partials merge by log-sum-exp into
+float32 (float64) accumulators that start at (0, -inf), so padding rows stay (0, -inf).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import torch.distributed as dist
 
 from .comm import RingExchange, group_size_and_rank
 from .kernels import AttentionKernel
-from .thd import ThdLayout, empty_accumulators, varlen_backward, varlen_forward
+from .thd import ThdLayout, empty_accumulators, merge_rows_, varlen_backward, varlen_forward
+from .window import window_backward_blocks, window_forward_blocks
 
 Tensor = torch.Tensor
 
@@ -30,7 +32,7 @@ def _accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def ring_thd_forward(
     q: Tensor, k: Tensor, v: Tensor, group: Optional[dist.ProcessGroup], causal: bool, scale: float,
-    kernel: AttentionKernel, layout: ThdLayout,
+    kernel: AttentionKernel, layout: ThdLayout, window=None,
 ) -> Tuple[Tensor, Tensor]:
     """(out [1, s_local, hq, dv] in q.dtype, lse [1, hq, s_local] fp32/fp64; padding rows 0 / -inf)."""
     size, rank = group_size_and_rank(group)
@@ -39,8 +41,12 @@ def ring_thd_forward(
     kv = (k, v)
     for step in range(size):
         pending = ring.start(kv) if step < size - 1 else None
-        blocks = layout.blocks(size, rank, (rank - step) % size, causal)
-        varlen_forward(q, kv[0], kv[1], blocks, scale, kernel, acc_out, acc_lse)
+        if window is None:
+            blocks = layout.blocks(size, rank, (rank - step) % size, causal)
+            varlen_forward(q, kv[0], kv[1], blocks, scale, kernel, acc_out, acc_lse)
+        else:
+            blocks = layout.window_blocks(size, rank, (rank - step) % size, causal, window)
+            window_forward_blocks(q, kv[0], kv[1], blocks, window, scale, kernel, acc_out, acc_lse, merge_rows_)
         if pending is not None:
             kv = tuple(pending.wait())
     return acc_out.to(q.dtype), acc_lse
@@ -48,7 +54,7 @@ def ring_thd_forward(
 
 def ring_thd_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, group: Optional[dist.ProcessGroup],
-    causal: bool, scale: float, kernel: AttentionKernel, layout: ThdLayout,
+    causal: bool, scale: float, kernel: AttentionKernel, layout: ThdLayout, window=None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients (dq, dk, dv) given the forward's final ``out`` and ``lse``; zero on padding positions."""
     size, rank = group_size_and_rank(group)
@@ -61,7 +67,7 @@ def ring_thd_backward(
     dkv_pending = None
     for step in range(size):
         kv_pending = ring.start(kv) if step < size - 1 else None
-        blocks = layout.blocks(size, rank, (rank - step) % size, causal)
+        src = (rank - step) % size
         if step == 0:  # our own block's gradient stays here and is added when its accumulator comes home
             dk_blk, dv_blk = dk_own, dv_own
         elif step == 1:
@@ -69,7 +75,13 @@ def ring_thd_backward(
             dv_blk = torch.zeros(v.shape, dtype=acc, device=v.device)
         else:  # the accumulator of the block we now hold, filled by the ranks that held it before us
             dk_blk, dv_blk = dkv_pending.wait()
-        varlen_backward(dout, q, kv[0], kv[1], out, lse, blocks, scale, kernel, dq, dk_blk, dv_blk)
+        if window is None:
+            varlen_backward(dout, q, kv[0], kv[1], out, lse, layout.blocks(size, rank, src, causal), scale, kernel,
+                            dq, dk_blk, dv_blk)
+        else:
+            window_backward_blocks(dout, q, kv[0], kv[1], out, lse,
+                                   layout.window_blocks(size, rank, src, causal, window), window, scale, kernel,
+                                   dq, dk_blk, dv_blk)
         if step > 0:
             dkv_pending = ring.start((dk_blk, dv_blk))
         if kv_pending is not None:
@@ -83,20 +95,21 @@ def ring_thd_backward(
 
 class _RingAttentionTHD(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, kernel: AttentionKernel, layout: ThdLayout):
-        out, lse = ring_thd_forward(q, k, v, group, causal, scale, kernel, layout)
+    def forward(ctx, q, k, v, group, causal, scale, kernel: AttentionKernel, layout: ThdLayout, window=None):
+        out, lse = ring_thd_forward(q, k, v, group, causal, scale, kernel, layout, window)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (group, causal, scale, kernel, layout)
+        ctx.args = (group, causal, scale, kernel, layout, window)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = ring_thd_backward(dout, q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def ring_thd_attention(q, k, v, group, causal: bool, scale: float, kernel: AttentionKernel,
-                       layout: ThdLayout) -> Tensor:
-    """Differentiable THD ring attention on validated inputs (``ring.ring_attention(..., cu_seqlens=...)``)."""
-    return _RingAttentionTHD.apply(q, k, v, group, causal, scale, kernel, layout)
+                       layout: ThdLayout, window=None) -> Tensor:
+    """Differentiable THD ring attention on validated inputs (``ring.ring_attention(..., cu_seqlens=...)``);
+    ``window``: a normalized sliding window, applied within each document (the whole K/V still travel)."""
+    return _RingAttentionTHD.apply(q, k, v, group, causal, scale, kernel, layout, window)

@@ -75,13 +75,30 @@ class ThdLayout:
             self._cache[key] = self._blocks(*key)
         return self._cache[key]
 
-    def _blocks(self, size: int, q_rank: int, kv_rank: int, causal: bool) -> List[Block]:
-        out: List[Block] = []
-        if size == 1:  # the local layout is the natural packed order: one block per document
+    def window_blocks(self, size: int, q_rank: int, kv_rank: int, causal: bool, window) -> list:
+        """Like ``blocks`` under a sliding window: ``window.windowed_blocks`` items (local slices, kind, global
+        bounds) of every (document, query chunk, key chunk) pair, each cut to the window's band (``window`` is
+        normalized: under causal masking its right side is 0, which also removes the keys after a query)."""
+        from .window import band_blocks
+
+        key = (size, q_rank, kv_rank, causal, tuple(window))
+        if key not in self._cache:
+            out = []
+            for lq, nq, gq, lk, nk, gk, _, _ in self._doc_pairs(size, q_rank, kv_rank):
+                for qa, qb, ka, kb, kind in band_blocks(gq, gq + nq, gk, gk + nk, *window):
+                    out.append((slice(lq + qa - gq, lq + qb - gq), slice(lk + ka - gk, lk + kb - gk), kind,
+                                (qa, qb, ka, kb)))
+            self._cache[key] = out
+        return self._cache[key]
+
+    def _doc_pairs(self, size: int, q_rank: int, kv_rank: int):
+        """(q local start, nq, q global start, k local start, nk, k global start, a, b) for every (document,
+        query chunk a, key chunk b) with real queries and real keys."""
+        if size == 1:  # the local layout is the natural packed order: one pair per document
             for start, n in zip(self.starts, self.lengths):
                 if n:
-                    out.append((slice(start, start + n), slice(start, start + n), causal))
-            return out
+                    yield start, n, start, start, n, start, 0, 0
+            return
         q_chunks = ((0, q_rank), (1, 2 * size - 1 - q_rank))
         kv_chunks = ((0, kv_rank), (1, 2 * size - 1 - kv_rank))
         for start, n, p in zip(self.starts, self.lengths, self.padded):
@@ -94,10 +111,15 @@ class ThdLayout:
                     continue
                 for sb, b in kv_chunks:
                     nk = min(max(n - b * c, 0), c)
-                    if not nk or (causal and a < b):
-                        continue
-                    out.append((slice(base + sa * c, base + sa * c + nq), slice(base + sb * c, base + sb * c + nk),
-                                causal and a == b))
+                    if nk:
+                        yield base + sa * c, nq, start + a * c, base + sb * c, nk, start + b * c, a, b
+
+    def _blocks(self, size: int, q_rank: int, kv_rank: int, causal: bool) -> List[Block]:
+        out: List[Block] = []
+        for lq, nq, _, lk, nk, _, a, b in self._doc_pairs(size, q_rank, kv_rank):
+            if causal and a < b:
+                continue
+            out.append((slice(lq, lq + nq), slice(lk, lk + nk), causal and a == b))
         return out
 
 

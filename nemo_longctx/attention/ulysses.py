@@ -210,20 +210,20 @@ def _pick_heads(x: Tensor, heads: HeadIndex) -> Tensor:
 
 
 def _inner_forward(q, k, v, ring_group, causal, scale, kernel, thd=None, window=None):
+    if thd is not None:
+        return ring_thd_forward(q, k, v, ring_group, causal, scale, kernel, thd.layout, window)
     if window is not None:
         return ring_window_forward(q, k, v, ring_group, causal, scale, kernel, window)
-    if thd is not None:
-        return ring_thd_forward(q, k, v, ring_group, causal, scale, kernel, thd.layout)
     if ring_group is None:
         return kernel.forward(q, k, v, causal, scale)
     return ring_attention_forward(q, k, v, ring_group, causal, scale, kernel)
 
 
 def _inner_backward(dout, q, k, v, out, lse, ring_group, causal, scale, kernel, thd=None, window=None):
+    if thd is not None:
+        return ring_thd_backward(dout, q, k, v, out, lse, ring_group, causal, scale, kernel, thd.layout, window)
     if window is not None:
         return ring_window_backward(dout, q, k, v, out, lse, ring_group, causal, scale, kernel, window)
-    if thd is not None:
-        return ring_thd_backward(dout, q, k, v, out, lse, ring_group, causal, scale, kernel, thd.layout)
     if ring_group is None:
         return kernel.backward(dout, q, k, v, out, lse, causal, scale)
     return ring_attention_backward(dout, q, k, v, out, lse, ring_group, causal, scale, kernel)

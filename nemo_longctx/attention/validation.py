@@ -62,15 +62,13 @@ def check_attention_inputs(
 
 def check_window(window_size, causal: bool, cp_size: int, s_local: int, packed: bool, fn: str = "attention"):
     """Normalized sliding window ((left, right), ``window.INF`` for unbounded sides) or None; ValueError on bad
-    values or unsupported combinations."""
+    values or unsupported combinations. With packed sequences (``packed``) the window applies within documents."""
     from .window import normalize_window
 
     window = normalize_window(window_size, causal, fn=fn)
     if window is None:
         return None
-    if packed:
-        raise ValueError(f"{fn}: window_size together with packed sequences (cu_seqlens) is not supported yet")
-    if cp_size > 1 and s_local % 2:
+    if not packed and cp_size > 1 and s_local % 2:
         raise ValueError(f"{fn}: sliding-window attention needs the zigzag layout: local sequence length {s_local} "
                          f"must be even (global length divisible by 2*cp = {2 * cp_size})")
     return window
