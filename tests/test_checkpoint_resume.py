@@ -156,6 +156,35 @@ def test_checkpoint_context_restores_our_layer_spec(runs):
                    "layers": 2}, got
 
 
+IO_ROUND_TRIP = """
+import json, sys, tempfile
+from pathlib import Path
+import hydra, yaml
+from omegaconf import OmegaConf
+from nemo.collections import llm
+from nemo.lightning import io
+from nemo_longctx.integrations.nemo.model import enable_long_context
+config = hydra.utils.instantiate(OmegaConf.create(yaml.safe_load(open(sys.argv[1]))), _convert_="all")
+enable_long_context(config, "ulysses", head_chunks=2)
+model = llm.GPTModel(config)
+enable_long_context(model.config, "hybrid", ulysses_size=2)  # re-targeted later, as the strategy does at connect
+out = Path(tempfile.mkdtemp())
+model.io_dump(out, yaml_attrs=["config"])
+spec = io.load(out / "io.json").config.transformer_layer_spec
+print(json.dumps({"spec": type(spec).__name__, "algorithm": spec.cp_algorithm, "kwargs": spec.algorithm_kwargs,
+                  "base": getattr(spec.base, "__name__", repr(spec.base))}))
+"""
+
+
+def test_layer_spec_and_its_options_survive_nemo_io(tmp_path):
+    conf = Path(__file__).resolve().parents[1] / "conf" / "model" / "tiny_llama.yaml"
+    p = subprocess.run([sys.executable, "-c", IO_ROUND_TRIP, str(conf)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got["spec"] == "LongContextLayerSpec" and got["algorithm"] == "hybrid", got
+    assert got["kwargs"] == {"ulysses_size": 2} and "layer_spec" in got["base"], got
+
+
 def test_bad_checkpoint_settings_fail_before_anything_starts(tmp_path):
     code, out = run_app(APP + [f"output_dir={tmp_path}", "checkpoint.every_n_steps=-1", "checkpoint.keep=0",
                                f"checkpoint.resume={tmp_path / 'missing'}"], 120)

@@ -141,32 +141,35 @@ def feature_model_overrides(cfg: DictConfig) -> Dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------ validation
-def _check_checkpoint(cfg: DictConfig) -> None:
+def _checkpoint_problems(cfg: DictConfig) -> List[str]:
     c = cfg.get("checkpoint")
     if c is None:
-        return
+        return []
+    out = []
     every, keep, resume = c.get("every_n_steps", 0), c.get("keep", 1), c.get("resume", "auto")
     if isinstance(every, bool) or not isinstance(every, int) or every < 0:
-        raise ValueError(f"checkpoint.every_n_steps={every!r} must be an int >= 0 (0 = never save)")
+        out.append(f"checkpoint.every_n_steps={every!r} must be an int >= 0 (0 = never save)")
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-        raise ValueError(f"checkpoint.keep={keep!r} must be an int >= 1")
+        out.append(f"checkpoint.keep={keep!r} must be an int >= 1")
     if resume is None or str(resume) == "":
-        raise ValueError("checkpoint.resume must be auto, never or a checkpoint path (got nothing)")
-    resume = str(resume)
-    if resume not in RESUME_MODES and not os.path.isdir(resume):
-        raise ValueError(f"checkpoint.resume={resume!r} is neither auto/never nor an existing checkpoint directory")
+        out.append("checkpoint.resume must be auto, never or a checkpoint path (got nothing)")
+    elif str(resume) not in RESUME_MODES and not os.path.isdir(str(resume)):
+        out.append(f"checkpoint.resume={str(resume)!r} is neither auto/never nor an existing checkpoint directory")
+    return out
 
 
-def _check_launcher_and_trainer(cfg: DictConfig) -> None:
+def _launcher_and_trainer_problems(cfg: DictConfig) -> List[str]:
+    out = []
     backend = str(cfg.launcher.get("backend", "auto"))
     if backend not in ("auto", "gloo", "nccl"):
-        raise ValueError(f"launcher.backend={backend!r} must be auto, gloo or nccl")
+        out.append(f"launcher.backend={backend!r} must be auto, gloo or nccl")
     timeout = cfg.launcher.get("timeout_s")
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
-        raise ValueError(f"launcher.timeout_s={timeout!r} must be a positive number of seconds (or null)")
+        out.append(f"launcher.timeout_s={timeout!r} must be a positive number of seconds (or null)")
     vci = cfg.trainer.get("val_check_interval")
     if vci is not None and (isinstance(vci, bool) or not isinstance(vci, int) or vci < 1):
-        raise ValueError(f"trainer.val_check_interval={vci!r} must be an int >= 1 (steps) or null (no validation)")
+        out.append(f"trainer.val_check_interval={vci!r} must be an int >= 1 (steps) or null (no validation)")
+    return out
 
 
 def config_problems(cfg: DictConfig) -> List[str]:
@@ -179,8 +182,7 @@ def config_problems(cfg: DictConfig) -> List[str]:
     _collect(problems, lambda: validate_memory_options(memory_options_of(cfg), str(cfg.cp.algorithm)))
     _collect(problems, lambda: tiling_of(cfg))
     _collect(problems, lambda: check_cp_options(str(cfg.cp.algorithm), int(cfg.cp.size), cp_algorithm_kwargs(cfg)))
-    _collect(problems, lambda: _check_checkpoint(cfg))
-    _collect(problems, lambda: _check_launcher_and_trainer(cfg))
+    problems += _checkpoint_problems(cfg) + _launcher_and_trainer_problems(cfg)
     return problems
 
 

@@ -10,21 +10,26 @@ Idempotent: a config already extended is re-targeted, not wrapped twice.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from copy import deepcopy
+from typing import Any, Dict, Optional
 
+from nemo.lightning import io
 
 from nemo_longctx.integrations.megatron.spec import long_context_layer_spec, resolve_layer_spec
 
 from .steps import long_context_data_step, long_context_forward_step
 
 
-class LongContextLayerSpec:
-    """Callable layer spec: ``spec(config, vp_stage=None)`` -> the base spec with our core attention."""
+class LongContextLayerSpec(io.IOMixin):
+    """Callable layer spec: ``spec(config, vp_stage=None)`` -> the base spec with our core attention.
 
-    def __init__(self, base: Any, cp_algorithm: str = "ring", **algorithm_kwargs: Any) -> None:
+    An ``io.IOMixin``: NeMo records its constructor arguments, so it is written into a checkpoint's context
+    (``context/io.json``) and restored by ``nemo.lightning.io.load_context``."""
+
+    def __init__(self, base: Any, cp_algorithm: str = "ring", algorithm_kwargs: Optional[Dict[str, Any]] = None) -> None:
         self.base = base
         self.cp_algorithm = cp_algorithm
-        self.algorithm_kwargs = dict(algorithm_kwargs)
+        self.algorithm_kwargs = dict(algorithm_kwargs or {})
 
     def base_spec(self, config: Any, vp_stage: Optional[int] = None) -> Any:
         return resolve_layer_spec(self.base, config, vp_stage)
@@ -41,10 +46,19 @@ def enable_long_context(config: Any, cp_algorithm: str = "ring", **algorithm_kwa
     base = config.transformer_layer_spec
     if isinstance(base, LongContextLayerSpec):
         base = base.base
-    config.transformer_layer_spec = LongContextLayerSpec(base, cp_algorithm, **algorithm_kwargs)
-    config.data_step_fn = long_context_data_step
-    config.forward_step_fn = long_context_forward_step
+    set_with_io(config, "transformer_layer_spec", LongContextLayerSpec(base, cp_algorithm, algorithm_kwargs))
+    set_with_io(config, "data_step_fn", long_context_data_step)
+    set_with_io(config, "forward_step_fn", long_context_forward_step)
     return config
+
+
+def set_with_io(obj: Any, attr: str, value: Any) -> None:
+    """``setattr`` that NeMo's checkpoint context sees too (the pattern of NeMo's ``llm.api._set_with_io``): a config
+    built through ``io`` serializes its recorded ``__io__`` arguments, not its attributes, so a field changed after
+    construction must be changed there as well."""
+    setattr(obj, attr, value)
+    if hasattr(obj, "__io__"):
+        setattr(obj.__io__, attr, deepcopy(value.__io__) if hasattr(value, "__io__") else value)
 
 
 def is_long_context(config: Any) -> bool:
