@@ -254,10 +254,13 @@ def test_start_up_self_test_passes_good_kernels_and_names_a_wrong_one():
         K.self_test_kernel(bad, "cpu", torch.bfloat16)
 
 
-def test_math_kernel_value_dim_differs_against_fp64():
+def test_math_and_cpu_flash_kernels_value_dim_differs_against_fp64():
     errs = K.check_kernel_case(K.KERNELS["math"], "cpu", torch.float64, s=40, hq=6, hkv=2, d=32, dv=16)
     assert max(errs.values()) < 1e-12
-    assert not K.KERNELS["cpu_flash"].supports("cpu", torch.float32, 32, 16)
+    # cpu_flash takes d_v != d_qk too (MLA): checked against the same fp64 reference
+    assert K.KERNELS["cpu_flash"].supports("cpu", torch.float32, 32, 16)
+    errs = K.check_kernel_case(K.KERNELS["cpu_flash"], "cpu", torch.float32, s=40, hq=6, hkv=2, d=32, dv=16)
+    assert max(errs.values()) < K.TOLERANCE[torch.float32]
 
 
 # --------------------------------------------------------------------------------------------- CUDA only
