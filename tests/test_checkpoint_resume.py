@@ -55,7 +55,7 @@ def _ok(cmd, timeout=420):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("ckpt")
-    d = {name: base / name for name in ("full", "killed", "cp4", "ulysses", "none")}
+    d = {name: base / name for name in ("full", "killed", "cp4", "ulysses", "tp2", "dp2", "none")}
     _ok(APP + [f"output_dir={d['full']}", *COMMON])
     code, out = run_app(APP + [f"output_dir={d['killed']}", *COMMON, "run.fault=kill@5:1"], 420)
     assert code != 0 and "rank 1 killed by SIGKILL" in out, out[-3000:]
@@ -66,6 +66,11 @@ def runs(tmp_path_factory):
     _ok(APP + [f"output_dir={d['cp4']}", *COMMON, "cp.size=4", "trainer.devices=4", f"checkpoint.resume='{step4}'"],
         timeout=600)
     _ok(APP + [f"output_dir={d['ulysses']}", *COMMON, "cp=ulysses", f"checkpoint.resume='{step4}'"])
+    _ok(APP + [f"output_dir={d['tp2']}", *COMMON, "cp=none", "trainer.strategy.tensor_model_parallel_size=2",
+               f"checkpoint.resume='{step4}'"])
+    # DP=2 (global batch 2 instead of 1), and a run that saves nothing itself (checkpoint.every_n_steps=0)
+    _ok(APP + [f"output_dir={d['dp2']}", "model.seq_length=1024", f"trainer.max_steps={STEPS}", "memory.track=false",
+               "cp=none", f"checkpoint.resume='{step4}'"])
     none_out = _ok([sys.executable, "-m", "nemo_longctx.train", f"output_dir={d['none']}", *COMMON, "cp=none",
                     "trainer.devices=1", "run.kernel_self_test=true"])
     return {"dirs": d, "killed_rows": killed_rows, "killed_ckpts": killed_ckpts, "resumed_out": resumed_out,
@@ -91,7 +96,7 @@ def test_resume_after_a_killed_rank_continues_the_same_run(runs):
     assert full[5] != full[4]  # the comparison is not vacuous: the loss moves step to step
 
 
-@pytest.mark.parametrize("layout", ["cp4", "ulysses"])
+@pytest.mark.parametrize("layout", ["cp4", "ulysses", "tp2"])
 def test_resume_at_another_cp_layout_continues_with_the_same_loss(runs, layout):
     full, full_val = _metrics(runs["dirs"]["full"])
     other, other_val = _metrics(runs["dirs"][layout])
@@ -99,6 +104,17 @@ def test_resume_at_another_cp_layout_continues_with_the_same_loss(runs, layout):
     assert _close(full[5], other[5], 1e-5), (full[5], other[5])
     assert _close(full[6], other[6], 1e-5), (full[6], other[6])
     assert _close(full_val[6], other_val[6], 1e-5), (full_val[6], other_val[6])
+
+
+def test_resume_at_another_data_parallel_size(runs):
+    """DP 1 -> 2 with micro batch 1 doubles the global batch: the run resumes at step 5 (weights, optimizer and LR
+    schedule restored; the sampler continues after the 4 consumed samples) but trains on 2 samples per step, so its
+    losses are not the DP=1 run's. It saves nothing itself (checkpoint.every_n_steps=0)."""
+    full, _ = _metrics(runs["dirs"]["full"])
+    dp2, _ = _metrics(runs["dirs"]["dp2"])
+    assert sorted(dp2) == [5, 6], dp2
+    assert all(0 < v < full[4] + 0.5 for v in dp2.values()), (dp2, full)
+    assert not (runs["dirs"]["dp2"] / "checkpoints").exists()
 
 
 def test_validation_loss_is_reduced_over_cp(runs):

@@ -115,9 +115,9 @@ def test_sigterm_to_the_launcher_stops_every_rank(tmp_path):
 
 def test_run_timeout_stops_all_ranks(tmp_path):
     code, out, _ = _timed(APP + [f"output_dir={tmp_path}", "model.seq_length=1024", "trainer.max_steps=100000",
-                                 "run.timeout_s=40", "memory.track=false"])
+                                 "run.timeout_s=30", "memory.track=false"])
     assert code == 124, (code, out[-3000:])
-    assert "run.timeout_s=40 exceeded; all ranks were stopped" in out
+    assert "run.timeout_s=30 exceeded; all ranks were stopped" in out
     assert _run_processes(str(tmp_path)) == []
 
 

@@ -296,11 +296,27 @@ def build_checkpointing(cfg: DictConfig) -> tuple:
     mode = str(c.get("resume", "auto"))
     resume = None
     if mode == "auto":
-        resume = nl.AutoResume(resume_if_exists=True, resume_ignore_no_checkpoint=True,
-                               resume_from_directory=os.path.abspath(checkpoint_dir(cfg)))
+        resume = _auto_resume_class()(resume_if_exists=True, resume_ignore_no_checkpoint=True,
+                                      resume_from_directory=os.path.abspath(checkpoint_dir(cfg)))
     elif mode != "never":
-        resume = nl.AutoResume(resume_from_path=os.path.abspath(mode))
+        resume = _auto_resume_class()(resume_from_path=os.path.abspath(mode))
     return log, resume, ckpt
+
+
+def _auto_resume_class() -> type:
+    """``nl.AutoResume`` that also works when this run saves no checkpoints (``checkpoint.every_n_steps=0``): NeMo's
+    ``setup`` records the restored path on ``trainer.checkpoint_callback``, which is then absent."""
+    from nemo import lightning as nl
+
+    class AutoResume(nl.AutoResume):
+        def setup(self, trainer: Any, model: Any = None) -> None:
+            if trainer.checkpoint_callback is not None:
+                return super().setup(trainer, model)
+            path = self.get_trainer_ckpt_path(model)
+            if path:
+                trainer.ckpt_path = path
+
+    return AutoResume
 
 
 def build(cfg: DictConfig, launch: Optional[Launch] = None, extra_callbacks: Optional[List[Any]] = None) -> Built:
