@@ -15,7 +15,7 @@ Selective recompute of layernorm is not in the table: Megatron's CheckpointWitho
 tracker's saved-tensor hooks (see memory_options.MemoryOptions.breaks_saved_tensor_hooks).
 The machine is shared and noisy: compare rows of one run only.
 
-    .venv/bin/python bench/memory_table.py [--seq 8192] [--cp 2] [--reps 5]
+    .venv/bin/python bench/memory_table.py [--seq 8192] [--cp 2] [--reps 5] [--only full_keep_attn ...]
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ ROWS = [
 ]
 
 
-def _worker(rank: int, world: int, seq: int, cp: int, reps: int):
+def _worker(rank: int, world: int, seq: int, cp: int, reps: int, rows=None):
     import torch
 
     from nemo_longctx.integrations.megatron import cpu_compat
@@ -64,7 +64,7 @@ def _worker(rank: int, world: int, seq: int, cp: int, reps: int):
     init, _ = build_probe_model(cfg, MemoryOptions(), vocab_size=vocab, seq_length=seq)
     models = {}
     mem = {}
-    for rec, off, kw in ROWS:
+    for rec, off, kw in rows or ROWS:
         model, rt = build_probe_model(cfg, MemoryOptions(**kw), vocab_size=vocab, seq_length=seq, params_from=init)
         r = run_probe_steps(model, rt, batch, keep_grads=False)  # tracked step (also the warm-up)
         s = r.stats[0]
@@ -84,8 +84,11 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--cp", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--only", nargs="*", default=None,
+                    help="rows whose 'recompute offload' label contains one of these strings (none,none always)")
     a = ap.parse_args()
-    res = run_distributed(_worker, a.cp, a.seq, a.cp, a.reps, timeout=3000)[0]
+    rows = ROWS if not a.only else [ROWS[0]] + [r for r in ROWS[1:] if any(o in f"{r[0]} {r[1]}" for o in a.only)]
+    res = run_distributed(_worker, a.cp, a.seq, a.cp, a.reps, rows, timeout=3000)[0]
     per = res["local_tokens"] * res["layers"]
     base_dev = res["mem"][("none", "none")][0]
     base_t = res["times"][("none", "none")]
@@ -95,7 +98,7 @@ def main() -> None:
     print("| recompute | offload | device saved B/token/layer | % of none | host B/token/layer | "
           "all device saved MiB | step s | step / none | loss |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
-    for rec, off, _ in ROWS:
+    for rec, off, _ in rows:
         dev, host, total, loss = res["mem"][(rec, off)]
         t = res["times"][(rec, off)]
         print(f"| {rec} | {off} | {dev / per:.0f} | {100 * dev / base_dev:.1f}% | {host / per:.0f} | "

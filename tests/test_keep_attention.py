@@ -1,6 +1,8 @@
 """full_keep_attn building block: a toy "layer" (linear -> ring attention -> linear, dropout, residual) under
 reentrant torch.utils.checkpoint keeps (out, lse) so backward runs no forward ring pass; grads must equal the
-plain (no checkpoint) path, on one process and on 2 gloo ranks, incl. several microbatches."""
+plain (no checkpoint) path, on one process and on 2 gloo ranks, incl. several microbatches. With each checkpoint
+call inside an activation-offload scope (offload=layer_input), the kept out/LSE go to the host pool with the
+layer input: nothing per layer stays on the device, gradients unchanged."""
 
 from __future__ import annotations
 
@@ -34,13 +36,13 @@ def _make_model(layers: int = 2):
     return nn.ModuleList(_AttnLayer() for _ in range(layers))
 
 
-def _forward(model, x, group, causal, mode, cache):
+def _forward(model, x, group, causal, mode, cache, offloader=None):
     from nemo_longctx.attention import ring_attention
     from nemo_longctx.memory.keep_attention import kept_ring_attention
 
     h = x
     for i, layer in enumerate(model):
-        if mode == "keep":
+        if mode in ("keep", "keep_offload"):
             def attn(q, k, v, g, c, i=i):
                 return kept_ring_attention(q, k, v, g, c, cache=cache, key=i, training=layer.training)
         else:
@@ -48,6 +50,8 @@ def _forward(model, x, group, causal, mode, cache):
                 return ring_attention(q, k, v, g, c)
         if mode == "plain":
             h = layer(h, group, causal, attn)
+        elif offloader is not None:
+            h = offloader.run_in_scope(i, checkpoint, layer, h, group, causal, attn, use_reentrant=True)
         else:
             h = checkpoint(layer, h, group, causal, attn, use_reentrant=True)
     return h
@@ -57,6 +61,7 @@ def _cases(group, world_size, rank):
     """Per case: grads/losses/bytes for plain, checkpoint + kept attention, checkpoint + plain ring attention."""
     from nemo_longctx.attention import count_bytes_sent, zigzag_shard
     from nemo_longctx.memory.keep_attention import KeptAttentionCache
+    from nemo_longctx.memory.offload import ActivationOffloader
     from nemo_longctx.memory.tracker import ActivationTracker
 
     results = []
@@ -67,21 +72,26 @@ def _cases(group, world_size, rank):
         xs = [zigzag_shard(torch.randn(b, s_global, HID, generator=gen), 1, world_size, rank).requires_grad_()
               for _ in range(microbatches)]
         out = {}
-        for mode in ("plain", "keep", "ckpt"):
+        for mode in ("plain", "keep", "ckpt", "keep_offload", "ckpt_offload"):
             model.zero_grad(set_to_none=True)
             for x in xs:
                 x.grad = None
             cache = KeptAttentionCache()
+            offloader = ActivationOffloader(min_bytes=0, device="cpu") if mode.endswith("_offload") else None
             torch.manual_seed(100 + rank)  # dropout masks: same per mode, different per rank
             with ActivationTracker("cpu", params=model.parameters(), count_peak=False) as tr, \
                     count_bytes_sent() as sent:
-                losses = [_forward(model, x * 1, group, causal, mode, cache).square().mean() for x in xs]
+                losses = [_forward(model, x * 1, group, causal, mode.replace("ckpt_offload", "ckpt"), cache,
+                                   offloader).square().mean() for x in xs]
                 kept = cache.peak_bytes_held
                 for loss in losses:  # all forwards first, then the backwards: FIFO per layer
                     loss.backward()
             cache.check_empty()
+            st = tr.stats()
             out[mode] = dict(losses=[l.detach() for l in losses], grads=[p.grad.clone() for p in model.parameters()] + [x.grad for x in xs],
-                             bytes=sent.bytes_sent, kept=kept, saved=tr.stats().activation_bytes_device)
+                             bytes=sent.bytes_sent, kept=kept, saved=st.activation_bytes_device,
+                             host=st.activation_bytes_host, kept_offloaded=cache.bytes_offloaded,
+                             live=len(offloader.live_groups()) if offloader is not None else 0)
         results.append(dict(causal=causal, b=b, s_local=s_global // world_size, mb=microbatches, **out))
     return results
 
@@ -146,7 +156,8 @@ def _worker(rank, world_size):
 def _check(results, world_size):
     for r in results["cases"]:
         plain, keep, ckpt = r["plain"], r["keep"], r["ckpt"]
-        for mode in (keep, ckpt):
+        keep_off, ckpt_off = r["keep_offload"], r["ckpt_offload"]
+        for mode in (keep, ckpt, keep_off, ckpt_off):
             for a, b in zip(mode["losses"], plain["losses"]):
                 assert torch.equal(a, b), r["causal"]
             for g, want in zip(mode["grads"], plain["grads"]):
@@ -157,9 +168,15 @@ def _check(results, world_size):
         assert ckpt["kept"] == plain["kept"] == 0
         # kept attention is observable in the tracker: the checkpoint inputs plus the kept out/lse
         assert keep["saved"] == ckpt["saved"] + keep["kept"]
+        # offload=layer_input: the kept out/lse join the layer input on the host; the device keeps what plain
+        # checkpoint + offload keeps (nothing per layer) and the host holds exactly the kept bytes more
+        assert keep_off["kept"] == keep["kept"] and keep_off["kept_offloaded"] == keep["kept"] * 1
+        assert keep_off["saved"] == ckpt_off["saved"] < ckpt["saved"]
+        assert keep_off["host"] == ckpt_off["host"] + keep["kept"]
+        assert keep_off["live"] == ckpt_off["live"] == 0
         if world_size > 1:
             assert plain["bytes"] > 0
-            assert keep["bytes"] == plain["bytes"]  # backward ran no forward ring pass
+            assert keep["bytes"] == keep_off["bytes"] == plain["bytes"]  # backward ran no forward ring pass
             # plain checkpoint pays one extra forward ring pass per layer and microbatch
             fwd_pass = (world_size - 1) * 2 * r["b"] * r["s_local"] * HKV * D * 4
             assert ckpt["bytes"] == plain["bytes"] + 2 * r["mb"] * fwd_pass

@@ -176,6 +176,31 @@ def test_chunked_loss_peak_live_bytes_is_a_fraction_of_full_logits():
     assert chunked.peak <= full_logits / 8, (chunked.peak, full_logits)
 
 
+@pytest.mark.parametrize("precompute", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tracker_counts_every_byte_the_chunked_loss_keeps(precompute, dtype):
+    """Saved-for-backward bytes the tracker reports are exactly what the chunked loss keeps until backward: hidden,
+    labels (int64), loss mask, the fp32 log-sum-exp and, with precomputed gradients, grad_hidden (hidden's dtype)
+    and the fp32 grad_weight [v, h] held on ctx (issue 13: these used to be invisible)."""
+    from nemo_longctx.memory.tracker import ActivationTracker
+
+    s, b, h, vocab = 96, 2, 16, 320
+    hidden, weight, labels, mask, grad = make_case(5, s, b, h, vocab, dtype=dtype)
+    weight.requires_grad_()
+    leaf = hidden.clone().requires_grad_()
+    with ActivationTracker("cpu", params=[weight], count_peak=False) as tr:
+        x = leaf * 1  # an activation (a leaf requiring grad would count as a parameter)
+        loss = chunked_output_cross_entropy(x, weight, labels, 4, loss_mask=mask, precompute_grads=precompute)
+        during = tr.live_device_bytes
+        loss.sum().backward()
+    el = hidden.element_size()
+    want = s * b * h * el + b * s * 8 + b * s * 4 + s * b * 4  # hidden, labels, mask (fp32), lse (fp32)
+    if precompute:
+        want += s * b * h * el + vocab * h * 4  # grad_hidden, fp32 grad_weight
+    assert during == want, (during, want)
+    assert tr.stats().activation_bytes_device == want
+
+
 @pytest.mark.parametrize(
     "kwargs,match",
     [

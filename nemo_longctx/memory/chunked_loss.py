@@ -7,7 +7,10 @@ vocab-parallel max / sum-exp / target-logit statistics (all-reduced over ``tp_gr
 log-sum-exp (``[s, b]`` fp32) is kept. Gradients are formed chunk by chunk from ``(softmax - onehot) * grad``:
 that chunk's ``grad_hidden`` rows and its ``grad_weight`` contribution (accumulated in fp32), so one chunk's
 logits are the largest transient. By default this happens in forward, for a unit gradient per token, while the
-chunk's logits exist (no recompute); backward rescales (``precompute_grads``). Otherwise (or when the upstream
+chunk's logits exist (no recompute); backward rescales (``precompute_grads``). These precomputed gradients
+(``grad_hidden`` like ``hidden``, ``grad_weight`` ``[v_local, h]`` in fp32) are held for backward outside autograd's
+saved tensors; they are reported to the activation tracker as saved device bytes (``report_saved_on_device``)
+for as long as their storage lives, like the saved ``hidden`` and log-sum-exp. Otherwise (or when the upstream
 gradient differs between counted tokens) backward recomputes each chunk's logits from the saved log-sum-exp.
 
 Layouts are Megatron's: ``hidden [s, b, h]``, ``weight [v_local, h]`` (the TP shard of the output layer, vocab rows
@@ -32,6 +35,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .tile_policy import DEFAULT_LOSS_CHUNK_TOKENS, TilePolicy, resolve_tiles, tile_bounds
+from .tracker import report_saved_on_device
 
 
 def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -131,6 +135,9 @@ class _ChunkedOutputCrossEntropy(torch.autograd.Function):
         ctx.reduce_grad_hidden, ctx.ignore_index = reduce_grad_hidden, ignore_index
         ctx.precomputed = precompute
         ctx.grad_hidden, ctx.grad_weight = grad_hidden, grad_weight
+        for held in (grad_hidden, grad_weight):  # kept for backward on ctx: bytes the tracker must see
+            if held is not None:
+                report_saved_on_device(held)
         return loss
 
     @staticmethod

@@ -13,6 +13,11 @@ grad enabled in backward):
   * grad enabled and no entry (a layer that is not recomputed): plain differentiable ring attention;
   * grad disabled and not training (evaluation): plain forward, nothing kept.
 
+Offload: when the no-grad forward runs inside an activation-offload scope (``offload=layer_input``: the checkpoint
+call of the layer runs in ``ActivationOffloader.offload_scope``), the kept out and LSE join that scope's group: they
+go to the host pool with the layer input and come back with it (same prefetch) when the recompute pops them; only
+what is below the offloader's ``min_bytes`` stays on the device.
+
 Layout: q [b, s_local, hq, d], k/v [b, s_local, hkv, d] zigzag-sharded over ``group``; out like q,
 lse [b, hq, s_local] float32. The returned ``out`` is the kept tensor itself: do not modify it in place
 (detected at pop time through its version counter).
@@ -30,18 +35,24 @@ from ..attention.comm import group_size_and_rank
 from ..attention.kernels import resolve_softmax_scale, select_kernel
 from ..attention.ring import ring_attention, ring_attention_backward, ring_attention_forward
 from ..attention.validation import check_attention_inputs
-from .tracker import report_saved_on_device
+from .offload import is_offloaded, offload_into_active_scope, restore
 
 Tensor = torch.Tensor
 
 
 class _Entry:
-    __slots__ = ("out", "lse", "meta", "out_version", "nbytes")
+    """out/lse are the tensors, or offload handles when an offload scope took them (see module docstring)."""
+
+    __slots__ = ("out", "lse", "meta", "out_version", "nbytes", "offloaded_bytes")
 
     def __init__(self, out: Tensor, lse: Tensor, meta: tuple) -> None:
-        self.out, self.lse, self.meta = out, lse, meta
-        self.out_version = out._version
+        self.meta = meta
         self.nbytes = out.numel() * out.element_size() + lse.numel() * lse.element_size()
+        self.out = offload_into_active_scope(out)  # reports the bytes (device or host) to the trackers
+        self.lse = offload_into_active_scope(lse)
+        # an offloaded copy cannot be modified in place by the layer: only a kept device tensor is checked
+        self.out_version = None if is_offloaded(self.out) else out._version
+        self.offloaded_bytes = sum(x.nbytes for x in (self.out, self.lse) if is_offloaded(x))
 
 
 class KeptAttentionCache:
@@ -57,8 +68,9 @@ class KeptAttentionCache:
             raise ValueError(f"KeptAttentionCache: max_entries_per_key must be an int >= 1, got {max_entries_per_key!r}")
         self.max_entries_per_key = max_entries_per_key
         self._fifos: Dict[Hashable, Deque[_Entry]] = {}
-        self.bytes_held = 0
+        self.bytes_held = 0  # kept out + lse, on the device or offloaded
         self.peak_bytes_held = 0
+        self.bytes_offloaded = 0  # cumulative bytes of kept out/lse that went to an offload host pool
         self.pushes = 0
         self.pops = 0
 
@@ -80,9 +92,8 @@ class KeptAttentionCache:
         fifo.append(entry)
         self.bytes_held += entry.nbytes
         self.peak_bytes_held = max(self.peak_bytes_held, self.bytes_held)
+        self.bytes_offloaded += entry.offloaded_bytes
         self.pushes += 1
-        report_saved_on_device(out)
-        report_saved_on_device(lse)
 
     def pop(self, key: Hashable, meta: tuple) -> Tuple[Tensor, Tensor]:
         fifo = self._fifos.get(key)
@@ -95,7 +106,7 @@ class KeptAttentionCache:
                 f"(kept {_describe(entry.meta)}, recompute {_describe(meta)}); keys must identify one layer "
                 "and microbatches must be recomputed in the order they ran forward"
             )
-        if entry.out._version != entry.out_version:
+        if entry.out_version is not None and entry.out._version != entry.out_version:
             raise RuntimeError(
                 f"KeptAttentionCache: the kept attention output of key {key!r} was modified in place after the "
                 "forward; the layer must not write into the attention output"
@@ -105,7 +116,9 @@ class KeptAttentionCache:
             del self._fifos[key]
         self.bytes_held -= entry.nbytes
         self.pops += 1
-        return entry.out, entry.lse
+        out, lse = restore(entry.out), restore(entry.lse)
+        entry.out = entry.lse = None  # an offloaded handle dies here: its host buffer returns to the pool
+        return out, lse
 
     def held(self) -> Dict[Hashable, int]:
         """{key: number of kept entries}."""

@@ -31,6 +31,11 @@ Host buffers return to the pool, with the event of their last copy, when autogra
 Device: ``device=None`` takes it from the tensors -- the first tensor that qualifies fixes the device type
 (cuda or cpu) the engine offloads from; pass ``device`` to fix it up front.
 
+Tensors that are kept for backward outside autograd's saved tensors (e.g. the kept attention output and LSE of
+``full_keep_attn``, held by ``KeptAttentionCache`` across a no-grad forward) join the group of the innermost active
+scope through ``offload_into_active_scope(t)`` (returns a handle, or ``t`` itself when no scope is active or the
+tensor is not offloaded) and come back with ``restore(handle)``: same group, same prefetch and release rules.
+
 Not offloaded (kept, reported to the tracker as device bytes): tensors below ``min_bytes``, leaves that
 require grad (parameters: the caller holds them anyway), tensors on another device type, tensor subclasses,
 non-strided layouts, conj/neg views, and anything saved while the autograd engine runs (recompute).
@@ -54,6 +59,8 @@ from .tracker import _is_leaf_param, foreign_saved_tensor_hooks, in_backward, re
 Tensor = torch.Tensor
 
 log = logging.getLogger(__name__)
+
+_active_scopes: List[tuple] = []  # (engine, group) of the offload scopes entered, innermost last
 
 
 def storage_span(t: Tensor) -> int:
@@ -155,8 +162,12 @@ class ActivationOffloader:
         def pack(t: Tensor):
             return self._pack(t, group)
 
-        with foreign_saved_tensor_hooks(), torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
-            yield group
+        _active_scopes.append((self, group))
+        try:
+            with foreign_saved_tensor_hooks(), torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
+                yield group
+        finally:
+            _active_scopes.pop()
 
     def run_in_scope(self, key: object, fn: Callable, *args, trigger: bool = True, **kwargs):
         """``fn(*args, **kwargs)`` inside ``offload_scope(key)`` -- e.g. ``fn`` = a checkpoint call of one
@@ -348,6 +359,30 @@ class ActivationOffloader:
 
     def host_bytes_in_use(self) -> int:
         return sum(h.nbytes for g in self._groups for h in g.handles())
+
+
+def offload_into_active_scope(t: Tensor):
+    """Offload ``t`` (kept for backward by the caller, not saved through autograd) into the group of the innermost
+    active offload scope. Returns the handle to pass to ``restore``, or ``t`` itself (reported to the tracker as
+    device bytes) when no scope is active, in backward, or the tensor does not qualify (``min_bytes``, ...)."""
+    if not _active_scopes or in_backward():
+        report_saved_on_device(t)
+        return t
+    engine, group = _active_scopes[-1]
+    return engine._pack(t, group)  # reports the host (or, when not offloaded, the device) bytes to the trackers
+
+
+def restore(handle) -> Tensor:
+    """The tensor behind a handle from ``offload_into_active_scope`` (on its device; ``handle`` if a tensor)."""
+    if isinstance(handle, Tensor):
+        return handle
+    if not isinstance(handle, _Offloaded) or handle.engine is None:
+        raise TypeError(f"restore: not an offload handle: {type(handle).__name__}")
+    return handle.engine._unpack(handle)
+
+
+def is_offloaded(handle) -> bool:
+    return isinstance(handle, _Offloaded)
 
 
 class _Handles:
