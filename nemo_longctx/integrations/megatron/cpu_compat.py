@@ -22,6 +22,13 @@ available, is idempotent, and every patch below says what it fixes (numbers refe
 8. NeMo's ``MegatronCheckpointIO.load_checkpoint`` ends with ``_fix_tensors_device``, which asserts
    ``torch.cuda.is_initialized()`` to move loaded tensors to the current GPU: on CPU the loaded tensors are already
    where they belong, so it returns the checkpoint unchanged (resume from a distributed checkpoint).
+9. Megatron's ``HybridDeviceOptimizer`` (``optim.optimizer_cpu_offload``) splits parameters by ``param.is_cuda``: on
+   CPU every parameter would count as already offloaded, no host copy would exist and its step would fail looking
+   one up. While it sorts its parameters, the CPU stands in for the device (as in fix 2): model parameters answer
+   ``is_cuda`` True and the host copies it makes (``.cpu()``) False, so the offload fraction, the host copies, the
+   grad copies and the copy-back hooks all run as on a GPU.
+
+What cannot run without CUDA at all is refused (not patched) by ``model_state_cpu_problems``, before step 0.
 """
 
 from __future__ import annotations
@@ -264,6 +271,66 @@ def _patch_checkpoint_load_device() -> None:
     nemo_io_pl._fix_tensors_device = _fix_tensors_device
 
 
+# --------------------------------------------------------------------------------------------------------------
+# 9: HybridDeviceOptimizer's device/host split on a CPU-only build
+_HOST_COPY = "_nemo_longctx_host_copy"
+
+
+class _ParamsOnDeviceMode(TorchFunctionMode):
+    """Fix 9, active only inside ``HybridDeviceOptimizer._init_sub_optimizers``: ``t.is_cuda`` is True except for
+    the host copies made inside (results of ``.cpu()`` and anything computed from them)."""
+
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Dict | None = None):
+        if getattr(func, "__self__", None) is torch.Tensor.is_cuda:  # the property getter
+            return not getattr(args[0], _HOST_COPY, False)
+        out = func(*args, **(kwargs or {}))
+        if not isinstance(out, torch.Tensor):
+            return out
+        if getattr(func, "__name__", "") == "cpu":
+            if args and out is args[0]:  # .cpu() of a CPU tensor is the tensor itself: a host copy is a new tensor
+                out = out.clone()
+            setattr(out, _HOST_COPY, True)
+        elif any(getattr(a, _HOST_COPY, False) for a in args if isinstance(a, torch.Tensor)):
+            setattr(out, _HOST_COPY, True)  # .pin_memory(), .float() of a host copy
+        return out
+
+
+def _patch_hybrid_device_optimizer() -> None:
+    from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+
+    original = HybridDeviceOptimizer._init_sub_optimizers
+    if getattr(original, "_nemo_longctx", False):
+        return
+
+    def _init_sub_optimizers(self) -> None:
+        with _ParamsOnDeviceMode():  # fix 9
+            original(self)
+
+    _init_sub_optimizers._nemo_longctx = True  # type: ignore[attr-defined]
+    HybridDeviceOptimizer._init_sub_optimizers = _init_sub_optimizers
+
+
+# --------------------------------------------------------------------------------------------------------------
+# refusals: model-state options that cannot run without CUDA (checked by the app's validation pass)
+def model_state_cpu_problems(opts: Any, force: bool = False) -> list:
+    """Problems (each naming its ``optim.*`` field) of model-state options that cannot run on a CPU-only build;
+    empty when CUDA is available (unless ``force``). ``opts``: ``model_state.ModelStateOptions``."""
+    if not (force or needed()):
+        return []
+    out = []
+    if getattr(opts, "use_precision_aware_optimizer", False) is True and not getattr(opts, "optimizer_cpu_offload",
+                                                                                   False):
+        # TE's FusedAdam (master_weight_dtype / exp_avg_dtype / use_decoupled_grad) is a CUDA kernel
+        out.append("optim.use_precision_aware_optimizer=true runs TransformerEngine's FusedAdam, a CUDA kernel: "
+                   "not available on CPU (CPU only; on GPUs it is allowed with TransformerEngine installed)")
+    if getattr(opts, "megatron_fsdp", False) is True:
+        # megatron-core 0.15.3's Megatron-FSDP is CUDA-bound by construction: its adapter builds its DTensor
+        # DeviceMesh with device_type="cuda" and its buffers on torch.device(f"cuda:{current_device()}")
+        out.append("optim.megatron_fsdp=true: Megatron-FSDP builds its DTensor device mesh and buffers on CUDA "
+                   "devices only (device_type='cuda'): not available on CPU (CPU only; allowed on GPUs)")
+    return out
+
+
 def apply(force: bool = False) -> bool:
     """Apply all patches once when CUDA is unavailable (or ``force``). Returns True if patches are active."""
     global _APPLIED, _MODE
@@ -276,6 +343,7 @@ def apply(force: bool = False) -> bool:
     _patch_rope()
     _patch_checkpoint_without_output()
     _patch_checkpoint_load_device()
+    _patch_hybrid_device_optimizer()
     _MODE = _CudaToCpuMode()
     _MODE.__enter__()  # fix 3: stays active for the life of the process
     _APPLIED = True

@@ -130,6 +130,22 @@ def memory_options_of(cfg: DictConfig) -> Any:
     return memory_options(group("recompute"), group("offload"))
 
 
+def model_state_of(cfg: DictConfig) -> Any:
+    """``ModelStateOptions`` of the ``optim`` group (weights / grads / optimizer-state layout)."""
+    from nemo_longctx.integrations.megatron.model_state import model_state_options
+
+    return model_state_options(OmegaConf.to_container(cfg.optim, resolve=True))
+
+
+def model_state_problems_of(cfg: DictConfig) -> List[str]:
+    """The ``optim`` group's problems (each naming its field) against the rest of the config."""
+    from nemo_longctx.integrations.megatron.model_state import model_state_problems
+
+    every = int((cfg.get("checkpoint") or {}).get("every_n_steps", 0) or 0)
+    return model_state_problems(model_state_of(cfg), precision=str(cfg.trainer.precision),
+                                pp=int(cfg.trainer.strategy.pipeline_model_parallel_size), checkpointing=every > 0)
+
+
 def feature_model_overrides(cfg: DictConfig) -> Dict[str, Any]:
     """Model-config fields set by the optional feature groups (``<group>.model_overrides: {field: value}``)."""
     out: Dict[str, Any] = {}
@@ -181,6 +197,7 @@ def config_problems(cfg: DictConfig) -> List[str]:
     problems: List[str] = []
     _collect(problems, lambda: validate_memory_options(memory_options_of(cfg), str(cfg.cp.algorithm)))
     _collect(problems, lambda: tiling_of(cfg))
+    problems += _collect(problems, lambda: model_state_problems_of(cfg)) or []
     _collect(problems, lambda: check_cp_options(str(cfg.cp.algorithm), int(cfg.cp.size), cp_algorithm_kwargs(cfg)))
     problems += _checkpoint_problems(cfg) + _launcher_and_trainer_problems(cfg)
     return problems
@@ -255,12 +272,12 @@ def build_optimizer(cfg: DictConfig, precision: str) -> Any:
     from nemo import lightning as nl
     from nemo.lightning.pytorch.optim import CosineAnnealingScheduler
 
+    from nemo_longctx.integrations.megatron.model_state import optimizer_config
+
     o = cfg.optim
-    opt_config = OptimizerConfig(
-        optimizer=str(o.optimizer), lr=float(o.lr), weight_decay=float(o.weight_decay), clip_grad=float(o.clip_grad),
-        adam_beta2=float(o.adam_beta2), use_distributed_optimizer=bool(o.use_distributed_optimizer),
-        bf16=precision.startswith("bf16"), fp16=precision.startswith("16"),
-    )
+    opt_config = optimizer_config(model_state_of(cfg), lr=float(o.lr), weight_decay=float(o.weight_decay),
+                                  clip_grad=float(o.clip_grad), adam_beta2=float(o.adam_beta2), precision=precision)
+    assert isinstance(opt_config, OptimizerConfig)
     sched = CosineAnnealingScheduler(
         max_steps=int(cfg.trainer.max_steps), warmup_steps=int(o.warmup_steps), constant_steps=0, min_lr=float(o.min_lr)
     )
@@ -348,12 +365,18 @@ def build(cfg: DictConfig, launch: Optional[Launch] = None, extra_callbacks: Opt
         _collect(problems, lambda: validate_memory_options(memory, str(cfg.cp.algorithm), model_config, p["pp"]))
     backend = str(cfg.launcher.get("backend", "auto"))
     timeout = cfg.launcher.get("timeout_s")
+    model_state = model_state_of(cfg) if not problems else None
+    state_kwargs = {"save_ckpt_format": "torch_dist"}
+    if model_state is not None:
+        from nemo_longctx.integrations.megatron.model_state import strategy_kwargs
+
+        state_kwargs.update(strategy_kwargs(model_state))  # Megatron-FSDP: ddp config, fsdp="megatron"
     strategy = LongContextStrategy(
         tensor_model_parallel_size=p["tp"], pipeline_model_parallel_size=p["pp"], context_parallel_size=p["cp"],
         sequence_parallel=bool(cfg.trainer.strategy.sequence_parallel), cp_algorithm=str(cfg.cp.algorithm),
         cp_algorithm_kwargs=cp_algorithm_kwargs(cfg), collective_timeout_s=timeout,
         process_group_backend=None if backend == "auto" else backend,
-        ckpt_load_strictness=None, save_ckpt_format="torch_dist",
+        ckpt_load_strictness=None, **state_kwargs,
         ckpt_async_save=bool((cfg.get("checkpoint") or {}).get("async_save", False)),
     )
     if model_config is not None:
@@ -370,7 +393,10 @@ def build(cfg: DictConfig, launch: Optional[Launch] = None, extra_callbacks: Opt
         accelerator = "gpu" if torch.cuda.is_available() else "cpu"
     devices = launch.local_world_size if launch is not None else int(cfg.trainer.devices)
     num_nodes = launch.num_nodes if launch is not None else int(cfg.trainer.num_nodes)
-    plugins: List[Any] = [nl.MegatronMixedPrecision(precision=precision)]
+    from nemo_longctx.integrations.megatron.model_state import grad_reduce_in_fp32
+
+    plugins: List[Any] = [nl.MegatronMixedPrecision(precision=precision,
+                                                    grad_reduce_in_fp32=grad_reduce_in_fp32(model_state))]
     if launch is not None:
         plugins.append(TorchElasticEnvironment())
     tokens_per_step = gbs * int(model_config.seq_length)
@@ -387,6 +413,9 @@ def build(cfg: DictConfig, launch: Optional[Launch] = None, extra_callbacks: Opt
     ]
     if not memory.trivial:
         callbacks.append(MemoryOptionsCallback(memory, str(cfg.cp.algorithm)))
+    from nemo_longctx.integrations.nemo.model_state_callback import ModelStateCheck
+
+    callbacks.append(ModelStateCheck(model_state))
     if cfg.run.save_final_params:
         callbacks.append(SaveFinalParameters(os.path.join(str(cfg.output_dir), "final_params.pt")))
     if cfg.run.get("fault"):
@@ -451,6 +480,7 @@ def dry_run(cfg: DictConfig) -> Dict[str, Any]:
         "trainer": f"{type(built.trainer).__name__}(devices={cfg.trainer.devices}, num_nodes={cfg.trainer.num_nodes})",
         "data": type(built.data).__name__,
         "memory": memory_options_of(cfg).describe(),
+        "model_state": model_state_of(cfg).describe(),
         "tiling": tiling_of(cfg),
         "checkpoint": (f"every {c.get('every_n_steps')} steps -> {checkpoint_dir(cfg)} (keep {c.get('keep')}), "
                        f"resume={c.get('resume')}") if c.get("every_n_steps") else f"none, resume={c.get('resume')}",

@@ -1,0 +1,256 @@
+"""Model-state options (the app's ``optim`` config group): how weights, gradients and optimizer states are kept.
+
+``model_state_options(optim)``   ``ModelStateOptions`` from the ``optim`` group (a plain dict);
+``model_state_problems(opts, precision=..., pp=..., checkpointing=...)``
+                                  every invalid setting, each naming its ``optim.*`` field (no Megatron import: the
+                                  planner filters its search space with it); CPU-only refusals come from
+                                  ``cpu_compat.model_state_cpu_problems`` (one place for what cannot run without CUDA);
+``optimizer_config(opts, o, precision)``  Megatron's ``OptimizerConfig``;
+``ddp_config(opts)`` / ``strategy_kwargs(opts)``  NeMo's ``MegatronStrategy(ddp=..., fsdp="megatron", ...)``.
+
+Options (all Megatron-core 0.15.3 / NeMo 2.7 machinery, used the way NeMo's recipes use it):
+  use_distributed_optimizer      ZeRO-1: fp32 master weights + Adam moments sharded over data-parallel x CP
+  megatron_fsdp                  ZeRO-3 (Megatron-FSDP, ``MegatronStrategy(fsdp="megatron")`` with
+                                 ``DistributedDataParallelConfig(use_megatron_fsdp=True,
+                                 data_parallel_sharding_strategy="optim_grads_params")``)
+  optimizer_cpu_offload          ``HybridDeviceOptimizer``: the Adam step of ``optimizer_offload_fraction`` of the
+                                 (sharded) parameters runs on the host with host copies of master weights, grads
+                                 and moments
+  use_precision_aware_optimizer  TE's FusedAdam keeps moments in ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` and master
+                                 weights in ``main_params_dtype``; ``main_grads_dtype=bf16`` reduces gradients in
+                                 bf16 (``MegatronMixedPrecision(grad_reduce_in_fp32=False)``)
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, List, Optional
+
+DTYPES = ("fp32", "bf16", "fp16")
+MAIN_PARAMS_DTYPES = ("fp32", "fp16")  # megatron: --main-params-dtype choices
+MAIN_GRADS_DTYPES = ("fp32", "bf16")  # megatron: --main-grads-dtype choices
+OPTIMIZERS = ("adam", "sgd")
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+_FIELDS = ("optimizer", "use_distributed_optimizer", "megatron_fsdp", "optimizer_cpu_offload",
+           "optimizer_offload_fraction", "use_precision_aware_optimizer", "main_grads_dtype", "main_params_dtype",
+           "exp_avg_dtype", "exp_avg_sq_dtype")
+# the learning-rate / schedule keys of the group (not model-state options)
+_OTHER_KEYS = ("lr", "min_lr", "warmup_steps", "weight_decay", "clip_grad", "adam_beta2")
+
+
+@dataclass(frozen=True)
+class ModelStateOptions:
+    optimizer: str = "adam"
+    use_distributed_optimizer: bool = False
+    megatron_fsdp: bool = False
+    optimizer_cpu_offload: bool = False
+    optimizer_offload_fraction: float = 1.0
+    use_precision_aware_optimizer: bool = False
+    main_grads_dtype: str = "fp32"
+    main_params_dtype: str = "fp32"
+    exp_avg_dtype: str = "fp32"
+    exp_avg_sq_dtype: str = "fp32"
+
+    def describe(self) -> str:
+        parts = ["megatron_fsdp" if self.megatron_fsdp else
+                 ("distributed_optimizer" if self.use_distributed_optimizer else "ddp")]
+        if self.optimizer_cpu_offload:
+            parts.append(f"optimizer_cpu_offload({self.optimizer_offload_fraction:g})")
+        if self.use_precision_aware_optimizer:
+            parts.append(f"precision_aware(grads={self.main_grads_dtype},params={self.main_params_dtype},"
+                         f"m={self.exp_avg_dtype},v={self.exp_avg_sq_dtype})")
+        return " + ".join(parts)
+
+    def as_overrides(self) -> Dict[str, Any]:
+        """``optim.<field>`` -> value for every field that differs from the default."""
+        d = ModelStateOptions()
+        return {f"optim.{k}": v for k, v in asdict(self).items() if getattr(d, k) != v}
+
+
+def model_state_options(optim: Optional[Dict[str, Any]] = None) -> ModelStateOptions:
+    """``ModelStateOptions`` from the ``optim`` group as a plain dict; unknown keys are an error naming them."""
+    o = dict(optim or {})
+    unknown = sorted(k for k in o if k not in _FIELDS and k not in _OTHER_KEYS)
+    if unknown:
+        raise ValueError(f"optim: unknown key(s) {unknown} (known: {sorted(_FIELDS + _OTHER_KEYS)})")
+    return ModelStateOptions(**{k: o[k] for k in _FIELDS if k in o})
+
+
+def _is_bool(v: Any) -> bool:
+    return isinstance(v, bool)
+
+
+def model_state_problems(opts: ModelStateOptions, precision: str = "bf16-mixed", pp: int = 1,
+                         checkpointing: bool = False, te_available: Optional[bool] = None,
+                         target_cuda: Optional[bool] = None) -> List[str]:
+    """Every problem with ``opts`` (empty = valid), each naming its ``optim.*`` field; the CPU-only refusals of
+    ``cpu_compat`` are added when the target has no CUDA. ``te_available`` / ``target_cuda``: None = this process
+    (the app); the planner passes True for both (it plans for GPU nodes running the NGC NeMo image)."""
+    p: List[str] = []
+    o = opts
+    for f in ("use_distributed_optimizer", "megatron_fsdp", "optimizer_cpu_offload", "use_precision_aware_optimizer"):
+        if not _is_bool(getattr(o, f)):
+            p.append(f"optim.{f}={getattr(o, f)!r} must be true or false")
+    if o.optimizer not in OPTIMIZERS:
+        p.append(f"optim.optimizer={o.optimizer!r} must be one of {list(OPTIMIZERS)}")
+    frac = o.optimizer_offload_fraction
+    if _is_bool(frac) or not isinstance(frac, (int, float)) or not 0.0 <= float(frac) <= 1.0:
+        p.append(f"optim.optimizer_offload_fraction={frac!r} must be a number in [0, 1]")
+    for f, allowed in (("main_grads_dtype", MAIN_GRADS_DTYPES), ("main_params_dtype", MAIN_PARAMS_DTYPES),
+                       ("exp_avg_dtype", DTYPES), ("exp_avg_sq_dtype", DTYPES)):
+        v = getattr(o, f)
+        if v not in allowed:
+            p.append(f"optim.{f}={v!r} must be one of {list(allowed)}")
+        elif v != "fp32" and o.use_precision_aware_optimizer is False:
+            p.append(f"optim.{f}={v} needs optim.use_precision_aware_optimizer=true (Megatron keeps {f} in fp32 "
+                     "otherwise)")
+    if o.megatron_fsdp is True:
+        if o.use_distributed_optimizer is not True:
+            p.append("optim.megatron_fsdp=true needs optim.use_distributed_optimizer=true (Megatron-FSDP shards the "
+                     "optimizer states through the distributed optimizer)")
+        if pp > 1:
+            p.append(f"optim.megatron_fsdp=true with trainer.strategy.pipeline_model_parallel_size={pp}: "
+                     "nemo_longctx runs Megatron-FSDP without pipeline parallelism only")
+        if checkpointing:
+            p.append("optim.megatron_fsdp=true with checkpoint.every_n_steps > 0: Megatron-FSDP saves in the "
+                     "fsdp_dtensor format, which nemo_longctx's checkpoint/resume path does not support yet "
+                     "(set checkpoint.every_n_steps=0)")
+        if o.optimizer_cpu_offload is True:
+            p.append("optim.megatron_fsdp=true with optim.optimizer_cpu_offload=true: Megatron's HybridDeviceOptimizer "
+                     "is not wired to Megatron-FSDP's sharded parameters in megatron-core 0.15; use "
+                     "optim.use_distributed_optimizer=true without megatron_fsdp for CPU offload")
+    if o.optimizer_cpu_offload is True:
+        if o.use_distributed_optimizer is not True:
+            p.append("optim.optimizer_cpu_offload=true needs optim.use_distributed_optimizer=true (nemo_longctx "
+                     "offloads the distributed optimizer's shard)")
+        if o.optimizer != "adam":
+            p.append(f"optim.optimizer_cpu_offload=true supports optim.optimizer=adam here, got {o.optimizer!r}")
+        if not (str(precision).startswith("bf16") or str(precision).startswith("16")):
+            p.append(f"optim.optimizer_cpu_offload=true needs trainer.precision=bf16-mixed or 16-mixed (got "
+                     f"{precision}): with fp32 weights Megatron's distributed optimizer hands HybridDeviceOptimizer "
+                     "views of the parameters, which torch.optim refuses (non-leaf tensors)")
+    if o.use_precision_aware_optimizer is True:
+        if o.optimizer != "adam":
+            p.append(f"optim.use_precision_aware_optimizer=true needs optim.optimizer=adam, got {o.optimizer!r}")
+        if o.use_distributed_optimizer is not True:
+            p.append("optim.use_precision_aware_optimizer=true needs optim.use_distributed_optimizer=true")
+        if o.optimizer_cpu_offload is True:
+            for f in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+                if getattr(o, f) != "fp32":
+                    p.append(f"optim.{f}={getattr(o, f)} with optim.optimizer_cpu_offload=true: the host optimizer "
+                             "(torch AdamW in Megatron's HybridDeviceOptimizer) keeps fp32 moments; set it to fp32")
+        te = _te_available() if te_available is None else te_available
+        if not te:  # OptimizerConfig.__post_init__ reads TE's version even with optimizer_cpu_offload
+            p.append("optim.use_precision_aware_optimizer=true needs TransformerEngine (its FusedAdam keeps the "
+                     "low-precision states; Megatron's OptimizerConfig checks its version): transformer_engine is "
+                     "not installed")
+        if o.main_grads_dtype != "fp32" and not str(precision).startswith("bf16"):
+            p.append(f"optim.main_grads_dtype={o.main_grads_dtype} needs trainer.precision=bf16-mixed "
+                     f"(got {precision})")
+    from nemo_longctx.integrations.megatron.cpu_compat import model_state_cpu_problems
+
+    if target_cuda is None or not target_cuda:
+        p += model_state_cpu_problems(opts, force=target_cuda is False)
+    return p
+
+
+def _te_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def validate_model_state(opts: ModelStateOptions, **kw: Any) -> None:
+    problems = model_state_problems(opts, **kw)
+    if problems:
+        from nemo_longctx.integrations.nemo.app import ConfigError
+
+        raise ConfigError(problems)
+
+
+# ---------------------------------------------------------------------------------------------- Megatron objects
+def _torch_dtype(name: str) -> Any:
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
+def optimizer_config(opts: ModelStateOptions, lr: float, weight_decay: float, clip_grad: float, adam_beta2: float,
+                     precision: str) -> Any:
+    """Megatron's ``OptimizerConfig`` for ``opts``."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(
+        optimizer=opts.optimizer, lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, adam_beta2=adam_beta2,
+        use_distributed_optimizer=bool(opts.use_distributed_optimizer),
+        bf16=precision.startswith("bf16"), fp16=precision.startswith("16"),
+        optimizer_cpu_offload=bool(opts.optimizer_cpu_offload),
+        optimizer_offload_fraction=float(opts.optimizer_offload_fraction) if opts.optimizer_cpu_offload else 0.0,
+        use_precision_aware_optimizer=bool(opts.use_precision_aware_optimizer),
+        main_grads_dtype=_torch_dtype(opts.main_grads_dtype), main_params_dtype=_torch_dtype(opts.main_params_dtype),
+        exp_avg_dtype=_torch_dtype(opts.exp_avg_dtype), exp_avg_sq_dtype=_torch_dtype(opts.exp_avg_sq_dtype),
+    )
+
+
+def grad_reduce_in_fp32(opts: ModelStateOptions) -> bool:
+    """``MegatronMixedPrecision(grad_reduce_in_fp32=...)``: main grads (DDP buffers) in fp32 unless bf16 asked."""
+    return opts.main_grads_dtype == "fp32"
+
+
+def strategy_kwargs(opts: ModelStateOptions) -> Dict[str, Any]:
+    """``MegatronStrategy`` arguments: Megatron-FSDP the way NeMo's recipes enable it, else NeMo's default DDP."""
+    if not opts.megatron_fsdp:
+        return {}
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    ddp = DistributedDataParallelConfig(
+        check_for_nan_in_grad=True, use_distributed_optimizer=True, use_megatron_fsdp=True,
+        data_parallel_sharding_strategy="optim_grads_params",
+    )
+    return {"ddp": ddp, "fsdp": "megatron", "save_ckpt_format": "fsdp_dtensor"}
+
+
+# ---------------------------------------------------------------------------------------------- runtime check
+def optimizer_layout(optimizer: Any) -> Dict[str, Any]:
+    """What the built Megatron optimizer keeps where (this rank): {'kind', 'distributed', 'hybrid',
+    'host_numel', 'device_numel', 'moment_dtypes'}; ``optimizer``: a MegatronOptimizer (chained or not)."""
+    from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    chained = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    out = {"kind": [type(o).__name__ for o in chained], "distributed": all(isinstance(o, DistributedOptimizer)
+                                                                             for o in chained),
+           "hybrid": False, "host_numel": 0, "device_numel": 0, "moment_dtypes": set()}
+    for o in chained:
+        inner = getattr(o, "optimizer", None)
+        if isinstance(inner, HybridDeviceOptimizer):
+            out["hybrid"] = True
+            out["host_numel"] += sum(p.numel() for p in inner.gpu_params_map_cpu_copy.values())
+            out["device_numel"] += sum(p.numel() for g in inner.gpu_param_groups for p in g["params"])
+        for state in getattr(inner, "state", {}).values():
+            for k in ("exp_avg", "exp_avg_sq"):
+                if k in state and hasattr(state[k], "dtype"):
+                    out["moment_dtypes"].add(str(state[k].dtype).replace("torch.", ""))
+    out["moment_dtypes"] = sorted(out["moment_dtypes"])
+    return out
+
+
+def check_optimizer_layout(opts: ModelStateOptions, layout: Dict[str, Any]) -> str:
+    """Raise RuntimeError when the built optimizer is not what ``opts`` asked for; else a one-line summary."""
+    if bool(opts.use_distributed_optimizer) != layout["distributed"]:
+        raise RuntimeError(f"optim.use_distributed_optimizer={opts.use_distributed_optimizer} but the built optimizer "
+                           f"is {layout['kind']}")
+    if bool(opts.optimizer_cpu_offload) != layout["hybrid"]:
+        raise RuntimeError(f"optim.optimizer_cpu_offload={opts.optimizer_cpu_offload} but the built optimizer "
+                           f"{'has' if layout['hybrid'] else 'has no'} HybridDeviceOptimizer")
+    total = layout["host_numel"] + layout["device_numel"]
+    if opts.optimizer_cpu_offload and total:
+        frac = layout["host_numel"] / total
+        # HybridDeviceOptimizer moves whole shard tensors until the fraction is reached: at least the fraction
+        if frac + 1e-9 < float(opts.optimizer_offload_fraction) or (opts.optimizer_offload_fraction == 0 and frac):
+            raise RuntimeError(f"optim.optimizer_offload_fraction={opts.optimizer_offload_fraction} but "
+                               f"{frac:.3f} of the optimizer's parameters are on the host")
+    line = f"model state: {opts.describe()} | optimizer {'+'.join(sorted(set(layout['kind'])))}"
+    if layout["hybrid"]:
+        line += f" | host Adam for {layout['host_numel']} of {total} parameters (this rank)"
+    return line
