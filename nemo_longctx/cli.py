@@ -13,9 +13,14 @@ commands:
   train   NeMo 2 pre-training with context parallelism (default: tiny Llama, CP=2 ring, 2 CPU processes)
           e.g. nemo-longctx train model=llama3_8b cp=ring cp.size=8 trainer.devices=8 model.seq_length=131072
   plan    memory/parallelism planner
+  import  Hugging Face model dir -> NeMo checkpoint (Llama 3.x, Qwen2/2.5), for train init_from=<dir>
+          e.g. nemo-longctx import source=/models/Llama-3.1-8B output=/ckpt/llama31-8b
+  export  NeMo checkpoint (trained from an import) -> Hugging Face model dir
+          e.g. nemo-longctx export checkpoint=outputs/train output=/models/llama31-8b-128k
 """
 
-COMMANDS = {"train": "nemo_longctx.train", "plan": "nemo_longctx.plan"}
+COMMANDS = {"train": "nemo_longctx.train", "plan": "nemo_longctx.plan",
+            "import": "nemo_longctx.convert:import_main", "export": "nemo_longctx.convert:export_main"}
 
 
 def main(argv=None) -> None:
@@ -27,16 +32,17 @@ def main(argv=None) -> None:
     if command not in COMMANDS:
         print(f"nemo-longctx: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         sys.exit(2)
+    module_name, _, function = COMMANDS[command].partition(":")
     try:
-        module = importlib.import_module(COMMANDS[command])
+        module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
-        if e.name == COMMANDS[command]:
+        if e.name == module_name:
             print(f"nemo-longctx: command {command!r} is not available in this installation ({e.name} is missing)",
                   file=sys.stderr)
             sys.exit(2)
         raise
     sys.argv = [f"{argv[0]} {command}"] + argv[2:]
-    module.main()
+    getattr(module, function or "main")()
 
 
 if __name__ == "__main__":
