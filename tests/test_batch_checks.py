@@ -1,4 +1,5 @@
-"""The data step refuses batches that need more than the causal mask (never drops them silently).
+"""The data step refuses batches that need more than the causal mask unless they are packed (``cu_seqlens``: the
+documents then travel as PackedSeqParams); never drops them silently.
 
 Batches are made by Megatron's own GPTDataset helper (``_get_ltor_masks_and_position_ids``, what
 ``PreTrainingDataModule`` yields per sample), with and without document resets, then collated like a DataLoader."""
@@ -52,8 +53,17 @@ def test_per_document_position_ids_are_refused(create_mask):
         check_batch(batch)
 
 
-def test_packed_sequences_are_refused():
-    batch = _batch(False, False, False)
-    batch["cu_seqlens"] = torch.tensor([[0, 10, 31, 48, 64]], dtype=torch.int32)
-    with pytest.raises(ValueError, match="packed sequences"):
-        check_batch(batch)
+def test_refusals_point_to_per_document_packing():
+    for batch in (_batch(False, True, True), _batch(True, False, False)):
+        with pytest.raises(ValueError, match="data.packing=documents"):
+            check_batch(batch)
+
+
+def test_packed_batches_pass_and_need_micro_batch_size_one():
+    batch = _batch(True, True, True, b=1)  # a document mask and reset positions: with cu_seqlens the documents
+    batch["cu_seqlens"] = torch.tensor([[0, 10, 31, 48, 64, -1]], dtype=torch.int32)  # travel as PackedSeqParams
+    check_batch(batch)
+    batch2 = _batch(False, False, False)
+    batch2["cu_seqlens"] = torch.tensor([[0, 10, 64], [0, 31, 64]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="trainer.micro_batch_size=1"):
+        check_batch(batch2)

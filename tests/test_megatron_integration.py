@@ -137,7 +137,7 @@ def _worker(rank: int, world: int):
 
     cfg = _config(2, 8, 2, 16)
     expect("dropout", lambda: LongContextCoreAttention(cfg, 1, AttnMaskType.causal, "self", attention_dropout=0.1))
-    expect("window", lambda: LongContextCoreAttention(_config(2, 8, 2, 16, window_size=(64, 0)), 1,
+    expect("window", lambda: LongContextCoreAttention(_config(2, 8, 2, 16, window_size=(64, 0, 1)), 1,
                                                       AttnMaskType.causal, "self"))
     expect("padding", lambda: LongContextCoreAttention(cfg, 1, AttnMaskType.padding, "self"))
     expect("arbitrary", lambda: LongContextCoreAttention(cfg, 1, AttnMaskType.arbitrary, "self"))
@@ -192,12 +192,12 @@ def test_core_attention_matches_megatron_dot_product_attention(results):
 def test_unsupported_combinations_raise_clear_errors(results):
     e = results[0]["errors"]
     assert "attention_dropout" in e["dropout"] and "not implemented" in e["dropout"]
-    assert "window_size" in e["window"]
+    assert "model.window_size=(64, 0, 1) must be a pair" in e["window"]
     assert "padding" in e["padding"] and "arbitrary" in e["arbitrary"]
     assert "cp_comm_type" in e["a2a"]
     assert "cp.algorithm" in e["algo"] and "ring" in e["algo"]
     assert "context_parallel_size=4" in e["cp_mismatch"]
-    assert "packed" in e["packed"]
+    assert "packed_seq_params.qkv_format=None" in e["packed"] and "'thd'" in e["packed"]
     assert "attention_mask" in e["mask"]
     assert "attention_bias" in e["bias"]
 

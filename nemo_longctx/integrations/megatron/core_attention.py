@@ -11,6 +11,14 @@ Megatron's MLA (``MultiLatentAttention``: q_head_dim = qk_head_dim + qk_pos_emb_
 both default to ``config.kv_channels``. K and V then travel between CP ranks at their own sizes. Layout conversion to the attention
 layer's ``[b, s, h, d]`` is a transpose view (no copy when b == 1).
 
+Packed documents (THD): Megatron's ``PackedSeqParams`` (qkv_format 'thd'; ``cu_seqlens_q`` = cumulative real
+document lengths, ``cu_seqlens_q_padded`` = the layout, every document padded to a multiple of 2*cp and
+zigzag-sharded per document, as ``batch.shard_packed_batch_for_cp`` lays it out and Megatron's RoPE slices it) go to
+the algorithm's THD path: attention only within each document, padding never a key. Sliding windows: the layer's
+window comes from ``config.window_size`` / ``window_attn_skip_freq`` exactly as Megatron's DotProductAttention
+decides it (``is_layer_window_attention``) and is passed as ``window_size=(left, right)``; with THD the window
+applies within each document.
+
 The algorithm is looked up by name in ``cp_algorithms.CP_ALGORITHMS`` (ring, ulysses, hybrid); its
 ``setup`` (hybrid: the Ulysses/ring sub-groups) runs once here at construction. At CP size 1 the same
 algorithm runs with ``group=None`` (local attention). Unsupported combinations raise ValueError at build time
@@ -20,7 +28,7 @@ algorithm runs with ``group=None`` (local attention). Unsupported combinations r
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from megatron.core.transformer.enums import AttnMaskType
@@ -35,6 +43,35 @@ from .cp_algorithms import get_cp_algorithm
 Tensor = torch.Tensor
 
 SUPPORTED_MASK_TYPES = (AttnMaskType.causal, AttnMaskType.no_mask)
+
+
+def _window_of(window_size: Any) -> Tuple[int, int]:
+    try:
+        left, right = (int(x) for x in window_size)
+    except (TypeError, ValueError):
+        raise ValueError(f"model.window_size={window_size!r} must be a pair (left, right) of ints (-1 = unbounded)"
+                         ) from None
+    return left, right
+
+
+def packed_seq_layout(packed_seq_params: Any) -> Tuple[Tensor, Tensor]:
+    """(cu_seqlens, cu_seqlens_padded) of Megatron's ``PackedSeqParams`` for self-attention in the THD format:
+    ``cu_seqlens_q`` = cumulative real document lengths, ``cu_seqlens_q_padded`` (or ``cu_seqlens_q`` when absent) =
+    the layout (each document padded to a multiple of 2*cp, per-document zigzag; Megatron's RoPE slices by it)."""
+    fmt = getattr(packed_seq_params, "qkv_format", None)
+    if fmt != "thd":
+        raise ValueError(f"packed_seq_params.qkv_format={fmt!r}: nemo_longctx core attention takes packed sequences "
+                         "in the 'thd' format only")
+    cu_q, cu_kv = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv
+    pad_q = packed_seq_params.cu_seqlens_q_padded
+    pad_kv = packed_seq_params.cu_seqlens_kv_padded
+    if cu_q is None:
+        raise ValueError("packed_seq_params.cu_seqlens_q is required (cumulative document lengths, int32)")
+    same = lambda a, b: a is b or (a is not None and b is not None and torch.equal(a, b))  # noqa: E731
+    if not same(cu_q, cu_kv if cu_kv is not None else cu_q) or not same(pad_q, pad_kv):
+        raise ValueError("packed_seq_params: cu_seqlens_q/kv (and their _padded forms) must be equal: "
+                         "nemo_longctx core attention is self-attention")
+    return cu_q, cu_q if pad_q is None else pad_q
 
 
 def _cp_group(pg_collection: Any):
@@ -85,11 +122,11 @@ class LongContextCoreAttention(MegatronModule):
                 f"model.attention_dropout={dropout}: attention dropout is not implemented in nemo_longctx core "
                 "attention; set it to 0"
             )
+        # Sliding window per layer exactly as Megatron's DotProductAttention decides it (window_attn_skip_freq:
+        # every n-th layer full, or a per-layer list); (left, right) in flash-attn's convention, as Megatron's
+        self.window_size = None
         if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
-            raise ValueError(
-                f"model.window_size={config.window_size}: sliding-window attention is not supported by "
-                "nemo_longctx core attention yet"
-            )
+            self.window_size = _window_of(config.window_size)
         if getattr(config, "softmax_type", "vanilla") != "vanilla":
             raise ValueError(f"model.softmax_type={config.softmax_type!r} is not supported (only 'vanilla')")
         if isinstance(cp_comm_type, list):
@@ -135,7 +172,8 @@ class LongContextCoreAttention(MegatronModule):
         if attn_mask_type not in SUPPORTED_MASK_TYPES:
             raise ValueError(
                 f"attn_mask_type={attn_mask_type} is not supported by nemo_longctx core attention "
-                f"(supported: causal, no_mask; padding/arbitrary masks and packed sequences are not)"
+                f"(supported: causal, no_mask; padding/arbitrary masks are not: packed documents go through "
+                "packed_seq_params)"
             )
         return attn_mask_type
 
@@ -149,17 +187,28 @@ class LongContextCoreAttention(MegatronModule):
         attention_bias: Optional[Tensor] = None,
         packed_seq_params: Any = None,
     ) -> Tensor:
-        """query [sq, b, hq, dk], key [sk, b, hkv, dk], value [sk, b, hkv, dv] -> [sq, b, hq*dv]."""
-        if packed_seq_params is not None:
-            raise ValueError("packed sequences (THD, packed_seq_params) are not supported by nemo_longctx core attention")
+        """query [sq, b, hq, dk], key [sk, b, hkv, dk], value [sk, b, hkv, dv] -> [sq, b, hq*dv].
+
+        Packed sequences (``packed_seq_params``, qkv_format 'thd'): Megatron passes query [t, hq, dk], key/value
+        [t, hkv, d] (the batch dim squeezed; t = this rank's tokens, per-document zigzag); returns [t, hq*dv]."""
         if attention_bias is not None:
             raise ValueError("attention_bias is not supported by nemo_longctx core attention")
         mask_type = self.attn_mask_type if attn_mask_type is None else self._check_mask_type(attn_mask_type)
         if attention_mask is not None:
             raise ValueError(
                 "nemo_longctx core attention got an explicit attention_mask: only the implicit causal (or no) mask "
-                "is supported; use a data step that passes attention_mask=None (e.g. data.create_attention_mask=false)"
+                "is supported; packed documents go through packed_seq_params (THD: data.packing=documents or NeMo's "
+                "packed fine-tuning data), with attention_mask=None"
             )
+        thd = {}
+        if packed_seq_params is not None:
+            cu, cu_padded = packed_seq_layout(packed_seq_params)
+            thd = {"cu_seqlens": cu, "cu_seqlens_padded": cu_padded}
+            if query.dim() == 3:  # [t, h, d] -> [t, 1, h, d] (views)
+                query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+            if query.shape[1] != 1:
+                raise ValueError(f"packed sequences need micro batch size 1 (trainer.micro_batch_size), got query "
+                                 f"{tuple(query.shape)}")
         sq, b, hq, _ = query.shape
         if (query.shape[-1], key.shape[-1], value.shape[-1]) != (self.k_channels, self.k_channels, self.v_channels):
             raise ValueError(
@@ -171,7 +220,12 @@ class LongContextCoreAttention(MegatronModule):
         # K/V travel between ranks (gloo/NCCL need contiguous buffers): a no-op view when b == 1 and Megatron's
         # key/value are contiguous, one copy otherwise
         k, v = key.transpose(0, 1).contiguous(), value.transpose(0, 1).contiguous()
+        if self.window_size is not None:
+            thd["window_size"] = self.window_size
         if self.kept_attention_cache is not None:
+            if thd:
+                raise ValueError("recompute=full_keep_attn supports neither packed sequences nor sliding windows "
+                                 f"(model.window_size={self.config.window_size}); use recompute=full or selective")
             out = kept_ring_attention(
                 q, k, v, self.cp_group if self.cp_size > 1 else None, mask_type == AttnMaskType.causal,
                 self.softmax_scale, cache=self.kept_attention_cache, key=self.layer_number, training=self.training,
@@ -183,6 +237,8 @@ class LongContextCoreAttention(MegatronModule):
             group=self.cp_group if self.cp_size > 1 else None,
             causal=mask_type == AttnMaskType.causal,
             softmax_scale=self.softmax_scale,
+            **thd,
             **self.algorithm_kwargs,
         )
-        return out.transpose(0, 1).reshape(sq, b, hq * dv)
+        out = out.transpose(0, 1).reshape(sq, b, hq * dv)
+        return out.squeeze(1) if packed_seq_params is not None else out

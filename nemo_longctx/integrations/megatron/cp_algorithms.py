@@ -3,7 +3,9 @@
 An entry maps a name (the ``cp_algorithm`` ModuleSpec param, the ``cp.algorithm`` config key) to:
   attention(q, k, v, *, group, causal, softmax_scale, **kwargs) -> out
       q [b, s_local, hq, d], k/v [b, s_local, hkv, d], sequence zigzag-sharded over ``group`` (None at cp=1);
-      returns [b, s_local, hq, d]. ``kwargs`` are the algorithm's own ModuleSpec params (``cp_algorithm_kwargs``).
+      returns [b, s_local, hq, d]. ``kwargs`` are the algorithm's own ModuleSpec params (``cp_algorithm_kwargs``)
+      plus, per call, ``cu_seqlens``/``cu_seqlens_padded`` (packed THD sequences, b = 1) and ``window_size``
+      (sliding window, flash-attn convention) when the layer has them.
   validate(config, cp_size, tp=1, **kwargs) -> None
       raises ValueError naming the config field (``cp.*``, ``model.*``); called by ``validation.py`` before the
       first step and by the core-attention module at construction. ``tp`` = tensor-parallel size (heads are
@@ -72,10 +74,12 @@ def check_cp_options(cp_algorithm: str, cp_size: int, kwargs: Dict[str, Any]) ->
         algo.check_options(cp_size, **kwargs)
 
 
-def _ring(q, k, v, *, group, causal, softmax_scale, kernel: Optional[str] = None, **unused):
+def _ring(q, k, v, *, group, causal, softmax_scale, kernel: Optional[str] = None, cu_seqlens=None,
+          cu_seqlens_padded=None, window_size=None, **unused):
     if unused:
         raise ValueError(f"cp.algorithm='ring' got unknown options {sorted(unused)}")
-    return ring_attention(q, k, v, group, causal, softmax_scale, kernel=kernel)
+    return ring_attention(q, k, v, group, causal, softmax_scale, kernel=kernel, cu_seqlens=cu_seqlens,
+                          cu_seqlens_padded=cu_seqlens_padded, window_size=window_size)
 
 
 register_cp_algorithm(CPAlgorithm(name="ring", attention=_ring))

@@ -52,8 +52,27 @@ def long_context_problems(
             f"model.attention_dropout={config.attention_dropout}: attention dropout is not implemented in nemo_longctx "
             "core attention; set it to 0"
         )
-    if getattr(config, "window_size", None):
-        problems.append(f"model.window_size={config.window_size}: sliding-window attention is not supported yet")
+    window = getattr(config, "window_size", None)
+    if window:
+        try:
+            left, right = (int(x) for x in window)
+            if left < -1 or right < -1:
+                raise ValueError
+        except (TypeError, ValueError):
+            problems.append(f"model.window_size={window!r} must be a pair (left, right) of ints >= -1 (-1 = unbounded)")
+    cap = getattr(config, "attn_logit_softcapping", None)
+    if cap:
+        problems.append(
+            f"model.attn_logit_softcapping={cap}: attention logit soft-capping (Gemma 2: tanh on the scores before "
+            "the softmax) is in none of nemo_longctx's attention kernels; it cannot be trained with this core "
+            "attention (set it to null to train without soft-capping, which changes the model)"
+        )
+    if getattr(config, "interleaved_attn_pattern", None):
+        problems.append(
+            f"model.interleaved_attn_pattern={config.interleaved_attn_pattern}: Gemma 3's local/global layers (each "
+            "with its own RoPE base, chosen by its own core attention) are not supported by nemo_longctx core "
+            "attention; per-layer windows are supported through model.window_size + model.window_attn_skip_freq"
+        )
     backend = getattr(config, "attention_backend", None)
     if backend is not None and getattr(backend, "name", str(backend)) == "local":
         problems.append(

@@ -240,8 +240,14 @@ def build_model_config(cfg: DictConfig) -> Any:
 
 
 def build_data(cfg: DictConfig, model_config: Any, gbs: int) -> Any:
+    """The data module of ``data.kind``: synthetic | indexed (Megatron indexed dataset; both take
+    ``data.packing=documents``: per-document attention, documents from the reset position ids) | packed_sft (NeMo's
+    packed fine-tuning data: ``PackedSequenceSpecs`` with the packed ``.npy`` files)."""
+    from nemo_longctx.integrations.nemo.data import check_packing
+
     kind = cfg.data.kind
     mbs = int(cfg.trainer.micro_batch_size)
+    packing = check_packing(str(cfg.data.get("packing", "none")), mbs) if kind != "packed_sft" else "none"
     if kind == "synthetic":
         from nemo_longctx.integrations.nemo.data import SyntheticDataModule
 
@@ -251,20 +257,27 @@ def build_data(cfg: DictConfig, model_config: Any, gbs: int) -> Any:
             seq_length=model_config.seq_length, vocab_size=model_config.vocab_size, micro_batch_size=mbs,
             global_batch_size=gbs, num_train_samples=int(cfg.data.num_train_samples),
             num_val_samples=int(cfg.data.get("num_val_samples", 64)), period=int(cfg.data.period),
-            skew=float(cfg.data.skew), seed=int(cfg.data.seed),
+            skew=float(cfg.data.skew), seed=int(cfg.data.seed), packing=packing,
+            doc_length=int(cfg.data.get("doc_length", 512)),
         )
     if kind == "indexed":
         from nemo.collections.common.tokenizers.huggingface.auto_tokenizer import AutoTokenizer
-        from nemo.collections.llm.gpt.data.pre_training import PreTrainingDataModule
+
+        from nemo_longctx.integrations.nemo.data import pretraining_data_module
 
         paths = OmegaConf.to_container(cfg.data.paths, resolve=True)
-        return PreTrainingDataModule(
-            paths=paths, seq_length=model_config.seq_length, tokenizer=AutoTokenizer(cfg.data.tokenizer),
+        documents = packing == "documents"
+        return pretraining_data_module(
+            documents, paths=paths, seq_length=model_config.seq_length, tokenizer=AutoTokenizer(cfg.data.tokenizer),
             micro_batch_size=mbs, global_batch_size=gbs, split=str(cfg.data.split),
-            num_workers=int(cfg.data.num_workers), seed=int(cfg.data.seed), reset_attention_mask=False,
-            reset_position_ids=False, create_attention_mask=False,
+            num_workers=int(cfg.data.num_workers), seed=int(cfg.data.seed), reset_attention_mask=documents,
+            reset_position_ids=documents, create_attention_mask=False,
         )
-    raise ValueError(f"data.kind={kind!r} is not known (synthetic | indexed)")
+    if kind == "packed_sft":
+        from nemo_longctx.integrations.nemo.data import packed_sft_data_module
+
+        return packed_sft_data_module(cfg.data, model_config.seq_length, mbs, gbs)
+    raise ValueError(f"data.kind={kind!r} is not known (synthetic | indexed | packed_sft)")
 
 
 def build_optimizer(cfg: DictConfig, precision: str) -> Any:
