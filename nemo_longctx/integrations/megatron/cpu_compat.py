@@ -27,6 +27,12 @@ available, is idempotent, and every patch below says what it fixes (numbers refe
    one up. While it sorts its parameters, the CPU stands in for the device (as in fix 2): model parameters answer
    ``is_cuda`` True and the host copies it makes (``.cpu()``) False, so the offload fraction, the host copies, the
    grad copies and the copy-back hooks all run as on a GPU.
+10. NeMo's model configs default two fused-kernel flags on that Megatron refuses without the kernels:
+    ``apply_rope_fusion`` (``TransformerConfig.__post_init__`` raises without TransformerEngine) and
+    ``persist_layer_norm`` (``WrappedTorchNorm``, the norm used without Apex, asserts it off). So NeMo's HF
+    importers/exporters (``LlamaConfig``/``Qwen2Config`` built from a Hugging Face config) and configs restored from
+    a checkpoint's context could not be constructed or built. Where the kernel is missing, the flag is turned off
+    before the checks (kernel choices: the unfused RoPE and torch's norm compute the same values).
 11. MoE without TransformerEngine: ``moe_utils.RouterGatingLinearFunction`` tests ``te_general_gemm is not None``, but
     the name is only bound when TE imports (NameError: Mixtral, Qwen3-MoE, DeepSeek die in the router). It is bound
     to None, so the router's own torch matmul (already written there for that case) runs.
@@ -339,6 +345,32 @@ def model_state_cpu_problems(opts: Any, force: bool = False) -> list:
 
 
 # --------------------------------------------------------------------------------------------------------------
+# 10: NeMo's configs default apply_rope_fusion / persist_layer_norm on; Megatron refuses them without TE/Apex
+def _patch_rope_fusion_without_te() -> None:
+    from megatron.core.fusions import fused_layer_norm
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    no_fused_rope = rope_utils.fused_apply_rotary_pos_emb is None and rope_utils.fused_apply_rotary_pos_emb_thd is None
+    no_apex_norm = not fused_layer_norm.HAVE_FUSED_LAYER_NORM  # the local spec then builds WrappedTorchNorm
+    if not (no_fused_rope or no_apex_norm):
+        return  # TE and Apex present: the fused kernels exist, nothing to change
+    original = TransformerConfig.__post_init__
+    if getattr(original, "_nemo_longctx", False):
+        return
+
+    def __post_init__(self) -> None:
+        if no_fused_rope and self.apply_rope_fusion:
+            self.apply_rope_fusion = False  # fix 10: the unfused RoPE (same values) instead of a refusal
+        if no_apex_norm and self.persist_layer_norm:
+            self.persist_layer_norm = False  # fix 10: torch's norm instead of an assertion in WrappedTorchNorm
+        original(self)
+
+    __post_init__._nemo_longctx = True  # type: ignore[attr-defined]
+    TransformerConfig.__post_init__ = __post_init__
+
+
+# --------------------------------------------------------------------------------------------------------------
 # 11: MoE router without TE
 def _patch_moe_router_without_te() -> None:
     from megatron.core.transformer.moe import moe_utils
@@ -395,6 +427,7 @@ def apply(force: bool = False) -> bool:
     _patch_rope()
     _patch_checkpoint_without_output()
     _patch_checkpoint_load_device()
+    _patch_rope_fusion_without_te()
     _patch_hybrid_device_optimizer()
     _patch_moe_router_without_te()
     _patch_zero_centered_norm()
