@@ -13,12 +13,14 @@ Nothing here imports NeMo or Megatron: planning takes a second.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
 import os
 import shlex
 import sys
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from nemo_longctx.memory.model_shapes import shape_from_config
 from nemo_longctx.memory.planner import (
@@ -27,6 +29,7 @@ from nemo_longctx.memory.planner import (
     CostModel,
     Evaluation,
     Hardware,
+    ModelState,
     Plan,
     Precision,
     memory_curve,
@@ -52,6 +55,49 @@ TRAIN_KEYS = {
     "mlp_tiles": "tiling.mlp_tiles",
     "loss_chunks": "tiling.loss_chunks",
 }
+
+
+# ------------------------------------------------------------------------------------------------- contract
+def optim_fields(ms: ModelState) -> Dict[str, Any]:
+    """The train app's ``optim.*`` values that run model state ``ms`` (conf/optim/default.yaml keys)."""
+    out: Dict[str, Any] = {"use_distributed_optimizer": ms.sharding != "ddp", "megatron_fsdp": ms.sharding == "fsdp"}
+    if ms.optimizer_offload:
+        out.update(optimizer_cpu_offload=True, optimizer_offload_fraction=float(ms.optimizer_offload))
+    if ms.precision_aware:
+        out.update(use_precision_aware_optimizer=True, main_grads_dtype="bf16")
+        if not ms.optimizer_offload:  # the host optimizer (torch AdamW) keeps fp32 moments
+            out.update(exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16")
+    return out
+
+
+def train_precision(precision: Precision) -> str:
+    return "bf16-mixed" if precision.activation_bytes == 2 else "32"
+
+
+@functools.lru_cache(maxsize=None)
+def app_problems(cp_algorithm: str, recompute: str, offload: str, ms: ModelState,
+                 precision: str = "bf16-mixed") -> tuple:
+    """The train app's own option checks (``memory_option_problems`` and ``model_state_problems``, which its
+    ``config_problems`` runs) for one option combination, on the planner's target: GPU nodes running the NGC NeMo
+    image (CUDA and TransformerEngine present). cp_algorithm "none" = the app's cp=none (ring attention, size 1)."""
+    from nemo_longctx.integrations.megatron.memory_options import memory_option_problems, memory_options
+    from nemo_longctx.integrations.megatron.model_state import model_state_options, model_state_problems
+
+    rc = {"name": recompute}
+    if recompute == "selective":
+        rc["modules"] = ["mlp"]
+    elif recompute == "selective_attn":
+        rc = {"name": "selective", "modules": ["core_attn"]}
+    algo = "ring" if cp_algorithm == "none" else cp_algorithm
+    out = memory_option_problems(memory_options(rc, {"name": offload}), algo)
+    out += model_state_problems(model_state_options(optim_fields(ms)), precision=precision, target_cuda=True,
+                                te_available=True)
+    return tuple(out)
+
+
+def app_accepts(precision: str = "bf16-mixed"):
+    """``candidate_configs(accept=...)``: keep the option combinations the train app accepts."""
+    return lambda algo, rc, off, ms: not app_problems(algo, rc, off, ms, precision)
 
 
 def conf_dir() -> str:
@@ -114,7 +160,20 @@ def inputs_from_config(cfg: Any):
     coef = ActivationCoefficients.preset(str(p.activation_model))
     cost = CostModel(**{k: float(v) for k, v in _container(p.cost).items()})
     search = {k: tuple(v) if not isinstance(v, (int, float)) else v for k, v in _container(p.search).items()}
+    search = search_space(search, precision)
     return shape, int(seq), hw, precision, coef, cost, search
+
+
+def search_space(search: Dict[str, Any], precision: Precision) -> Dict[str, Any]:
+    """``plan.search`` -> candidate_configs keywords: the model-state lists become ModelStates, and the train
+    app's validation filters every option combination (``app_accepts``)."""
+    search = dict(search)
+    sharding = tuple(search.pop("sharding", ("distributed",)))
+    fractions = tuple(float(f) for f in search.pop("optimizer_offload", (0.0,)))
+    pa = tuple(bool(x) for x in search.pop("precision_aware", (False,)))
+    search["model_states"] = tuple(ModelState(sh, f, a) for sh, f, a in itertools.product(sharding, fractions, pa))
+    search["accept"] = app_accepts(train_precision(precision))
+    return search
 
 
 # ------------------------------------------------------------------------------------------------- output
@@ -134,7 +193,7 @@ def train_overrides(p: Plan, ev: Evaluation, model: str) -> List[str]:
     out += [f"{k['devices']}={devices}", f"{k['num_nodes']}={hw.nodes}"]
     if p.precision.activation_bytes == 2:
         out.append(f"{k['precision']}=bf16-mixed")
-    out.append(f"{k['distributed_optimizer']}=true")  # the optimizer-state column assumes it
+    out += [f"optim.{f}={str(v).lower() if isinstance(v, bool) else v}" for f, v in optim_fields(c.model_state).items()]
     if c.recompute == "selective":
         out += [f"{k['recompute_group']}=selective", f"{k['recompute_modules']}=[mlp]"]
     elif c.recompute == "selective_attn":
@@ -147,8 +206,8 @@ def train_overrides(p: Plan, ev: Evaluation, model: str) -> List[str]:
     return out
 
 
-_COLUMNS = ("cp", "cp_size", "tp", "dp", "recompute", "offload", "tiles", "chunks", "weights", "grads", "optim",
-            "act", "trans", "comm", "total", "host/node", "cost", "fits")
+_COLUMNS = ("cp", "cp_size", "tp", "dp", "recompute", "offload", "tiles", "chunks", "state", "weights", "grads",
+            "optim", "act", "trans", "comm", "total", "host/node", "cost", "fits")
 
 
 def _row(ev: Evaluation) -> list:
@@ -157,7 +216,7 @@ def _row(ev: Evaluation) -> list:
     if cp == "hybrid":
         cp = f"hybrid {c.ulysses_size}x{c.ring_size}"
     fits = "yes" if ev.fits else ("host" if ev.fits_gpu else "no")
-    return [cp, c.cp_size, c.tp, ev.dp, c.recompute, c.offload, c.mlp_tiles, c.loss_chunks,
+    return [cp, c.cp_size, c.tp, ev.dp, c.recompute, c.offload, c.mlp_tiles, c.loss_chunks, c.model_state.label(),
             f"{m['weights']:.1f}", f"{m['grads']:.1f}", f"{m['optimizer']:.1f}", f"{m['activations']:.1f}",
             f"{m['transient']:.1f}", f"{m['comm']:.1f}", f"{m['total']:.1f}", f"{m['host_per_node']:.0f}",
             f"{ev.cost:.3f}", fits]

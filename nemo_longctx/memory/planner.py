@@ -6,11 +6,17 @@ Parallel layout: N GPUs = tp x cp x dp (pipeline parallel = 1), tp and Ulysses i
 parallelism on whenever tp > 1 (so every activation below is divided by tp), micro batch = 1 sequence of
 `seq_length` tokens per data-parallel replica, zigzag CP sharding (each GPU holds seq_length / cp tokens).
 
-Per-GPU memory of one candidate (`MemoryBreakdown`):
+Per-GPU memory of one candidate (`MemoryBreakdown`); model states by `ModelState` (`model_state_bytes`), with
+S = dp * cp the data-parallel-with-CP group that the distributed optimizer and Megatron-FSDP shard over:
   weights     = param_bytes * P / tp                           (bf16 weights, vocab-parallel embedding/output)
-  grads       = grad_bytes  * P / tp                           (Megatron DDP main grads, fp32 by default)
-  optimizer   = optim_bytes * P / (tp * dp * cp)               (distributed optimizer: fp32 master + Adam m, v,
-                                                                 sharded over the data-parallel-with-CP group)
+                fsdp: param_bytes * (P / S + 2 layers + non-layer params) / tp   (shard + all-gathered units)
+  grads       = grad_bytes * P / tp                            (DDP main grads: fp32, bf16 when precision-aware)
+                fsdp: grad_bytes * (P / S + 2 layers + non-layer params) / tp    (shard + reduce-scatter units)
+  optimizer   = (master 4 + moments 8) * P / (tp * S)          (distributed optimizer / fsdp; ddp: not / S)
+                precision-aware: moments 2 + 2 (bf16); optimizer offload fraction f (HybridDeviceOptimizer):
+                the host holds f of (fp32 master + fp32 grad copy + fp32 moments) = 16 bytes per parameter; the
+                device keeps the distributed optimizer's fp32 master shard of the offloaded part (4 bytes), except
+                with the precision-aware optimizer, where the master lives only on the host
   activations = tokens * (L * layer_saved + head_saved)        (saved for backward, kept on the device)
   transient   = tokens * max(recompute working set + attention buffers, MLP intermediate, logits)
   comm        = tokens * CP communication buffers (ring KV/dKV double buffers or Ulysses all-to-all buffers)
@@ -147,6 +153,40 @@ class CostModel:
     nvlink_gbps: float = 300.0  # GB/s per GPU, intra-node collectives / p2p
     network_gbps: float = 40.0  # GB/s per GPU, inter-node (400 Gb/s IB per GPU, effective)
     pcie_gbps: float = 25.0  # GB/s per GPU, host <-> device copies (pinned)
+    host_adam_gparams: float = 1.0  # 1e9 parameters/s per GPU process: host Adam step (optimizer offload), modelled
+
+
+SHARDING = ("ddp", "distributed", "fsdp")  # Megatron DDP | distributed optimizer (ZeRO-1) | Megatron-FSDP (ZeRO-3)
+
+
+@dataclass(frozen=True)
+class ModelState:
+    """How weights, gradients and optimizer states are kept (the train app's `optim` group)."""
+
+    sharding: str = "distributed"  # ddp | distributed | fsdp
+    optimizer_offload: float = 0.0  # HybridDeviceOptimizer: fraction of the (sharded) Adam step on the host
+    # Megatron's precision-aware optimizer: bf16 main grads, and bf16 Adam moments on the device (with an optimizer
+    # offload the host moments stay fp32: torch AdamW); the fp32 master is held by the optimizer itself
+    precision_aware: bool = False
+
+    def __post_init__(self):
+        if self.sharding not in SHARDING:
+            raise ValueError(f"model state sharding={self.sharding!r} is not one of {SHARDING}")
+        if not 0.0 <= float(self.optimizer_offload) <= 1.0:
+            raise ValueError(f"optimizer_offload={self.optimizer_offload!r} must be in [0, 1]")
+
+    def label(self) -> str:
+        out = self.sharding
+        if self.optimizer_offload:
+            out += f"+optoff{self.optimizer_offload:g}"
+        if self.precision_aware:
+            out += "+pa"
+        return out
+
+
+# searched by default: every sharding, optimizer offload 0 / 0.5 / 1, precision-aware off / on; the plan app keeps
+# the combinations its validation accepts (nemo_longctx.plan.app_accepts)
+MODEL_STATES = tuple(ModelState(sh, f, pa) for sh in SHARDING for f in (0.0, 0.5, 1.0) for pa in (False, True))
 
 
 @dataclass(frozen=True)
@@ -160,6 +200,7 @@ class Candidate:
     mlp_tiles: int = 1  # 1 = off
     loss_chunks: int = 1  # 1 = off
     prefetch_depth: int = 1  # layer_input offload: layers brought back ahead of the one in backward
+    model_state: ModelState = ModelState()
 
     @property
     def ring_size(self) -> int:
@@ -170,7 +211,7 @@ class Candidate:
         if cp == "hybrid":
             cp = f"hybrid{self.ulysses_size}x{self.ring_size}"
         return (f"cp={cp}:{self.cp_size} tp={self.tp} rc={self.recompute} off={self.offload} "
-                f"tiles={self.mlp_tiles} chunks={self.loss_chunks}")
+                f"tiles={self.mlp_tiles} chunks={self.loss_chunks} state={self.model_state.label()}")
 
 
 @dataclass
@@ -308,13 +349,39 @@ def _transient_bytes(shape: ModelShape, c: Candidate, coef: ActivationCoefficien
     return max(working, mlp, logits)
 
 
+def model_state_bytes(shape: ModelShape, c: Candidate, dp: int, precision: Precision = Precision()) -> dict:
+    """Per-GPU bytes of weights, grads and optimizer states on the device, and optimizer bytes on the host, for
+    `c.model_state` (see the module docstring). Megatron-FSDP's unsharded working set: two TransformerLayer units
+    (the one computing and the one prefetched) plus the non-layer parameters (embedding, output layer, final norm),
+    as parameters in forward and as gradients before their reduce-scatter."""
+    ms = c.model_state
+    p = shape.parameters()
+    shard = max(1, dp) * c.cp_size
+    grad_bytes = 2 if ms.precision_aware else precision.grad_bytes
+    master, moments = 4.0, float(precision.optimizer_bytes - 4)
+    if ms.precision_aware and ms.optimizer_offload == 0:
+        moments = 4.0  # bf16 exp_avg + exp_avg_sq in TE's FusedAdam
+    if ms.sharding == "fsdp":
+        unit = 2 * shape.layer_parameters() + (p - shape.num_layers * shape.layer_parameters())
+        weights = precision.param_bytes * (p / shard + unit) / c.tp
+        grads = grad_bytes * (p / shard + unit) / c.tp
+    else:
+        weights = precision.param_bytes * p / c.tp
+        grads = grad_bytes * p / c.tp
+    opt_params = p / c.tp / (1 if ms.sharding == "ddp" else shard)
+    f = float(ms.optimizer_offload)
+    on_device = (1 - f) * (master + moments) + (0.0 if ms.precision_aware else f * master)
+    host = f * (master + 4.0 + 8.0)  # fp32 master copy, fp32 grad copy, fp32 moments
+    return {"weights": weights, "grads": grads, "optimizer": on_device * opt_params, "host": host * opt_params}
+
+
 def memory_breakdown(shape: ModelShape, seq_length: int, hw: Hardware, c: Candidate,
                      precision: Precision = Precision(), coef: ActivationCoefficients | None = None
                      ) -> MemoryBreakdown:
     coef = coef or TE_GPU
     b = precision.activation_bytes
     dp = hw.gpus // (c.tp * c.cp_size)
-    p = shape.parameters()
+    states = model_state_bytes(shape, c, dp, precision)
     tokens = seq_length / c.cp_size
     layer = layer_saved_bytes(shape, c, coef, b)
     head = head_saved_bytes(shape, c, coef, b)
@@ -326,10 +393,11 @@ def memory_breakdown(shape: ModelShape, seq_length: int, hw: Hardware, c: Candid
     else:
         device_act = tokens * (L * layer + head)
         host = 0.0
+    host += states["host"]
     return MemoryBreakdown(
-        weights=precision.param_bytes * p / c.tp,
-        grads=precision.grad_bytes * p / c.tp,
-        optimizer=precision.optimizer_bytes * p / (c.tp * max(1, dp) * c.cp_size),
+        weights=states["weights"],
+        grads=states["grads"],
+        optimizer=states["optimizer"],
         activations=device_act,
         transient=tokens * _transient_bytes(shape, c, coef, b),
         comm=tokens * _comm_buffer_bytes(shape, c, b),
@@ -407,7 +475,29 @@ def relative_cost(shape: ModelShape, seq_length: int, hw: Hardware, c: Candidate
         move = tokens * h * b / c.tp / (cost.pcie_gbps * 1e9)
         layer_fwd = seq_length * (qkv_o + mlp + attn) / gpus_per_seq / rate
         exposed += L * (max(0.0, move - layer_fwd) + max(0.0, move - 2 * layer_fwd))
+    exposed += _model_state_seconds(shape, hw, c, precision, cost, compute)
     return (compute + exposed) / ideal
+
+
+def _model_state_seconds(shape: ModelShape, hw: Hardware, c: Candidate, precision: Precision, cost: CostModel,
+                         compute: float) -> float:
+    """Exposed seconds per step of the model-state options: Megatron-FSDP's parameter all-gathers (forward,
+    backward, and the recompute forward) beyond the compute they overlap with; the optimizer offload's grad D2H,
+    parameter H2D and host Adam step (not overlapped)."""
+    ms = c.model_state
+    dp = max(1, hw.gpus // (c.tp * c.cp_size))
+    shard = dp * c.cp_size
+    p_local = shape.parameters() / c.tp
+    out = 0.0
+    if ms.sharding == "fsdp" and shard > 1:
+        passes = 3 if c.recompute in ("full", "full_keep_attn") else 2
+        vol = p_local * precision.param_bytes * (shard - 1) / shard * passes
+        out += max(0.0, vol / _bandwidth(hw.gpus, hw, cost) - compute)
+    if ms.optimizer_offload:
+        n = ms.optimizer_offload * p_local / (1 if ms.sharding == "ddp" else shard)
+        grad = 2 if ms.precision_aware else precision.grad_bytes
+        out += n * (grad + 4) / (cost.pcie_gbps * 1e9) + n / (cost.host_adam_gparams * 1e9)
+    return out
 
 
 # --------------------------------------------------------------------------------------------------- search
@@ -429,10 +519,31 @@ def auto_loss_chunks(tokens_per_gpu: float, chunk_tokens: int = 8192) -> int:
     return max(1, math.ceil(tokens_per_gpu / chunk_tokens))
 
 
+def structural_accept(cp_algorithm: str, recompute: str, offload: str, model_state: ModelState) -> bool:
+    """The planner's own option filter when no `accept` is given (library use without the app): layer_input offload
+    needs full recompute (either kind), full_keep_attn needs ring attention (or no CP), the optimizer offload and
+    the precision-aware optimizer need the distributed optimizer, Megatron-FSDP takes no optimizer offload. The plan
+    app replaces it with the train app's own validation (`nemo_longctx.plan.app_accepts`); a test checks both agree."""
+    if offload == "layer_input" and recompute not in ("full", "full_keep_attn"):
+        return False
+    if recompute == "full_keep_attn" and cp_algorithm not in ("ring", "none"):
+        return False
+    ms = model_state
+    if ms.sharding == "ddp" and (ms.optimizer_offload or ms.precision_aware):
+        return False
+    return not (ms.sharding == "fsdp" and ms.optimizer_offload)
+
+
 def candidate_configs(shape: ModelShape, seq_length: int, hw: Hardware,
                       recompute: Iterable[str] = RECOMPUTE, offload: Iterable[str] = OFFLOAD,
-                      algorithms: Iterable[str] = CP_ALGORITHMS, max_tp: int = 8) -> list[Candidate]:
-    """Every valid layout x memory option for `hw.gpus` GPUs (all GPUs used: dp = gpus / (tp * cp))."""
+                      algorithms: Iterable[str] = CP_ALGORITHMS, max_tp: int = 8,
+                      model_states: Iterable[ModelState] = (ModelState(),), accept=None) -> list[Candidate]:
+    """Every valid layout x memory option x model state for `hw.gpus` GPUs (all GPUs used: dp = gpus / (tp * cp)).
+    `accept(cp_algorithm, recompute, offload, model_state) -> bool` keeps the option combinations the train app
+    accepts (default: `structural_accept`); cp_algorithm is "none" for cp_size 1."""
+    accept = accept or structural_accept
+    model_states = tuple(model_states)
+    recompute, offload = tuple(recompute), tuple(offload)
     out = []
     hq, hkv = shape.num_attention_heads, shape.num_query_groups
     algorithms = tuple(algorithms)
@@ -460,11 +571,12 @@ def candidate_configs(shape: ModelShape, seq_length: int, hw: Hardware,
             for algo, u in layouts:
                 for rc in recompute:
                     for off in offload:
-                        if off == "layer_input" and rc != "full":
-                            continue
-                        for t in tiles:
-                            for ch in chunks:
-                                out.append(Candidate(algo, cp, u, tp, rc, off, t, ch))
+                        for ms in model_states:
+                            if not accept(algo, rc, off, ms):
+                                continue
+                            for t in tiles:
+                                for ch in chunks:
+                                    out.append(Candidate(algo, cp, u, tp, rc, off, t, ch, model_state=ms))
     return out
 
 
@@ -504,6 +616,7 @@ class Plan:
     precision: Precision
     evaluations: list  # ranked: fitting by cost, then the rest by memory
     chosen: Evaluation | None
+    search: dict = field(default_factory=dict)  # candidate_configs keywords this plan searched with
 
     def to_dict(self) -> dict:
         return {"model": asdict(self.shape), "seq_length": self.seq_length, "hardware": asdict(self.hardware),
@@ -526,7 +639,7 @@ def plan(shape: ModelShape, seq_length: int, hw: Hardware, precision: Precision 
            for c in candidate_configs(shape, seq_length, hw, **search)]
     ranked = _rank(evs, cost_tolerance)
     chosen = ranked[0] if ranked and ranked[0].fits else None
-    return Plan(shape, seq_length, hw, precision, ranked, chosen)
+    return Plan(shape, seq_length, hw, precision, ranked, chosen, dict(search))
 
 
 def _fits_any(shape, seq_length, hw, precision, coef, cost, **search) -> Evaluation | None:
@@ -542,7 +655,7 @@ def what_is_missing(p: Plan, coef: ActivationCoefficients | None = None, cost: C
     n = hw.gpus
     while n < max_gpus:
         n *= 2
-        if _fits_any(shape, s, replace(hw, gpus=n), p.precision, coef, cost) is not None:
+        if _fits_any(shape, s, replace(hw, gpus=n), p.precision, coef, cost, **p.search) is not None:
             options.append(f"needs >= {n} GPUs of {hw.gpu_memory_gb:g} GB")
             break
     device_ok_offload = [e for e in p.evaluations if e.fits_gpu and not e.fits_host]
@@ -563,8 +676,8 @@ def what_is_missing(p: Plan, coef: ActivationCoefficients | None = None, cost: C
 
 
 def plan_or_raise(shape: ModelShape, seq_length: int, hw: Hardware, precision: Precision = Precision(),
-                  coef: ActivationCoefficients | None = None, cost: CostModel = CostModel()) -> Plan:
-    p = plan(shape, seq_length, hw, precision, coef, cost)
+                  coef: ActivationCoefficients | None = None, cost: CostModel = CostModel(), **search) -> Plan:
+    p = plan(shape, seq_length, hw, precision, coef, cost, **search)
     if p.chosen is None:
         raise PlanError(what_is_missing(p, coef, cost))
     return p
