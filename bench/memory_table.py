@@ -11,8 +11,8 @@ the options interleaved round by round) as a ratio to recompute=none offload=non
 
 Targets (issue 4): full + layer_input device-resident saved bytes <= 2% of none; full_keep_attn faster than full
 with the ring on, and its memory between selective and full.
-Selective recompute of layernorm is not in the table: Megatron's CheckpointWithoutOutput cannot run under the
-tracker's saved-tensor hooks (see memory_options.MemoryOptions.breaks_saved_tensor_hooks).
+Selective recompute of layernorm runs nemo_longctx's norm recompute (integrations/megatron/norm_recompute.py), which
+works under the tracker's saved-tensor hooks.
 The machine is shared and noisy: compare rows of one run only.
 
     .venv/bin/python bench/memory_table.py [--seq 8192] [--cp 2] [--reps 5] [--only full_keep_attn ...]
@@ -34,6 +34,8 @@ ROWS = [
     ("selective[core_attn]", "none", dict(recompute="selective", recompute_modules=("core_attn",))),
     ("selective[mlp]", "none", dict(recompute="selective", recompute_modules=("mlp",))),
     ("selective[core_attn,mlp]", "none", dict(recompute="selective", recompute_modules=("core_attn", "mlp"))),
+    ("selective[layernorm]", "none", dict(recompute="selective", recompute_modules=("layernorm",))),
+    ("selective[mlp,layernorm]", "none", dict(recompute="selective", recompute_modules=("mlp", "layernorm"))),
     ("selective[core_attn]", "modules[mlp]", dict(recompute="selective", recompute_modules=("core_attn",),
                                                   offload="modules", offload_modules=("mlp",))),
     ("full", "none", dict(recompute="full")),

@@ -4,8 +4,9 @@
   every recompute x offload setting (parameters copied from one initial model) and trained 3 SGD steps on fixed
   data, with CP=2 (ring over Megatron's CP group) and CP=1, hidden_dropout 0 and 0.1 (same seeds per step: the
   recompute must replay the dropout masks). Loss and every parameter gradient of every step are compared with the
-  `none` run (fp32, <= 1e-6 relative). The activation tracker runs around each step (except with layernorm
-  recompute, which cannot run under saved-tensor hooks); its numbers are checked for the offload settings.
+  `none` run (fp32, <= 1e-6 relative). The activation tracker runs around every step (layernorm recompute included:
+  nemo_longctx's norm recompute works under saved-tensor hooks, also with offload); its numbers are checked for the
+  offload and layernorm settings.
 * Config-level errors (Hydra compose, no model) name the field; model-level errors are checked in the spawn.
 * One short app run (`nemo-longctx train recompute=full_keep_attn offload=layer_input memory.track_peak=true`)
   writes the memory keys to metrics.jsonl and prints the memory summary.
@@ -33,6 +34,12 @@ COMBOS = {
     "selective[mlp]": dict(recompute="selective", recompute_modules=("mlp",)),
     "selective[core_attn,mlp,layernorm]": dict(recompute="selective",
                                                recompute_modules=("core_attn", "mlp", "layernorm")),
+    "selective[layernorm]": dict(recompute="selective", recompute_modules=("layernorm",)),
+    # our norm recompute under an offload scope: linear_qkv's saved norm output is offloaded, then released
+    "selective[layernorm,mlp]+modules[self_attention]": dict(recompute="selective",
+                                                             recompute_modules=("layernorm", "mlp"),
+                                                             offload="modules", offload_modules=("self_attention",),
+                                                             min_bytes=0),
     "selective[core_attn]+modules[mlp]": dict(recompute="selective", recompute_modules=("core_attn",),
                                               offload="modules", offload_modules=("mlp",), min_bytes=0),
     "full": dict(recompute="full"),
@@ -77,7 +84,7 @@ def _parity_worker(rank: int, world: int):
             for name, kw in COMBOS.items():
                 opts = MemoryOptions(**kw)
                 model, rt = build_probe_model(cfg, opts, vocab_size=VOCAB, seq_length=SEQ, params_from=init)
-                r = run_probe_steps(model, rt, batches, lr=0.05, track=not opts.breaks_saved_tensor_hooks)
+                r = run_probe_steps(model, rt, batches, lr=0.05)
                 if ref is None:
                     ref = r
                 loss_err = max(abs(a - b) / abs(b) for a, b in zip(r.losses, ref.losses))
@@ -180,6 +187,13 @@ def test_offloaded_bytes_move_from_device_to_host(results):
             assert keep_off["layer_host"] == offl["layer_host"] + kept, (keep_off, offl)
             assert keep_off["layer_device"] <= 0.02 * none["layer_device"]
             assert st["full_keep_attn(block,2)+layer_input"]["kept"] == (2 * STEPS, 2 * STEPS)
+            # layernorm recompute under the tracker: the two norm outputs (each [s, 64] fp32) are not kept; the norm
+            # inputs are (saved by the recompute instead of the norm's own internals)
+            ln = st["selective[layernorm]"]
+            assert ln["layer_device"] <= none["layer_device"] - LAYERS * 2 * (SEQ // cp) * 64 * 4, (ln, none)
+            assert st["selective[core_attn,mlp,layernorm]"]["layer_device"] < st["selective[mlp]"]["layer_device"]
+            ln_off = st["selective[layernorm,mlp]+modules[self_attention]"]
+            assert ln_off["layer_host"] > 0 and ln_off["layer_device"] < st["selective[mlp]"]["layer_device"]
 
 
 def test_model_level_errors(results):

@@ -149,6 +149,18 @@ def report_saved_on_host(handle: object, nbytes: int) -> None:
         tracker._record_host(handle, nbytes)
 
 
+def report_released(t: Tensor) -> None:
+    """``t``'s storage was freed in place (``untyped_storage().resize_(0)``, e.g. a recomputed norm output) while the
+    tensor object stays alive: its saved bytes and its bytes in the CPU peak counter stop counting now."""
+    if in_backward():
+        return
+    key = id(t.untyped_storage())
+    for tracker in _active_trackers:
+        tracker._drop_device(key, False)
+        if tracker._counter is not None:
+            tracker._counter.release(key)
+
+
 def _is_leaf_param(t: Tensor) -> bool:
     base = t._base if t._base is not None else t
     return base.is_leaf and base.requires_grad
@@ -166,10 +178,17 @@ class _AllocationCounter(TorchDispatchMode):
         self.live = 0
         self.peak = 0
         self._known: Dict[int, weakref.ref] = {}
+        self._bytes: Dict[int, int] = {}
 
-    def _forget(self, key: int, nbytes: int, _ref) -> None:
+    def _forget(self, key: int, _ref) -> None:
         self._known.pop(key, None)
-        self.live -= nbytes
+        self.live -= self._bytes.pop(key, 0)
+
+    def release(self, key: int) -> None:
+        """The storage ``key`` was resized to 0 in place: its bytes are no longer live."""
+        self.live -= self._bytes.get(key, 0)
+        if key in self._bytes:
+            self._bytes[key] = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -189,7 +208,8 @@ class _AllocationCounter(TorchDispatchMode):
                 inputs = {id(a.untyped_storage()) for a in flat
                           if isinstance(a, Tensor) and a.layout == torch.strided}
             nbytes = 0 if key in inputs else st.nbytes()  # an alias of a pre-existing storage is not new
-            self._known[key] = weakref.ref(st, lambda r, k=key, n=nbytes: self._forget(k, n, r))
+            self._known[key] = weakref.ref(st, lambda r, k=key: self._forget(k, r))
+            self._bytes[key] = nbytes
             self.live += nbytes
             if self.live > self.peak:
                 self.peak = self.live

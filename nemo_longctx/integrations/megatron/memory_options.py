@@ -9,7 +9,9 @@ without a model config only the config-level checks run (cheap: used before proc
 
 recompute
   none            nothing recomputed
-  selective       Megatron's selective recompute of ``modules`` (core_attn | mlp | layernorm)
+  selective       Megatron's selective recompute of ``modules`` (core_attn | mlp | layernorm); layernorm runs
+                  nemo_longctx's norm recompute (``norm_recompute.py``: works under the tracker's and offload's
+                  saved-tensor hooks) instead of Megatron's CheckpointWithoutOutput
   full            Megatron's full-layer recompute (``method`` uniform | block, ``num_layers``)
   full_keep_attn  full recompute whose core attention keeps (out, lse) from the forward: the recompute in backward
                   does not run attention forward again (with ring CP: one ring pass less per layer and step).
@@ -77,14 +79,6 @@ class MemoryOptions:
     @property
     def full(self) -> bool:
         return self.recompute in ("full", "full_keep_attn")
-
-    @property
-    def breaks_saved_tensor_hooks(self) -> bool:
-        """Megatron's layernorm recompute (``CheckpointWithoutOutput``) reads ``.grad`` of the very tensor objects it
-        saved; under any saved-tensor hooks (activation tracker, offload scopes) autograd hands back new objects and
-        the layernorm input gradients are silently dropped (measured: 0.77 relative gradient error). With it, no
-        saved-tensor hooks may be active: the app then does not measure activation bytes."""
-        return self.recompute == "selective" and "layernorm" in (self.recompute_modules or ())
 
     @property
     def trivial(self) -> bool:
@@ -166,9 +160,6 @@ def memory_option_problems(opts: MemoryOptions, cp_algorithm: str = "ring", mode
             if opts.full:
                 p.append(f"offload=modules cannot be combined with recompute={r}: a fully recomputed layer saves "
                          "nothing inside its modules; use offload=layer_input")
-            if opts.breaks_saved_tensor_hooks:
-                p.append("offload=modules cannot be combined with recompute.modules containing layernorm: Megatron's "
-                         "layernorm recompute (CheckpointWithoutOutput) loses gradients under saved-tensor hooks")
             if r == "selective":
                 for rm in opts.recompute_modules or ():
                     clash = sorted(_RECOMPUTED_BY.get(rm, set()) & set(mods))
@@ -290,6 +281,7 @@ def attach_memory_options(model: Any, opts: MemoryOptions, *, record_events: boo
     from nemo_longctx.memory.tracker import scope_modules
 
     from .core_attention import LongContextCoreAttention
+    from .norm_recompute import install_norm_recompute
     from .offload_block import LongContextTransformerBlock
 
     validate_memory_options(opts)
@@ -318,6 +310,9 @@ def attach_memory_options(model: Any, opts: MemoryOptions, *, record_events: boo
             b.longctx_offloader = rt.offloader if opts.offload == "layer_input" else None
         else:
             rt._handles.append(scope_modules({f"layer{layer.layer_number}": layer for layer in b.layers}))
+        if opts.recompute == "selective" and "layernorm" in (opts.recompute_modules or ()):
+            for layer in b.layers:
+                rt._handles.append(install_norm_recompute(layer))
         for m in b.modules():
             if isinstance(m, LongContextCoreAttention):
                 if rt.kept_cache is not None and m.algorithm.name not in KEEP_ATTN_ALGORITHMS:

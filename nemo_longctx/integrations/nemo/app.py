@@ -416,7 +416,7 @@ def build(cfg: DictConfig, launch: Optional[Launch] = None, extra_callbacks: Opt
     mem_cfg = cfg.get("memory") or {}
     mem_metrics = ActivationMemoryMetrics(
         count_peak=bool(mem_cfg.get("track_peak", False)),
-        track_activations=bool(mem_cfg.get("track", True)) and not memory.breaks_saved_tensor_hooks,
+        track_activations=bool(mem_cfg.get("track", True)),
     )  # before StepMetrics: its step-end hook closes the tracker that StepMetrics then reads
     callbacks: List[Any] = [
         ConfigConsensus(config_hash(cfg), os.environ.get("NEMO_LONGCTX_CONFIG_HASH")),
