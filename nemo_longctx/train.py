@@ -112,6 +112,10 @@ def run(cfg: DictConfig) -> int:
         cpu_compat.apply()  # the one place NeMo/Megatron are adapted to a CPU-only torch (see cpu_compat.py)
     _refuse_multirun()
     raise_problems(config_problems(cfg))  # every config-level problem at once, before any process starts
+    from nemo_longctx.integrations.nemo import pretrained
+
+    external = detect_external_launch()
+    pretrained.prepare(cfg, rank=external.rank if external is not None else 0)  # init_from=<HF dir>: import once
     if cfg.run.dry_run:
         dry_run(cfg)
         return 0

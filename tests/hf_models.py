@@ -48,10 +48,9 @@ def make_hf_model(out: Path, family: str, tokenizer: Any, vocab_size: Optional[i
     else:
         common.setdefault("tie_word_embeddings", True)  # as Qwen2.5's small models
         model = Qwen2ForCausalLM(Qwen2Config(**common))
-    with torch.no_grad():  # larger than the default init so RoPE/attention differences show in the logits
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.normal_(0.0, 0.08)
+    with torch.no_grad():  # larger than the default init so RoPE/attention differences show in the logits; norms
+        for name, p in model.named_parameters():  # away from 1 so a norm the converter drops cannot go unnoticed
+            p.normal_(1.0, 0.2) if "norm" in name else p.normal_(0.0, 0.08)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out

@@ -39,6 +39,12 @@ available, is idempotent, and every patch below says what it fixes (numbers refe
 12. Zero-centred LayerNorm (``layernorm_zero_centered_gamma``, Nemotron): ``WrappedTorchNorm`` (the norm without
     TE/Apex) asserts it off. It builds ``ZeroCenteredLayerNorm`` instead: torch's LayerNorm with the weight stored as
     gamma - 1 (initialized to 0) and applied as 1 + weight -- TE's definition of the option.
+13. NeMo's HF converters (``io.apply_transforms`` in ``HFLlamaImporter``/``HFQwen2Importer`` and their exporters) name
+    the pre-attention/pre-MLP norms as TransformerEngine's fused layers do (``linear_qkv.layer_norm_weight``,
+    ``linear_fc1.layer_norm_weight``). Without TE the local spec keeps them as ``input_layernorm``/``pre_mlp_layernorm``
+    (Megatron maps those names only for distributed checkpoints): the importer silently left the norms at their init
+    and the exporter failed (IndexError). For a Megatron model with local norms, the converter's keys on the
+    Megatron side are renamed to the local names before NeMo's ``apply_transforms`` runs.
 
 What cannot run without CUDA at all is refused (not patched) by ``model_state_cpu_problems``, before step 0.
 """
@@ -415,6 +421,68 @@ def _patch_zero_centered_norm() -> None:
     WrappedTorchNorm.__new__ = staticmethod(__new__)
 
 
+# --------------------------------------------------------------------------------------------------------------
+# 13: NeMo's HF converters name the norms as TE's fused layers; the local spec keeps them separate
+_TE_TO_LOCAL_NORMS = (
+    (".self_attention.linear_qkv.layer_norm_weight", ".input_layernorm.weight"),
+    (".self_attention.linear_qkv.layer_norm_bias", ".input_layernorm.bias"),
+    (".mlp.linear_fc1.layer_norm_weight", ".pre_mlp_layernorm.weight"),
+    (".mlp.linear_fc1.layer_norm_bias", ".pre_mlp_layernorm.bias"),
+)
+
+
+def _has_local_norms(model: Any) -> bool:
+    """A Megatron model (or a NeMo model wrapping one) built with separate norm modules (no TE fused layers)."""
+    from megatron.core.transformer.module import MegatronModule
+
+    inner = model.module if isinstance(getattr(model, "module", None), MegatronModule) else model
+    if not isinstance(inner, MegatronModule):
+        return False
+    keys = list(inner.state_dict().keys())
+    return any(k.endswith(".input_layernorm.weight") for k in keys) and not any(".layer_norm_weight" in k for k in keys)
+
+
+def _to_local_norm_key(key: Any) -> Any:
+    if isinstance(key, (tuple, list)):
+        return type(key)(_to_local_norm_key(k) for k in key)
+    if isinstance(key, dict):
+        return {n: _to_local_norm_key(k) for n, k in key.items()}
+    if isinstance(key, str):
+        for te, local in _TE_TO_LOCAL_NORMS:
+            if key.endswith(te):
+                return key[: -len(te)] + local
+    return key
+
+
+def _patch_hf_converter_norm_keys() -> None:
+    from nemo.lightning import io as nemo_io
+    from nemo.lightning.io import state as nemo_state
+
+    original = nemo_state.apply_transforms
+    if getattr(original, "_nemo_longctx", False):
+        return
+
+    def apply_transforms(source: Any, target: Any, mapping: Dict, transforms: Any = None, *args: Any, **kwargs: Any):
+        src_local, tgt_local = _has_local_norms(source), _has_local_norms(target)
+        if src_local or tgt_local:  # fix 13: the Megatron side's norm keys in the local spec's names
+            mapping = {(_to_local_norm_key(k) if src_local else k): (_to_local_norm_key(v) if tgt_local else v)
+                       for k, v in mapping.items()}
+            renamed = []
+            for t in transforms or []:
+                t = copy.copy(t)
+                if src_local and hasattr(t, "source_key"):
+                    t.source_key = _to_local_norm_key(t.source_key)
+                if tgt_local and hasattr(t, "target_key"):
+                    t.target_key = _to_local_norm_key(t.target_key)
+                renamed.append(t)
+            transforms = renamed if transforms is not None else None
+        return original(source, target, mapping, transforms, *args, **kwargs)
+
+    apply_transforms._nemo_longctx = True  # type: ignore[attr-defined]
+    nemo_state.apply_transforms = apply_transforms
+    nemo_io.apply_transforms = apply_transforms  # the connectors call it as ``io.apply_transforms``
+
+
 def apply(force: bool = False) -> bool:
     """Apply all patches once when CUDA is unavailable (or ``force``). Returns True if patches are active."""
     global _APPLIED, _MODE
@@ -428,6 +496,7 @@ def apply(force: bool = False) -> bool:
     _patch_checkpoint_without_output()
     _patch_checkpoint_load_device()
     _patch_rope_fusion_without_te()
+    _patch_hf_converter_norm_keys()
     _patch_hybrid_device_optimizer()
     _patch_moe_router_without_te()
     _patch_zero_centered_norm()

@@ -23,6 +23,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from nemo_longctx.integrations.nemo.launch import Launch
+from nemo_longctx.integrations.nemo.pretrained import init_from_of, init_from_problems
 
 FEATURE_GROUPS = ("recompute", "offload", "tiling")
 RESUME_MODES = ("auto", "never")
@@ -200,6 +201,7 @@ def config_problems(cfg: DictConfig) -> List[str]:
     problems += _collect(problems, lambda: model_state_problems_of(cfg)) or []
     _collect(problems, lambda: check_cp_options(str(cfg.cp.algorithm), int(cfg.cp.size), cp_algorithm_kwargs(cfg)))
     problems += _checkpoint_problems(cfg) + _launcher_and_trainer_problems(cfg)
+    problems += init_from_problems(cfg)  # init_from: the path and the model fields the command line overrides
     return problems
 
 
@@ -231,7 +233,15 @@ def build_model_config(cfg: DictConfig) -> Any:
         # Megatron refuses apply_rope_fusion without TransformerEngine (TransformerConfig.__post_init__); a kernel
         # choice only, so it is turned off where TE is missing (CPU machines) and kept as configured elsewhere.
         kwargs["apply_rope_fusion"] = False
-    config = hydra.utils.instantiate(cfg.model, _convert_="all", **kwargs)
+    if init_from_of(cfg) is not None:  # the checkpoint's config + the command line's safe model.<field> overrides
+        from nemo_longctx.integrations.nemo.hf import cpu_kernel_flags_off
+        from nemo_longctx.integrations.nemo.pretrained import pretrained_model_config
+
+        config = pretrained_model_config(cfg)[0]
+        if not te_available():
+            cpu_kernel_flags_off(config)  # fused kernels of the checkpoint's config that need CUDA/TE/Apex
+    else:
+        config = hydra.utils.instantiate(cfg.model, _convert_="all", **kwargs)
     for field, value in feature_model_overrides(cfg).items():
         if not hasattr(config, field):
             raise ValueError(f"model_overrides: {type(config).__name__} has no field {field!r}")
@@ -330,6 +340,11 @@ def build_checkpointing(cfg: DictConfig) -> tuple:
                                       resume_from_directory=os.path.abspath(checkpoint_dir(cfg)))
     elif mode != "never":
         resume = _auto_resume_class()(resume_from_path=os.path.abspath(mode))
+    if init_from_of(cfg) is not None:  # pretrained weights, unless this run resumes from its own checkpoint
+        from nemo_longctx.integrations.nemo.pretrained import restore_config
+
+        resume = resume or _auto_resume_class()(resume_if_exists=False)
+        resume.restore_config = restore_config(cfg)
     return log, resume, ckpt
 
 
@@ -345,6 +360,9 @@ def _auto_resume_class() -> type:
             path = self.get_trainer_ckpt_path(model)
             if path:
                 trainer.ckpt_path = path
+            elif self.restore_config is not None:  # init_from: the strategy loads these weights after building
+                self.restore_config.path = str(self._extract_path(path=self.restore_config.path))
+                trainer.strategy.restore_config = self.restore_config
 
     return AutoResume
 
@@ -397,7 +415,13 @@ def build(cfg: DictConfig, launch: Optional[Launch] = None, extra_callbacks: Opt
     raise_problems(problems)
 
     precision = str(cfg.trainer.precision)
-    model = llm.GPTModel(model_config, optim=build_optimizer(cfg, precision))
+    model_cls, tokenizer = llm.GPTModel, None
+    if init_from_of(cfg) is not None:  # LlamaModel/Qwen2Model (NeMo's HF exporter is registered on them)
+        from nemo_longctx.integrations.nemo.hf import pretrained_model
+        from nemo_longctx.integrations.nemo.pretrained import checkpoint_path
+
+        model_cls, _, tokenizer = pretrained_model(checkpoint_path(cfg))
+    model = model_cls(model_config, optim=build_optimizer(cfg, precision), tokenizer=tokenizer)
     data = build_data(cfg, model_config, gbs)
     log, resume, ckpt = build_checkpointing(cfg)
 
@@ -492,6 +516,8 @@ def dry_run(cfg: DictConfig) -> Dict[str, Any]:
         "strategy": type(built.strategy).__name__,
         "trainer": f"{type(built.trainer).__name__}(devices={cfg.trainer.devices}, num_nodes={cfg.trainer.num_nodes})",
         "data": type(built.data).__name__,
+        "init_from": (f"{init_from_of(cfg)} ({type(built.model).__name__}, weights restored by NeMo's RestoreConfig)"
+                      if init_from_of(cfg) else "none (random initialisation)"),
         "memory": memory_options_of(cfg).describe(),
         "model_state": model_state_of(cfg).describe(),
         "tiling": tiling_of(cfg),
