@@ -246,7 +246,19 @@ def build_model_config(cfg: DictConfig) -> Any:
         if not hasattr(config, field):
             raise ValueError(f"model_overrides: {type(config).__name__} has no field {field!r}")
         setattr(config, field, value)
+    if packed_data(cfg):
+        # Packed documents: the CP ranks hold different numbers of real tokens (each document padded to 2*cp), and
+        # Megatron otherwise averages each rank's own token mean; per-token loss (Megatron divides the summed
+        # gradients by the tokens of the whole batch) weighs every real token the same, as at cp=none. NeMo
+        # requires the same for packed fine-tuning under CP.
+        config.calculate_per_token_loss = True
     return enable_long_context(config, str(cfg.cp.algorithm), **cp_algorithm_kwargs(cfg))
+
+
+def packed_data(cfg: DictConfig) -> bool:
+    """True when the data are packed documents (per-document attention): ``data.packing=documents`` or
+    ``data.kind=packed_sft``."""
+    return str(cfg.data.get("kind")) == "packed_sft" or str(cfg.data.get("packing", "none")) == "documents"
 
 
 def build_data(cfg: DictConfig, model_config: Any, gbs: int) -> Any:
