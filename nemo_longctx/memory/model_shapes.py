@@ -69,10 +69,12 @@ KNOWN_SHAPES: dict[str, ModelShape] = {
     "llama3_70b": ModelShape("llama3_70b", 80, 8192, 28672, 64, 8, 128256),
     "llama31_8b": ModelShape("llama31_8b", 32, 4096, 14336, 32, 8, 128256),
     "llama31_70b": ModelShape("llama31_70b", 80, 8192, 28672, 64, 8, 128256),
+    # Qwen3-32B (NeMo's Qwen3Config32B): head dim 128, so q width 8192 > hidden 5120; QK RMSNorm (not counted)
+    "qwen3_32b": ModelShape("qwen3_32b", 64, 5120, 25600, 64, 8, 151936, kv_channels=128),
 }
 _CLASS_NAMES = {
     "Llama3Config8B": "llama3_8b", "Llama3Config70B": "llama3_70b",
-    "Llama31Config8B": "llama31_8b", "Llama31Config70B": "llama31_70b",
+    "Llama31Config8B": "llama31_8b", "Llama31Config70B": "llama31_70b", "Qwen3Config32B": "qwen3_32b",
 }
 _ALIASES = {"ffn_hidden": "ffn_hidden_size", "hidden": "hidden_size", "layers": "num_layers",
             "heads": "num_attention_heads", "kv_heads": "num_query_groups", "padded_vocab_size": "vocab_size"}

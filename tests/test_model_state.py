@@ -1,0 +1,134 @@
+"""Model-state options of the ``optim`` group, trained by the app on CPU (gloo) against plain DDP.
+
+The default tiny job (tiny GQA Llama, cp=ring cp.size=2 on two gloo processes, so the distributed optimizer shards
+over the data-parallel-with-CP group of 2), 6 steps at seq 2048, Adam, ``trainer.precision=bf16-mixed`` for every
+run (optimizer CPU offload needs 16-bit weights, see ``model_state_problems``). Each option runs once plain and once
+with ``recompute=full offload=layer_input``, and is compared with the plain-DDP run of the same recompute/offload:
+
+  option                                     tolerance on every step's loss (relative)
+  optim=distributed                          1e-4: the same fp32 Adam math on shards, but the gradient norm for
+                                             clipping is summed over the shards in another order (fp32), which can
+                                             flip a bf16 rounding of a weight; measured 9.2e-6
+  optim=cpu_offload (fraction 1.0 and 0.5)   1e-4: as above, plus torch's fused CPU AdamW on the host copies
+                                             instead of the foreach AdamW (another fp32 rounding order); measured
+                                             7.6e-6
+
+Megatron-FSDP and the precision-aware optimizer (TE FusedAdam) cannot run on CPU: they are refused there, with the
+field named, before any process starts (tested below); a GPU session must train them.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from app_runner import run_app
+
+BIN = Path(sys.executable).parent
+STEPS = 6
+COMMON = [f"trainer.max_steps={STEPS}", "model.seq_length=2048", "trainer.precision=bf16-mixed", "run.timeout_s=300"]
+RC_OFF = ["recompute=full", "offload=layer_input"]
+RUNS = {  # name: (overrides, baseline run, relative tolerance)
+    "ddp": ([], None, None),
+    "ddp_rc": (RC_OFF, None, None),
+    "distributed": (["optim=distributed"], "ddp", 1e-4),
+    "distributed_rc": (["optim=distributed", *RC_OFF], "ddp_rc", 1e-4),
+    "cpu_offload": (["optim=cpu_offload"], "ddp", 1e-4),
+    "cpu_offload_half_rc": (["optim=cpu_offload", "optim.optimizer_offload_fraction=0.5", *RC_OFF], "ddp_rc", 1e-4),
+}
+
+
+def _losses(out_dir: Path):
+    return [json.loads(line)["loss"] for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    base = tmp_path_factory.mktemp("model_state")
+    out = {}
+    for name, (overrides, _, _) in RUNS.items():
+        d = base / name
+        code, log = run_app([str(BIN / "nemo-longctx"), "train", f"output_dir={d}", *COMMON, *overrides])
+        assert code == 0, f"{name}: {log[-4000:]}"
+        out[name] = (_losses(d), log)
+    return out
+
+
+@pytest.mark.parametrize("name", [n for n, v in RUNS.items() if v[1] is not None])
+def test_option_trains_with_the_losses_of_plain_ddp(trained, name):
+    _, baseline, rtol = RUNS[name]
+    losses, log = trained[name]
+    ref, _ = trained[baseline]
+    assert len(losses) == len(ref) == STEPS
+    rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref))
+    print(f"{name} vs {baseline}: max relative loss error {rel:.2e} (tolerance {rtol:g})")
+    assert rel <= rtol, (name, losses, ref)
+    assert ref[-1] < ref[0]  # it trains
+
+
+def test_the_built_optimizer_is_the_configured_one(trained):
+    """ModelStateCheck's line: what Megatron actually built (not what was asked)."""
+    assert "model state: ddp | optimizer Float16OptimizerWithFloat16Params" in trained["ddp"][1]
+    assert "model state: distributed_optimizer | optimizer DistributedOptimizer" in trained["distributed"][1]
+    line = [x for x in trained["cpu_offload"][1].splitlines() if x.startswith("model state:")][0]
+    assert "optimizer_cpu_offload(1)" in line and "host Adam for" in line
+    host, total = [int(x) for x in line.split("host Adam for ")[1].split(" parameters")[0].split(" of ")]
+    assert host == total > 0  # fraction 1.0: every parameter of the shard on the host
+    line = [x for x in trained["cpu_offload_half_rc"][1].splitlines() if x.startswith("model state:")][0]
+    host, total = [int(x) for x in line.split("host Adam for ")[1].split(" parameters")[0].split(" of ")]
+    assert 0.5 * total <= host < total  # whole tensors until the fraction is reached
+
+
+def _compose(overrides):
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module(config_module="nemo_longctx.conf", version_base=None):
+        return compose("train", overrides=overrides)
+
+
+def test_refused_combinations_name_their_fields():
+    """The app's one validation pass (config_problems) refuses them before any process starts."""
+    from nemo_longctx.integrations.nemo.app import config_problems
+
+    def problems(*o):
+        return "\n".join(config_problems(_compose(list(o))))
+
+    assert config_problems(_compose(["optim=distributed"])) == []
+    p = problems("optim=default", "optim.megatron_fsdp=true")
+    assert "optim.megatron_fsdp=true needs optim.use_distributed_optimizer=true" in p
+    p = problems("optim=cpu_offload")  # default precision "32"
+    assert "optim.optimizer_cpu_offload=true needs trainer.precision=bf16-mixed" in p
+    p = problems("optim=cpu_offload", "trainer.precision=bf16-mixed", "optim.use_distributed_optimizer=false")
+    assert "optim.optimizer_cpu_offload=true needs optim.use_distributed_optimizer=true" in p
+    p = problems("optim=cpu_offload", "trainer.precision=bf16-mixed", "optim.optimizer_offload_fraction=1.5")
+    assert "optim.optimizer_offload_fraction=1.5 must be a number in [0, 1]" in p
+    p = problems("optim=default", "optim.exp_avg_dtype=bf16")
+    assert "optim.exp_avg_dtype=bf16 needs optim.use_precision_aware_optimizer=true" in p
+    p = problems("optim=fsdp", "checkpoint.every_n_steps=5")
+    assert "optim.megatron_fsdp=true with checkpoint.every_n_steps > 0" in p
+    p = problems("optim=fsdp", "optim.optimizer_cpu_offload=true")
+    assert "optim.megatron_fsdp=true with optim.optimizer_cpu_offload=true" in p
+    p = problems("optim=default", "+optim.bogus=1")  # Hydra refuses it without the +
+    assert "optim: unknown key(s) ['bogus']" in p
+
+
+def test_cpu_only_refusals():
+    """What cannot run without CUDA is refused on CPU only (cpu_compat.model_state_cpu_problems)."""
+    import torch
+
+    from nemo_longctx.integrations.megatron.model_state import model_state_options, model_state_problems
+    from nemo_longctx.integrations.nemo.app import config_problems
+
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only refusals")
+    p = "\n".join(config_problems(_compose(["optim=fsdp"])))
+    assert "optim.megatron_fsdp=true: Megatron-FSDP builds its DTensor device mesh" in p and "CPU only" in p
+    p = "\n".join(config_problems(_compose(["optim=precision_aware", "trainer.precision=bf16-mixed"])))
+    assert "optim.use_precision_aware_optimizer=true runs TransformerEngine's FusedAdam, a CUDA kernel" in p
+    # for a GPU node with TransformerEngine (the planner's target) the same options are valid
+    for o in ("fsdp", "precision_aware"):
+        opts = model_state_options(dict(_compose([f"optim={o}"]).optim))
+        assert model_state_problems(opts, precision="bf16-mixed", te_available=True, target_cuda=True) == []
