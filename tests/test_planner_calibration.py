@@ -1,6 +1,12 @@
 """The planner's activation model against measurement: real Megatron-core GPTModels (local spec + our core
 attention, CPU, fp32) measured with nemo_longctx.memory.tracker, compared with
 `predicted_activation_bytes(..., LOCAL_CPU)` for several shapes, sequence lengths, recompute settings and CP=1/2.
+
+Every option (tests/calibration_probe.py: the candidate's recompute / offload / tiling applied as the app does, the
+loss mask applied like the loss reduction, gradient buffers allocated before the step like Megatron DDP's): ring
+none / selective / full / full_keep_attn, full and full_keep_attn + layer_input offload, tiled MLP, chunked loss,
+Ulysses (CP=2) and hybrid 2x2 (CP=4): saved device and host bytes equal the prediction to the byte, and the tracker's
+peak of live bytes is within 10% of `predicted_peak_bytes` (saved + the largest working set).
 """
 
 import pytest
@@ -10,7 +16,13 @@ pytest.importorskip("megatron.core")
 from distributed import run_distributed  # noqa: E402
 
 from nemo_longctx.memory.model_shapes import ModelShape  # noqa: E402
-from nemo_longctx.memory.planner import LOCAL_CPU, TE_GPU, Candidate, predicted_activation_bytes  # noqa: E402
+from nemo_longctx.memory.planner import (  # noqa: E402
+    LOCAL_CPU,
+    TE_GPU,
+    Candidate,
+    predicted_activation_bytes,
+    predicted_peak_bytes,
+)
 
 SHAPES = [
     # GQA, SwiGLU
@@ -126,3 +138,60 @@ def test_gpu_preset_differs_only_where_te_fuses():
         te = predicted_activation_bytes(shape, 1024, c, TE_GPU, 2)["device"]
         local = predicted_activation_bytes(shape, 1024, c, LOCAL_CPU, 2)["device"]
         assert te <= local
+
+
+# ------------------------------------------------------------------------------------------- every option
+OPTIONS_CP2 = [Candidate("ring", 2, 1, 1, rc, off, t, ch) for rc, off, t, ch in (
+    ("none", "none", 1, 1), ("selective", "none", 1, 1), ("full", "none", 1, 1), ("full_keep_attn", "none", 1, 1),
+    ("full", "layer_input", 1, 1), ("full_keep_attn", "layer_input", 1, 1), ("none", "none", 2, 1),
+    ("none", "none", 1, 2), ("full", "none", 2, 2))]
+OPTIONS_CP2 += [Candidate("ulysses", 2, 2, 1, rc) for rc in ("none", "selective", "full")]
+OPTIONS_CP4 = [Candidate("hybrid", 4, 2, 1, rc) for rc in ("none", "full")]
+
+
+@pytest.fixture(scope="module")
+def option_measurements():
+    from calibration_probe import measure
+
+    cp2 = run_distributed(measure, 2, SHAPES[0], OPTIONS_CP2, (1024,), timeout=500)
+    cp4 = run_distributed(measure, 4, SHAPES[0], OPTIONS_CP4, (1024,), timeout=500)
+    return [r for per_rank in (cp2, cp4) for rows in per_rank for r in rows]
+
+
+def _option_rows(option_measurements):
+    rows = []
+    for r in option_measurements:
+        c = r["cand"]
+        saved = predicted_activation_bytes(SHAPES[0], r["seq"], c, LOCAL_CPU, activation_bytes=4)
+        peak = predicted_peak_bytes(SHAPES[0], r["seq"], c, LOCAL_CPU, activation_bytes=4)
+        rows.append((c.label(), r["seq"], r["device"], saved["device"], r["host"], saved["host"], r["peak"], peak))
+    return rows
+
+
+def test_every_option_saved_bytes_exact_and_peak_within_10_percent(option_measurements):
+    rows = _option_rows(option_measurements)
+    assert len(rows) == 2 * len(OPTIONS_CP2) + 4 * len(OPTIONS_CP4)
+    table = "\n".join(f"{lab} seq={seq}: device {d} (pred {pd:.0f}) host {h} (pred {ph:.0f}) peak {p} (pred {pp:.0f}, "
+                      f"{pp / p - 1:+.1%})" for lab, seq, d, pd, h, ph, p, pp in rows)
+    print(table)
+    for lab, seq, d, pd, h, ph, p, pp in rows:
+        assert d == round(pd) and h == round(ph), (lab, seq, d, pd, h, ph)
+        assert abs(pp / p - 1) <= 0.10, (lab, seq, p, pp)
+
+
+def test_every_option_is_measured_apart(option_measurements):
+    """The options really differ where the model says they do (the comparison above is not vacuous)."""
+    by = {(r["cand"].label(), r["seq"]): r for r in option_measurements}
+    c = {k: v for k, v in by.items() if k[1] == 1024}
+
+    def get(cand):
+        return c[(cand.label(), 1024)]
+
+    ring = {(o.recompute, o.offload, o.mlp_tiles, o.loss_chunks): get(o) for o in OPTIONS_CP2 if o.cp_algorithm == "ring"}
+    none, full, keep = ring[("none", "none", 1, 1)], ring[("full", "none", 1, 1)], ring[("full_keep_attn", "none", 1, 1)]
+    assert full["device"] < keep["device"] < ring[("selective", "none", 1, 1)]["device"] < none["device"]
+    assert ring[("full", "layer_input", 1, 1)]["host"] > 0 and ring[("full_keep_attn", "layer_input", 1, 1)]["host"] > \
+        ring[("full", "layer_input", 1, 1)]["host"]
+    assert ring[("none", "none", 2, 1)]["device"] < none["device"]  # tiled MLP saves no intermediate
+    assert ring[("none", "none", 1, 2)]["device"] < none["device"]  # no fp32 logits kept
+    assert full["peak"] > 2 * full["device"]  # the recomputed layer dominates the peak under full recompute

@@ -18,8 +18,10 @@ S = dp * cp the data-parallel-with-CP group that the distributed optimizer and M
                 device keeps the distributed optimizer's fp32 master shard of the offloaded part (4 bytes), except
                 with the precision-aware optimizer, where the master lives only on the host
   activations = tokens * (L * layer_saved + head_saved)        (saved for backward, kept on the device)
-  transient   = tokens * max(recompute working set + attention buffers, MLP intermediate, logits)
-  comm        = tokens * CP communication buffers (ring KV/dKV double buffers or Ulysses all-to-all buffers)
+  transient   = max(working_sets: loss head, recomputed layer, recomputed/tiled MLP, attention) - comm
+  comm        = tokens * CP communication buffers (ring KV/dKV buffers or Ulysses all-to-all buffers)
+                activations + transient + comm = the step's predicted activation peak (`predicted_peak_bytes`),
+                calibrated with the saved bytes against the tracker on CPU (tests/test_planner_calibration.py)
   reserve     = fixed bytes for CUDA context, NCCL, allocator fragmentation
   total       = sum of the above; fits when total <= gpu_memory_gb.
 Host memory per node = gpus_per_node * (offloaded activations per GPU + host_reserve_gb).
@@ -126,10 +128,18 @@ class ActivationCoefficients:
     head_hidden: float = 2.0  # x h, once per model: final-norm input, output-layer input
     head_norm: float = 1.0  # x 1, fp32, once per model: final-norm statistics
     logits: float = 1.0  # x V (fp32): what the cross entropy keeps for backward when the loss is not chunked
-    token_bytes: float = 17.0  # bytes, once per model: input ids and labels (int64), loss-mask flag (bool)
+    # bytes, once per model: input ids (int64), Megatron cross entropy's target index (int64) and mask (bool), the fp32
+    # loss mask the loss reduction multiplies the per-token loss with (saved by that product)
+    token_bytes: float = 21.0
+    # chunked loss (loss_chunks > 1), per token of the sequence it sees (gathered under sequence parallelism, so not
+    # divided by tp): the precomputed grad_hidden it holds on ctx (activation dtype, x h), and in bytes the int64 labels
+    # + fp32 log-sum-exp + fp32 counted-token mask it saves, less Megatron's cross-entropy target index + mask (9 B)
+    # that token_bytes counts; plus, once per GPU, the fp32 grad_weight [V/tp, h] it holds (loss_fixed_bytes)
+    loss_grad_hidden: float = 1.0
+    loss_chunk_bytes: float = 7.0
     # transient (not saved) terms
     mlp_grad: float = 2.0  # x f: gradient of the fc1 output during the MLP backward
-    logits_transient: float = 2.0  # x V (fp32): logits upcast / their gradient while the loss runs
+    mlp_tile_grad: float = 1.0  # x f / tiles: gradient live next to one tile's recomputed intermediate (tiled MLP)
     attn_accum: float = 1.0  # x hq*d fp32: output accumulator (forward) / dq accumulator (backward)
     attn_kv_accum: float = 2.0  # x hkv*d fp32: dk, dv accumulators in the ring backward
 
@@ -305,10 +315,33 @@ def layer_saved_bytes(shape: ModelShape, c: Candidate, coef: ActivationCoefficie
 
 
 def head_saved_bytes(shape: ModelShape, c: Candidate, coef: ActivationCoefficients, b: int) -> float:
-    """Bytes saved per local token outside the transformer layers (embedding ids, final norm, output, loss)."""
-    logits = 0.0 if c.loss_chunks > 1 else 4 * coef.logits * shape.vocab_size / c.tp
-    rope = 4 * coef.recompute_rope * shape.head_dim if c.recompute == "full" else 0.0
-    return (b * coef.head_hidden * shape.hidden_size + 4 * coef.head_norm) / c.tp + logits + coef.token_bytes + rope
+    """Bytes saved per local token outside the transformer layers (embedding ids, final norm, output, loss).
+
+    Under full recompute (either kind) the RoPE table is a checkpoint argument (``recompute_rope``); with
+    ``offload=layer_input`` each layer's checkpoint offloads its own copy (see ``offloaded_layer_bytes``), so it is
+    not counted here. The chunked loss holds its precomputed hidden gradient (``loss_grad_hidden``) and saves its
+    labels/LSE/mask (``loss_chunk_bytes``) instead of the fp32 logits; its fp32 weight gradient is per GPU
+    (``loss_fixed_bytes``)."""
+    if c.loss_chunks > 1:
+        loss = b * coef.loss_grad_hidden * shape.hidden_size + coef.loss_chunk_bytes
+    else:
+        loss = 4 * coef.logits * shape.vocab_size / c.tp
+    full = c.recompute in ("full", "full_keep_attn")
+    rope = 4 * coef.recompute_rope * shape.head_dim if full and c.offload != "layer_input" else 0.0
+    return (b * coef.head_hidden * shape.hidden_size + 4 * coef.head_norm) / c.tp + loss + coef.token_bytes + rope
+
+
+def loss_fixed_bytes(shape: ModelShape, c: Candidate) -> float:
+    """Bytes per GPU, independent of the sequence length, that the chunked loss holds from forward to backward: its
+    fp32 weight gradient ``[V/tp, h]`` (the untiled path forms it in backward, as a transient of the same size)."""
+    return 4.0 * shape.vocab_size * shape.hidden_size / c.tp if c.loss_chunks > 1 else 0.0
+
+
+def offloaded_layer_bytes(shape: ModelShape, c: Candidate, coef: ActivationCoefficients, b: int) -> float:
+    """Bytes per local token and layer that ``offload=layer_input`` moves to the host: everything the recomputed
+    layer keeps (``layer_saved_bytes``: its input, and under full_keep_attn the kept attention output and LSE) plus
+    that layer's copy of the RoPE table (a checkpoint argument of every layer)."""
+    return layer_saved_bytes(shape, c, coef, b) + 4 * coef.recompute_rope * shape.head_dim
 
 
 def _comm_buffer_bytes(shape: ModelShape, c: Candidate, b: int) -> float:
@@ -318,35 +351,61 @@ def _comm_buffer_bytes(shape: ModelShape, c: Candidate, b: int) -> float:
     kv = shape.kv_width / c.tp * kv_replication(shape, c.tp, c.ulysses_size)
     q = shape.q_width / c.tp
     total = 0.0
-    if c.ulysses_size > 1:  # all-to-all send + receive buffers for q, k, v (and output back), for all local heads
-        total += 2 * (2 * q + 2 * kv) * b
+    if c.ulysses_size > 1:  # all-to-all receive buffers for q, k, v (and output back), for all local heads
+        total += (2 * q + 2 * kv) * b
     if c.ring_size > 1:  # double-buffered K, V in flight (forward) / K, V + fp32 dK, dV (backward)
         ring_tokens = c.ulysses_size  # hybrid: a ring block holds ulysses_size x more tokens, 1/u of the heads
         kv_ring = kv / c.ulysses_size * ring_tokens
-        total += 2 * kv_ring * (2 * b + 2 * 4)
+        # K, V in flight and fp32 dK, dV (backward); double-buffered once the ring has more than one step
+        total += min(2, c.ring_size - 1) * kv_ring * (b + 4)
     return total
 
 
-def _transient_bytes(shape: ModelShape, c: Candidate, coef: ActivationCoefficients, b: int) -> float:
-    """Per local token: the largest short-lived working set on top of the saved activations."""
-    f, v = shape.ffn_hidden_size, shape.vocab_size
-    attn = 4 * (coef.attn_accum * shape.q_width + coef.attn_kv_accum * shape.kv_width
-                * kv_replication(shape, c.tp, c.ulysses_size)) / c.tp
-    working = attn
-    if c.recompute in ("full", "full_keep_attn"):
-        # the layer in backward is rematerialised: everything the non-recomputed layer would save, minus kept
-        regained = layer_saved_bytes(shape, c, coef, b, recompute="none") - layer_saved_bytes(shape, c, coef, b)
-        working += regained + 2 * b * shape.hidden_size / c.tp  # + gradients in/out of the layer
+def working_sets(shape: ModelShape, c: Candidate, coef: ActivationCoefficients, b: int, tokens: float) -> dict:
+    """Bytes per GPU of the short-lived working sets of one step, on top of the saved activations; the step's peak
+    is saved + the largest of them (calibrated against the tracker's peak on CPU: tests/test_planner_calibration.py).
+
+    head       the loss + output layer: untiled, the output weight's gradient before accumulation (fp32 [V/tp, h])
+               and, with half-precision activations, the half logits next to their fp32 copy; chunked, one chunk's
+               fp32 logits (+ their half-precision matmul output); plus the hidden gradients in and out (2 x h)
+    recompute  full / full_keep_attn: the layer being recomputed in backward (what the non-recomputed layer saves,
+               less what is kept; with tiled MLP one tile's MLP intermediate and its gradient) + gradients in/out
+    mlp        selective (mlp) or tiled MLP: the recomputed MLP intermediate (one tile) + gradients in/out; tiled adds
+               a gradient of the tile (``mlp_tile_grad``)
+    attention  CP buffers (``_comm_buffer_bytes``) + gradients in/out
+    """
+    h, f, v = shape.hidden_size, shape.ffn_hidden_size, shape.vocab_size
+    tp = c.tp
+    grads_io = 2 * b * h / tp * tokens
+    half = b if b < 4 else 0
+    ffn_coef = coef.ffn if shape.gated_mlp else coef.ffn_plain
     tiles = max(1, c.mlp_tiles)
-    mlp_saved_now = c.recompute == "none" and tiles == 1  # fc1 output is already counted as saved
-    mlp = b * f / c.tp * (coef.mlp_grad + (0.0 if mlp_saved_now else coef.ffn)) / tiles
-    if c.recompute in ("full", "full_keep_attn") and tiles == 1:
-        mlp = b * f / c.tp * coef.mlp_grad  # intermediate itself is inside `working`
-        working += mlp
-    logits = 4 * coef.logits_transient * v / c.tp / max(1, c.loss_chunks)
+    sets = {}
     if c.loss_chunks > 1:
-        logits += 4 * coef.logits * v / c.tp / c.loss_chunks  # the chunk's softmax
-    return max(working, mlp, logits)
+        chunk = math.ceil(tokens / c.loss_chunks)
+        sets["head"] = (4 * coef.logits + half) * v / tp * chunk + grads_io
+    else:
+        sets["head"] = 4.0 * v * h / tp + half * v / tp * tokens + grads_io
+    if c.recompute in ("full", "full_keep_attn"):
+        none_layer = layer_saved_bytes(shape, replace(c, mlp_tiles=1), coef, b, recompute="none")
+        regained = none_layer - layer_saved_bytes(shape, c, coef, b)
+        if tiles > 1:  # the tiled MLP saves nothing; one tile's intermediate and a gradient of it live
+            regained -= ffn_coef * f * b / tp * (1 - 1 / tiles) - coef.mlp_tile_grad * f * b / tp / tiles
+        sets["recompute"] = regained * tokens + grads_io
+    elif c.recompute == "selective" or tiles > 1:
+        grad = coef.mlp_tile_grad if tiles > 1 else 0.0
+        sets["mlp"] = (ffn_coef + grad) * f * b / tp / tiles * tokens + grads_io
+    # attn_accum / attn_kv_accum (fp32 accumulators inside the attention kernels) are not added: on CPU they never
+    # set the peak (measured); a GPU session must measure the flash kernels' dq accumulators
+    sets["attention"] = _comm_buffer_bytes(shape, c, b) * tokens + grads_io
+    return sets
+
+
+def _transient_bytes(shape: ModelShape, c: Candidate, coef: ActivationCoefficients, b: int, tokens: float) -> float:
+    """Bytes per GPU: the largest working set (``working_sets``) less the CP buffers, which ``comm`` reports (they
+    are part of the attention working set), so that activations + transient + comm is the predicted peak."""
+    comm = tokens * _comm_buffer_bytes(shape, c, b)
+    return max(0.0, max(working_sets(shape, c, coef, b, tokens).values()) - comm)
 
 
 def model_state_bytes(shape: ModelShape, c: Candidate, dp: int, precision: Precision = Precision()) -> dict:
@@ -386,20 +445,22 @@ def memory_breakdown(shape: ModelShape, seq_length: int, hw: Hardware, c: Candid
     layer = layer_saved_bytes(shape, c, coef, b)
     head = head_saved_bytes(shape, c, coef, b)
     L = shape.num_layers
-    if c.offload == "layer_input":
+    if c.offload == "layer_input":  # on the device in backward: the layer being recomputed + those prefetched
+        layer = offloaded_layer_bytes(shape, c, coef, b)
         on_device_layers = min(L, 1 + c.prefetch_depth)
         device_act = tokens * (on_device_layers * layer + head)
         host = tokens * (L - on_device_layers) * layer
     else:
         device_act = tokens * (L * layer + head)
         host = 0.0
+    device_act += loss_fixed_bytes(shape, c)
     host += states["host"]
     return MemoryBreakdown(
         weights=states["weights"],
         grads=states["grads"],
         optimizer=states["optimizer"],
         activations=device_act,
-        transient=tokens * _transient_bytes(shape, c, coef, b),
+        transient=_transient_bytes(shape, c, coef, b, tokens),
         comm=tokens * _comm_buffer_bytes(shape, c, b),
         reserve=hw.reserve_gb * GIB,
         host_offload=host,
@@ -410,14 +471,30 @@ def memory_breakdown(shape: ModelShape, seq_length: int, hw: Hardware, c: Candid
 def predicted_activation_bytes(shape: ModelShape, seq_length: int, c: Candidate,
                                coef: ActivationCoefficients | None = None, activation_bytes: int = 2,
                                include_head: bool = True) -> dict:
-    """Saved-for-backward bytes per GPU (what the tracker measures): {'device', 'host', 'per_layer'}."""
+    """Saved-for-backward bytes per GPU as the tracker measures them (its maximum over the step, reached at the end
+    of forward): {'device', 'host', 'per_layer'}. With ``offload=layer_input`` every layer's saved bytes are on the
+    host then ('device' holds the head only; ``memory_breakdown`` adds the layers prefetched in backward)."""
     coef = coef or TE_GPU
+    b = activation_bytes
     tokens = seq_length / c.cp_size
-    layer = tokens * layer_saved_bytes(shape, c, coef, activation_bytes)
-    head = tokens * head_saved_bytes(shape, c, coef, activation_bytes) if include_head else 0.0
     L = shape.num_layers
-    on_device = min(L, 1 + c.prefetch_depth) if c.offload == "layer_input" else L
-    return {"device": on_device * layer + head, "host": (L - on_device) * layer, "per_layer": layer}
+    head = tokens * head_saved_bytes(shape, c, coef, b) + loss_fixed_bytes(shape, c) if include_head else 0.0
+    if c.offload == "layer_input":
+        layer = tokens * offloaded_layer_bytes(shape, c, coef, b)
+        return {"device": head, "host": L * layer, "per_layer": layer}
+    layer = tokens * layer_saved_bytes(shape, c, coef, b)
+    return {"device": L * layer + head, "host": 0.0, "per_layer": layer}
+
+
+def predicted_peak_bytes(shape: ModelShape, seq_length: int, c: Candidate,
+                         coef: ActivationCoefficients | None = None, activation_bytes: int = 2) -> float:
+    """Peak of live activation bytes per GPU during one forward + backward, above the model states (weights, grads in
+    preallocated buffers, optimizer): ``memory_breakdown``'s activations + transient + comm (what the tracker's
+    ``peak_bytes`` measures when the gradient buffers exist before the step)."""
+    coef = coef or TE_GPU
+    m = memory_breakdown(shape, seq_length, Hardware(gpus=c.tp * c.cp_size), c,
+                         Precision(activation_bytes=activation_bytes), coef)
+    return m.activations + m.transient + m.comm
 
 
 # --------------------------------------------------------------------------------------------------- cost
