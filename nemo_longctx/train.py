@@ -116,6 +116,9 @@ def run(cfg: DictConfig) -> int:
 
     external = detect_external_launch()
     pretrained.prepare(cfg, rank=external.rank if external is not None else 0)  # init_from=<HF dir>: import once
+    from nemo_longctx.integrations.nemo import documents
+
+    documents.prepare(cfg, rank=external.rank if external is not None else 0)  # data=documents: tokenize once
     if cfg.run.dry_run:
         dry_run(cfg)
         return 0

@@ -23,6 +23,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from nemo_longctx.integrations.nemo.launch import Launch
+from nemo_longctx.integrations.nemo.documents import documents_problems
 from nemo_longctx.integrations.nemo.pretrained import init_from_of, init_from_problems
 
 FEATURE_GROUPS = ("recompute", "offload", "tiling")
@@ -202,6 +203,7 @@ def config_problems(cfg: DictConfig) -> List[str]:
     _collect(problems, lambda: check_cp_options(str(cfg.cp.algorithm), int(cfg.cp.size), cp_algorithm_kwargs(cfg)))
     problems += _checkpoint_problems(cfg) + _launcher_and_trainer_problems(cfg)
     problems += init_from_problems(cfg)  # init_from: the path and the model fields the command line overrides
+    problems += documents_problems(cfg)  # data=documents: sources and tokenizer
     return problems
 
 
@@ -282,15 +284,20 @@ def build_data(cfg: DictConfig, model_config: Any, gbs: int) -> Any:
             skew=float(cfg.data.skew), seed=int(cfg.data.seed), packing=packing,
             doc_length=int(cfg.data.get("doc_length", 512)),
         )
-    if kind == "indexed":
+    if kind in ("indexed", "documents"):
         from nemo.collections.common.tokenizers.huggingface.auto_tokenizer import AutoTokenizer
 
         from nemo_longctx.integrations.nemo.data import pretraining_data_module
+        from nemo_longctx.integrations.nemo.documents import dataset_prefix, tokenizer_dir
 
-        paths = OmegaConf.to_container(cfg.data.paths, resolve=True)
+        if kind == "documents":  # raw documents, written as an indexed dataset before the ranks started
+            paths = [dataset_prefix(cfg)]
+        else:
+            paths = OmegaConf.to_container(cfg.data.paths, resolve=True)
         documents = packing == "documents"
+        tokenizer = AutoTokenizer(str(tokenizer_dir(cfg)))  # data.tokenizer, else init_from's
         return pretraining_data_module(
-            documents, paths=paths, seq_length=model_config.seq_length, tokenizer=AutoTokenizer(cfg.data.tokenizer),
+            documents, paths=paths, seq_length=model_config.seq_length, tokenizer=tokenizer,
             micro_batch_size=mbs, global_batch_size=gbs, split=str(cfg.data.split),
             num_workers=int(cfg.data.num_workers), seed=int(cfg.data.seed), reset_attention_mask=documents,
             reset_position_ids=documents, create_attention_mask=False,
@@ -299,7 +306,7 @@ def build_data(cfg: DictConfig, model_config: Any, gbs: int) -> Any:
         from nemo_longctx.integrations.nemo.data import packed_sft_data_module
 
         return packed_sft_data_module(cfg.data, model_config.seq_length, mbs, gbs)
-    raise ValueError(f"data.kind={kind!r} is not known (synthetic | indexed | packed_sft)")
+    raise ValueError(f"data.kind={kind!r} is not known (synthetic | indexed | documents | packed_sft)")
 
 
 def build_optimizer(cfg: DictConfig, precision: str) -> Any:

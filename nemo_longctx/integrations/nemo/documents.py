@@ -1,0 +1,196 @@
+"""``data=documents``: raw text documents -> a Megatron indexed dataset -> NeMo's ``PreTrainingDataModule``.
+
+Sources (``data.paths``): JSONL files (one JSON object per line, the document in ``data.text_key``, default ``text``)
+and directories (every ``*.jsonl``/``*.json`` file in them read the same way, every ``*.txt`` file one document),
+read in sorted order. Each document is tokenized with a Hugging Face tokenizer from a local directory through NeMo's
+``AutoTokenizer`` (``data.tokenizer``; null: the tokenizer of ``init_from``'s checkpoint) and written with Megatron's
+own ``IndexedDatasetBuilder`` (``add_document`` + EOD, as Megatron's ``preprocess_data.py --append-eod`` does).
+Megatron's ``GPTDataset`` (inside NeMo's ``PreTrainingDataModule``) then cuts the token stream into samples of
+``model.seq_length``: shorter documents are concatenated (EOD between them), longer ones are split over samples.
+(Per-document attention over the concatenation is ``data.packing=documents``.)
+
+The dataset is written once, before any rank starts (rank 0; the others wait), into
+``<data.cache_dir or output_dir/data>/documents-<key>`` where the key hashes the sources (paths, sizes, mtimes), the
+text key and the tokenizer files: a later run with the same inputs reuses it, changed inputs get a new one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterator, List, Optional, Tuple
+
+from omegaconf import DictConfig, OmegaConf
+
+PREFIX_NAME = "documents_text_document"
+DONE = "done.json"
+
+
+def source_files(paths: List[str]) -> List[Path]:
+    out: List[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            out += sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in (".jsonl", ".json", ".txt"))
+        else:
+            out.append(p)
+    return out
+
+
+def documents_problems(cfg: DictConfig) -> List[str]:
+    """Config-level problems of ``data=documents`` (each naming its field)."""
+    if str(cfg.data.get("kind")) != "documents":
+        return []
+    problems = []
+    paths = cfg.data.get("paths")
+    if paths is None or OmegaConf.is_missing(cfg.data, "paths"):
+        return ["data.paths must list JSONL files or directories of documents (data.paths=[/data/docs.jsonl])"]
+    paths = [paths] if isinstance(paths, str) else list(OmegaConf.to_container(paths, resolve=True))
+    for p in paths:
+        if not Path(str(p)).exists():
+            problems.append(f"data.paths: {p} does not exist")
+    if not problems and not source_files([str(p) for p in paths]):
+        problems.append(f"data.paths={paths}: no .jsonl/.json/.txt files found")
+    if cfg.data.get("tokenizer") is None and cfg.get("init_from") is None:
+        problems.append("data.tokenizer must name a local Hugging Face tokenizer directory (or set init_from: its "
+                        "checkpoint's tokenizer is used)")
+    elif cfg.data.get("tokenizer") is not None and not Path(str(cfg.data.tokenizer)).is_dir():
+        problems.append(f"data.tokenizer={cfg.data.tokenizer} is not a local tokenizer directory")
+    return problems
+
+
+def tokenizer_dir(cfg: DictConfig) -> Path:
+    """``data.tokenizer``, else the tokenizer saved in init_from's checkpoint context (NeMo's ``nemo_tokenizer``)."""
+    if cfg.data.get("tokenizer") is not None:
+        return Path(str(cfg.data.tokenizer))
+    from nemo_longctx.integrations.nemo.pretrained import checkpoint_path
+
+    return checkpoint_path(cfg) / "context" / "nemo_tokenizer"
+
+
+def _paths(cfg: DictConfig) -> List[str]:
+    paths = cfg.data.paths
+    return [str(paths)] if isinstance(paths, str) else [str(p) for p in OmegaConf.to_container(paths, resolve=True)]
+
+
+def dataset_dir(cfg: DictConfig) -> Path:
+    h = hashlib.sha256()
+    files = source_files(_paths(cfg))
+    for f in files:
+        st = f.stat()
+        h.update(f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+    h.update(str(cfg.data.get("text_key", "text")).encode())
+    tok = tokenizer_dir(cfg)
+    for name in sorted(os.listdir(tok)) if tok.is_dir() else []:
+        h.update(name.encode() + (tok / name).read_bytes() if (tok / name).is_file() else b"")
+    base = cfg.data.get("cache_dir") or os.path.join(str(cfg.output_dir), "data")
+    return Path(os.path.abspath(str(base))) / f"documents-{h.hexdigest()[:16]}"
+
+
+def dataset_prefix(cfg: DictConfig) -> str:
+    return str(dataset_dir(cfg) / PREFIX_NAME)
+
+
+def read_documents(files: List[Path], text_key: str) -> Iterator[Tuple[str, str]]:
+    """(where, text) of every document, in order."""
+    for f in files:
+        if f.suffix == ".txt":
+            yield str(f), f.read_text(encoding="utf-8")
+            continue
+        with open(f, encoding="utf-8") as fh:
+            for n, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except ValueError as e:
+                    raise ValueError(f"data.paths: {f}:{n} is not a JSON line ({e})") from None
+                if not isinstance(obj, dict) or not isinstance(obj.get(text_key), str):
+                    raise ValueError(f"data.text_key={text_key!r}: {f}:{n} has no string field {text_key!r}")
+                yield f"{f}:{n}", obj[text_key]
+
+
+def build_indexed_dataset(cfg: DictConfig, out_dir: Path) -> dict:
+    """Tokenize every document (NeMo's AutoTokenizer over the HF tokenizer dir), append EOD, write ``.bin``/``.idx``
+    with Megatron's IndexedDatasetBuilder into a temporary directory, rename it into place when complete."""
+    import shutil
+    import tempfile
+
+    import numpy
+    import torch
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+    from nemo.collections.common.tokenizers.huggingface.auto_tokenizer import AutoTokenizer
+
+    tok = AutoTokenizer(str(tokenizer_dir(cfg)))
+    eod = tok.eos_id
+    if eod is None:
+        raise ValueError(f"data.tokenizer={tokenizer_dir(cfg)}: the tokenizer has no EOS token to end documents with")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=str(out_dir.parent)))
+    try:
+        builder = IndexedDatasetBuilder(str(tmp / f"{PREFIX_NAME}.bin"), dtype=DType.optimal_dtype(tok.vocab_size))
+        docs = tokens = 0
+        for _, text in read_documents(source_files(_paths(cfg)), str(cfg.data.get("text_key", "text"))):
+            ids = tok.text_to_ids(text) + [eod]
+            builder.add_document(torch.tensor(ids, dtype=torch.int64), [len(ids)])
+            docs, tokens = docs + 1, tokens + len(ids)
+        if docs == 0:
+            raise ValueError(f"data.paths={_paths(cfg)}: no documents found")
+        builder.finalize(str(tmp / f"{PREFIX_NAME}.idx"))
+        summary = {"documents": docs, "tokens": tokens, "eod": int(eod), "tokenizer": str(tokenizer_dir(cfg)),
+                   "dtype": numpy.dtype(DType.optimal_dtype(tok.vocab_size)).name}
+        (tmp / DONE).write_text(json.dumps(summary))
+        os.replace(tmp, out_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return summary
+
+
+def split_problems(cfg: DictConfig, num_documents: int) -> List[str]:
+    """Megatron's GPTDataset loops forever building a split that has samples requested but no document
+    (``_get_num_epochs`` never reaches the requested tokens): refuse a non-zero ``data.split`` part that gets none of
+    the documents (the same rounding as Megatron's ``_get_split_indices``)."""
+    weights = [float(x) for x in str(cfg.data.get("split", "100,0,0")).replace("/", ",").split(",")]
+    weights += [0.0] * (3 - len(weights))
+    total = sum(weights)
+    if total <= 0:
+        return [f"data.split={cfg.data.get('split')!r} must have a positive part"]
+    bounds = [0]
+    for w in weights:
+        bounds.append(bounds[-1] + int(round(w / total * float(num_documents))))
+    names = ("train", "validation", "test")
+    return [f"data.split={cfg.data.get('split')!r}: the {names[i]} part gets none of the {num_documents} documents "
+            f"(Megatron's dataset builder would loop forever on it): set that part to 0 or add documents"
+            for i, w in enumerate(weights[:3]) if w > 0 and bounds[i + 1] - bounds[i] == 0]
+
+
+def prepare(cfg: DictConfig, rank: int = 0, timeout_s: float = 3600) -> Optional[Path]:
+    """Write the indexed dataset of ``data=documents`` once (rank 0; other ranks wait). No-op for other data."""
+    if str(cfg.data.get("kind")) != "documents":
+        return None
+    out = dataset_dir(cfg)
+    if (out / DONE).is_file():
+        _check_split(cfg, out)
+        return out
+    if rank != 0:
+        t0 = time.time()
+        while not (out / DONE).is_file():
+            if time.time() - t0 > timeout_s:
+                raise TimeoutError(f"data=documents: rank 0 did not finish writing {out}")
+            time.sleep(2)
+        return out
+    t0 = time.perf_counter()
+    summary = build_indexed_dataset(cfg, out)
+    print(f"nemo-longctx: data=documents: {summary['documents']} documents, {summary['tokens']} tokens (EOD "
+          f"{summary['eod']} after each) -> {out} in {time.perf_counter() - t0:.1f} s", flush=True)
+    _check_split(cfg, out)
+    return out
+
+
+def _check_split(cfg: DictConfig, out: Path) -> None:
+    from nemo_longctx.integrations.nemo.app import raise_problems
+
+    raise_problems(split_problems(cfg, int(json.loads((out / DONE).read_text())["documents"])))
