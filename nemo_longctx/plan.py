@@ -76,10 +76,11 @@ def train_precision(precision: Precision) -> str:
 
 @functools.lru_cache(maxsize=None)
 def app_problems(cp_algorithm: str, recompute: str, offload: str, ms: ModelState,
-                 precision: str = "bf16-mixed") -> tuple:
+                 precision: str = "bf16-mixed", target: str = "gpu") -> tuple:
     """The train app's own option checks (``memory_option_problems`` and ``model_state_problems``, which its
-    ``config_problems`` runs) for one option combination, on the planner's target: GPU nodes running the NGC NeMo
-    image (CUDA and TransformerEngine present). cp_algorithm "none" = the app's cp=none (ring attention, size 1)."""
+    ``config_problems`` runs) for one option combination, on the planner's target: ``gpu`` = GPU nodes running the
+    NGC NeMo image (CUDA and TransformerEngine present), ``cpu`` = CPU-only nodes without TransformerEngine (the
+    CPU-only refusals apply). cp_algorithm "none" = the app's cp=none (ring attention, size 1)."""
     from nemo_longctx.integrations.megatron.memory_options import memory_option_problems, memory_options
     from nemo_longctx.integrations.megatron.model_state import model_state_options, model_state_problems
 
@@ -90,14 +91,17 @@ def app_problems(cp_algorithm: str, recompute: str, offload: str, ms: ModelState
         rc = {"name": "selective", "modules": ["core_attn"]}
     algo = "ring" if cp_algorithm == "none" else cp_algorithm
     out = memory_option_problems(memory_options(rc, {"name": offload}), algo)
-    out += model_state_problems(model_state_options(optim_fields(ms)), precision=precision, target_cuda=True,
-                                te_available=True)
+    gpu = target == "gpu"
+    out += model_state_problems(model_state_options(optim_fields(ms)), precision=precision, target_cuda=gpu,
+                                te_available=gpu)
     return tuple(out)
 
 
-def app_accepts(precision: str = "bf16-mixed"):
-    """``candidate_configs(accept=...)``: keep the option combinations the train app accepts."""
-    return lambda algo, rc, off, ms: not app_problems(algo, rc, off, ms, precision)
+def app_accepts(precision: str = "bf16-mixed", target: str = "gpu"):
+    """``candidate_configs(accept=...)``: keep the option combinations the train app accepts on ``target``."""
+    if target not in ("gpu", "cpu"):
+        raise ValueError(f"plan.target={target!r} must be gpu or cpu")
+    return lambda algo, rc, off, ms: not app_problems(algo, rc, off, ms, precision, target)
 
 
 def conf_dir() -> str:
@@ -160,11 +164,11 @@ def inputs_from_config(cfg: Any):
     coef = ActivationCoefficients.preset(str(p.activation_model))
     cost = CostModel(**{k: float(v) for k, v in _container(p.cost).items()})
     search = {k: tuple(v) if not isinstance(v, (int, float)) else v for k, v in _container(p.search).items()}
-    search = search_space(search, precision)
+    search = search_space(search, precision, target=str(_get(p, "target", "gpu")))
     return shape, int(seq), hw, precision, coef, cost, search
 
 
-def search_space(search: Dict[str, Any], precision: Precision) -> Dict[str, Any]:
+def search_space(search: Dict[str, Any], precision: Precision, target: str = "gpu") -> Dict[str, Any]:
     """``plan.search`` -> candidate_configs keywords: the model-state lists become ModelStates, and the train
     app's validation filters every option combination (``app_accepts``)."""
     search = dict(search)
@@ -172,7 +176,7 @@ def search_space(search: Dict[str, Any], precision: Precision) -> Dict[str, Any]
     fractions = tuple(float(f) for f in search.pop("optimizer_offload", (0.0,)))
     pa = tuple(bool(x) for x in search.pop("precision_aware", (False,)))
     search["model_states"] = tuple(ModelState(sh, f, a) for sh, f, a in itertools.product(sharding, fractions, pa))
-    search["accept"] = app_accepts(train_precision(precision))
+    search["accept"] = app_accepts(train_precision(precision), target)
     return search
 
 
@@ -246,35 +250,82 @@ def format_report(p: Plan, model: str, show: int) -> str:
     return head + "\n" + format_table(shown)
 
 
-def write_sbatch(path: str, p: Plan, ev: Evaluation, model: str, container_image: str) -> str:
-    """An sbatch script that runs the chosen candidate in the NGC NeMo container through pyxis."""
+def source_checkout() -> str:
+    """The nemo_longctx checkout this module runs from ('' when installed from a wheel: no pyproject.toml)."""
+    root = Path(__file__).resolve().parents[1]
+    return str(root) if (root / "pyproject.toml").exists() else ""
+
+
+def write_sbatch(path: str, p: Plan, ev: Evaluation, model: str, container_image: str, target: str = "gpu",
+                 source: Optional[str] = None) -> str:
+    """An sbatch script for the chosen candidate: the stock NGC NeMo image through pyxis (NeMo, Megatron-core and
+    torch come from the image); the job installs nemo_longctx at start with ``pip install --no-deps`` from a
+    checkout visible on the nodes (``NEMO_LONGCTX_SRC``, default: the one that wrote the script) or a wheel
+    (``NEMO_LONGCTX_WHEEL``), into ``$OUTPUT_DIR/.nemo_longctx_site``, then runs that install's ``nemo-longctx train``.
+    ``target="cpu"``: the same script without GPUs and without a container by default (``IMAGE=``), training on the
+    nodes' CPUs with gloo (how tests/test_slurm_e2e.py runs it on a local Slurm)."""
+    if target not in ("gpu", "cpu"):
+        raise ValueError(f"plan.target={target!r} must be gpu or cpu")
     hw = p.hardware
-    overrides = " \\\n    ".join(shlex.quote(o) for o in train_overrides(p, ev, model))
+    cpu = target == "cpu"
+    ovs = train_overrides(p, ev, model) + (["trainer.accelerator=cpu", "launcher.backend=gloo"] if cpu else [])
+    overrides = " \\\n    ".join(shlex.quote(o) for o in ovs)
+    src = source_checkout() if source is None else source
+    gpu_lines = "" if cpu else (f"#SBATCH --gpus-per-node={hw.gpus_on_a_node}\n#SBATCH --exclusive\n")
+    image = "" if cpu else container_image
     text = f"""#!/bin/bash
-# Generated by `nemo-longctx plan` for {model} at seq_length={p.seq_length} on {hw.gpus} GPU(s).
+# Generated by `nemo-longctx plan` for {model} at seq_length={p.seq_length} on {hw.gpus} {'CPU process(es)' if cpu else 'GPU(s)'}.
 # Chosen: {ev.candidate.label()} (predicted {ev.memory.total / GIB:.1f} GiB per GPU, relative cost {ev.cost:.3f}).
+#
+# Runs in the stock NGC NeMo image (pyxis); nemo_longctx is installed by the job itself, with --no-deps:
+#   IMAGE               container image (pyxis/enroot syntax); empty: no container, the nodes' own python
+#   NEMO_LONGCTX_SRC    a nemo_longctx checkout visible on the nodes (mounted into the container)
+#   NEMO_LONGCTX_WHEEL  or a built wheel (pip wheel --no-deps <checkout>), used instead of the checkout
+#   PYTHON              python with NeMo 2 and Megatron-core (default: python, the image's)
+#   OUTPUT_DIR          run directory (default: ./runs/<job id>); EXTRA_OVERRIDES: more Hydra overrides
 #SBATCH --job-name=nemo-longctx-{model}
 #SBATCH --nodes={hw.nodes}
 #SBATCH --ntasks-per-node={hw.gpus_on_a_node}
-#SBATCH --gpus-per-node={hw.gpus_on_a_node}
-#SBATCH --exclusive
-#SBATCH --time=04:00:00
+{gpu_lines}#SBATCH --time=04:00:00
 #SBATCH --output=%x-%j.out
 set -euo pipefail
 
-IMAGE=${{IMAGE:-{container_image}}}
+IMAGE=${{IMAGE-{image}}}
+NEMO_LONGCTX_SRC=${{NEMO_LONGCTX_SRC:-{src}}}
+NEMO_LONGCTX_WHEEL=${{NEMO_LONGCTX_WHEEL:-}}
+PYTHON=${{PYTHON:-python}}
 OUTPUT_DIR=${{OUTPUT_DIR:-$PWD/runs/$SLURM_JOB_ID}}
+SITE="$OUTPUT_DIR/.nemo_longctx_site"
+read -r -a extra_overrides <<<"${{EXTRA_OVERRIDES:-}}"
 mkdir -p "$OUTPUT_DIR"
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export MASTER_ADDR
 export MASTER_PORT=${{MASTER_PORT:-29500}}
 
-# One task per GPU; the app reads RANK/WORLD_SIZE/LOCAL_RANK from SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID.
-srun --container-image="$IMAGE" --container-mounts="$PWD:$PWD,$OUTPUT_DIR:$OUTPUT_DIR" \\
-  --container-workdir="$PWD" --no-container-mount-home \\
-  nemo-longctx train \\
-    {overrides} \\
-    output_dir="$OUTPUT_DIR"
+package=${{NEMO_LONGCTX_WHEEL:-$NEMO_LONGCTX_SRC}}
+if [ -z "$package" ] || [ ! -e "$package" ]; then
+  echo "nemo_longctx to install not found: set NEMO_LONGCTX_SRC (a checkout) or NEMO_LONGCTX_WHEEL (a wheel)" >&2
+  exit 2
+fi
+container=()
+if [ -n "$IMAGE" ]; then
+  mounts="$PWD:$PWD,$OUTPUT_DIR:$OUTPUT_DIR,$(dirname "$(realpath "$package")"):$(dirname "$(realpath "$package")")"
+  container=(--container-image="$IMAGE" --container-mounts="$mounts" --container-workdir="$PWD"
+             --no-container-mount-home)
+fi
+
+# 1. install the plugin once (shared run directory); its dependencies are the image's
+srun --nodes=1 --ntasks=1 "${{container[@]}}" "$PYTHON" -m pip install --no-deps --no-build-isolation \
+  --no-input --disable-pip-version-check --quiet --target "$SITE" "$package"
+
+srun --nodes=1 --ntasks=1 "${{container[@]}}" env PYTHONPATH="$SITE${{PYTHONPATH:+:$PYTHONPATH}}" "$PYTHON" -c \
+  "import nemo_longctx, sys; print('nemo_longctx', nemo_longctx.__version__, 'from', nemo_longctx.__file__, 'python', sys.version.split()[0])"
+
+# 2. one task per GPU; the app reads RANK/WORLD_SIZE/LOCAL_RANK from SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID
+srun --kill-on-bad-exit=1 "${{container[@]}}" \
+  env PYTHONPATH="$SITE${{PYTHONPATH:+:$PYTHONPATH}}" "$SITE/bin/nemo-longctx" train \
+    {overrides} \
+    output_dir="$OUTPUT_DIR" "${{extra_overrides[@]}}"
 """
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(text)
@@ -336,7 +387,8 @@ def run(cfg: Any, out=sys.stdout) -> int:
         return 2
     sbatch = _get(cfg.plan, "write_sbatch", None)
     if sbatch:
-        write_sbatch(str(sbatch), p, chosen, name, str(_get(cfg.plan, "container_image", "")))
+        write_sbatch(str(sbatch), p, chosen, name, str(_get(cfg.plan, "container_image", "")),
+                     target=str(_get(cfg.plan, "target", "gpu")))
         print(f"wrote {sbatch}", file=sys.stderr)
     plot = _get(cfg.plan, "plot", None)
     if plot:

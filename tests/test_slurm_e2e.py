@@ -97,3 +97,34 @@ def test_a_failing_rank_fails_the_slurm_job(slurm_cluster, tmp_path):
     assert waited.returncode not in (0, 124), f"job {job}: {waited.stderr}\n{log_text[-3000:]}"
     assert "FAILED" in waited.stderr or "FAILED" in waited.stdout, waited.stderr
     assert "injected failure (run.fault) on rank 1 at step 2" in log_text, log_text[-3000:]
+
+
+def test_planner_written_sbatch_installs_the_plugin_and_trains(slurm_cluster, tmp_path):
+    """The sbatch `nemo-longctx plan` writes, in its CPU form (plan.target=cpu: no GPUs, no container, gloo), on the
+    local Slurm: the job installs nemo_longctx from this checkout with `pip install --no-deps` into its run directory
+    and trains with that install's `nemo-longctx train` (the GPU form runs the same lines inside the NGC image)."""
+    out_dir, sb = tmp_path / "out", tmp_path / "plan.sbatch"
+    nemo_longctx = Path(sys.executable).with_name("nemo-longctx")
+    r = subprocess.run([str(nemo_longctx), "plan", "model=tiny_llama", "plan.seq_length=2048", "plan.gpus=2",
+                        "plan.gpu_memory_gb=4", "plan.reserve_gb=0.5", "plan.target=cpu", f"plan.write_sbatch={sb}"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    text = sb.read_text()
+    assert "pip install --no-deps" in text and "--gpus-per-node" not in text and "IMAGE=${IMAGE-}" in text
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(PYTHON=sys.executable, OUTPUT_DIR=str(out_dir), EXTRA_OVERRIDES=f"trainer.max_steps={MAX_STEPS}")
+    sub = subprocess.run(["sbatch", "--parsable", f"--chdir={tmp_path}", str(sb)], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert sub.returncode == 0, sub.stderr
+    job = sub.stdout.strip().split(";")[0]
+    waited = _slurm("wait", job, "480", timeout=540)
+    log = next(tmp_path.glob(f"*-{job}.out"), None)
+    log_text = log.read_text() if log else "(no job output file)"
+    assert waited.returncode == 0, f"job {job} failed: {waited.stderr}\n--- job output (tail):\n{log_text[-5000:]}"
+    site = out_dir / ".nemo_longctx_site"
+    assert (site / "nemo_longctx" / "__init__.py").exists() and (site / "bin" / "nemo-longctx").exists()
+    assert f"from {site}/nemo_longctx/__init__.py" in log_text, log_text[-3000:]  # the job imported its install
+    assert "spawning" not in log_text
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert [row["step"] for row in rows] == list(range(1, MAX_STEPS + 1))
+    assert all(math.isfinite(row["loss"]) and row["world_size"] == 2 for row in rows)
