@@ -116,9 +116,12 @@ def model_state_problems(opts: ModelStateOptions, precision: str = "bf16-mixed",
                      "fsdp_dtensor format, which nemo_longctx's checkpoint/resume path does not support yet "
                      "(set checkpoint.every_n_steps=0)")
         if o.optimizer_cpu_offload is True:
-            p.append("optim.megatron_fsdp=true with optim.optimizer_cpu_offload=true: Megatron's HybridDeviceOptimizer "
-                     "is not wired to Megatron-FSDP's sharded parameters in megatron-core 0.15; use "
-                     "optim.use_distributed_optimizer=true without megatron_fsdp for CPU offload")
+            # unverified, not known broken: with Megatron-FSDP the distributed optimizer skips its shard set-up and
+            # HybridDeviceOptimizer would get Megatron-FSDP's DTensor parameters directly; Megatron-FSDP cannot run
+            # on CPU, so no test here could check it
+            p.append("optim.megatron_fsdp=true with optim.optimizer_cpu_offload=true: not verified (Megatron-FSDP "
+                     "hands HybridDeviceOptimizer its DTensor parameters directly, which no test here can run); use "
+                     "optim.use_distributed_optimizer=true without megatron_fsdp for optimizer CPU offload")
     if o.optimizer_cpu_offload is True:
         if o.use_distributed_optimizer is not True:
             p.append("optim.optimizer_cpu_offload=true needs optim.use_distributed_optimizer=true (nemo_longctx "
