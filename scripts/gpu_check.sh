@@ -8,6 +8,9 @@
 #   scripts/gpu_check.sh --quick         # fewer kernel cases, smaller CUDA problems
 #   GPU_CHECK_OUT=/tmp/out scripts/gpu_check.sh   # also write selftest.json and the GPU test log there
 #   GPU_CHECK_PYTEST=0 scripts/gpu_check.sh       # skip the pytest part
+#   GPU_CHECK_BENCH=1 scripts/gpu_check.sh        # also the device benchmarks (bench/ring_decomposition.py,
+#                                                 # bench/offload_overlap.py, bench/max_seqlen.py; needs
+#                                                 # megatron-core for max_seqlen; tens of minutes)
 #
 # Exit status: non-zero if any check or test failed.
 set -uo pipefail
@@ -40,6 +43,15 @@ if [ "${GPU_CHECK_PYTEST:-1}" != "0" ] && "$PY" -c "import pytest" >/dev/null 2>
   [ "$prc" -ne 0 ] && rc=1
 else
   echo "== gpu_check: pytest not installed (or GPU_CHECK_PYTEST=0): tests skipped"
+fi
+if [ "${GPU_CHECK_BENCH:-0}" = "1" ]; then
+  for b in ring_decomposition.py offload_overlap.py max_seqlen.py; do
+    echo "== gpu_check: bench/$b"
+    log=/dev/stdout
+    [ -n "$OUT" ] && log="$OUT/bench_${b%.py}.txt"
+    "$PY" "bench/$b" 2>&1 | tee "$log" | tail -30
+    [ "${PIPESTATUS[0]}" -ne 0 ] && rc=1
+  done
 fi
 echo "== gpu_check: exit $rc"
 exit $rc

@@ -44,3 +44,23 @@ def test_offload_overlap_reduced_form_is_exact():
     proc = _bench("offload_overlap.py", "--cpu-small")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("bit-exact=True") == 2 and "step time: plain" in proc.stdout
+
+
+def test_max_seqlen_cpu_tiny_form():
+    """bench/max_seqlen.py --cpu-tiny: real forward + backward steps of a tiny Megatron GPTModel under an emulated
+    activation cap (tracker peak); the nemo_longctx stack reaches a longer sequence than Megatron's defaults and the
+    planner's prediction is beside it (within 25% of the measured length; its peak model is calibrated within 10%)."""
+    proc = _bench("max_seqlen.py", "--cpu-tiny")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = dict((m.group(1), m.groups()[1:]) for m in re.finditer(
+        r"^\| (megatron|longctx) \| (\d+) \| (\d+|n/a[^|]*) \| ([0-9.]+|n/a) \|", proc.stdout, re.M))
+    assert set(rows) == {"megatron", "longctx"}, proc.stdout
+    mega, ours = int(rows["megatron"][0]), int(rows["longctx"][0])
+    assert 0 < mega and ours >= 4 * mega, proc.stdout
+    predicted = int(rows["longctx"][1])
+    assert 0.75 <= predicted / ours <= 1.25, proc.stdout
+    # every step that "fit" stayed under the cap, every one that did not exceeded it
+    for stack in ("megatron", "longctx"):
+        trail = re.search(rf"^{stack} steps: (.*)$", proc.stdout, re.M).group(1)
+        for ok, mib in re.findall(r"\d+:(ok|no)\(([0-9.]+)MiB\)", trail):
+            assert (float(mib) <= 8.0) == (ok == "ok"), trail

@@ -92,10 +92,14 @@ def _measure(rank, world_size, shapes, recompute, seqs):
 
 
 @pytest.fixture(scope="module")
-def measurements():
+def measurements(option_measurements):
     single = run_distributed(_measure, 1, SHAPES, RECOMPUTE, SEQS, threads=2)[0]
-    # CP=2 over gloo: one shape, two settings, to check the per-rank token count (seq / cp) and the ring
-    cp2 = run_distributed(_measure, 2, SHAPES[:1], {k: RECOMPUTE[k] for k in ("none", "full")}, (512,))
+    # CP=2 over gloo (from the every-option spawn below): one shape, two settings, to check the per-rank token count
+    # (seq / cp) and the ring
+    cp2 = [[(SHAPES[0].name, r["cand"].recompute, r["seq"], r["device"]) for r in rows
+            if r["cand"].cp_algorithm == "ring" and r["cand"].recompute in ("none", "full")
+            and r["cand"].offload == "none" and r["cand"].mlp_tiles == r["cand"].loss_chunks == 1]
+           for rows in option_measurements["by_rank"][:2]]
     return {1: single, 2: cp2}
 
 
@@ -155,12 +159,12 @@ def option_measurements():
 
     cp2 = run_distributed(measure, 2, SHAPES[0], OPTIONS_CP2, (1024,), timeout=500)
     cp4 = run_distributed(measure, 4, SHAPES[0], OPTIONS_CP4, (1024,), timeout=500)
-    return [r for per_rank in (cp2, cp4) for rows in per_rank for r in rows]
+    return {"by_rank": cp2, "all": [r for per_rank in (cp2, cp4) for rows in per_rank for r in rows]}
 
 
 def _option_rows(option_measurements):
     rows = []
-    for r in option_measurements:
+    for r in option_measurements["all"]:
         c = r["cand"]
         saved = predicted_activation_bytes(SHAPES[0], r["seq"], c, LOCAL_CPU, activation_bytes=4)
         peak = predicted_peak_bytes(SHAPES[0], r["seq"], c, LOCAL_CPU, activation_bytes=4)
@@ -181,7 +185,7 @@ def test_every_option_saved_bytes_exact_and_peak_within_10_percent(option_measur
 
 def test_every_option_is_measured_apart(option_measurements):
     """The options really differ where the model says they do (the comparison above is not vacuous)."""
-    by = {(r["cand"].label(), r["seq"]): r for r in option_measurements}
+    by = {(r["cand"].label(), r["seq"]): r for r in option_measurements["all"]}
     c = {k: v for k, v in by.items() if k[1] == 1024}
 
     def get(cand):

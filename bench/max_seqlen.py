@@ -1,0 +1,269 @@
+"""Maximum sequence length of a Llama-3-8B-shaped Megatron-core GPTModel on one device: nemo_longctx's memory stack vs
+Megatron's defaults, found by real forward + backward steps, with the planner's prediction beside it.
+
+Stacks (one device, no CP/TP, micro batch 1, gradients in buffers allocated before the step, no optimizer step):
+  megatron   Megatron-core's local layer spec as it comes (its own DotProductAttention, which materialises the
+             [heads, s, s] scores; no recompute; untiled MLP; full-logit cross entropy). TransformerEngine is not
+             used (not installed): Megatron with TE's fused attention would reach further than this column.
+  longctx    nemo_longctx: our core attention (flash-style, no s^2 term), ``recompute`` (full or full_keep_attn),
+             offload=layer_input (each layer's input, and the kept attention output/LSE, to pinned host memory),
+             tiled MLP (``--tile-tokens`` per tile) and the chunked loss (``--chunk-tokens`` per chunk).
+
+Search: lengths double from ``--start`` until a step fails, then bisect down to ``--granularity`` tokens. A step
+"fits" when it completes: on CUDA, without an out-of-memory error (the real limit of the device); on CPU (the tiny
+form, for tests), when the activation tracker's peak of live bytes stays within ``--cap-mib`` (an emulated memory
+cap). Planner: the largest length whose ``predicted_peak_bytes`` (saved activations + largest working set, calibrated
+on CPU against the tracker; ``local_cpu`` coefficients: the same local spec) fits the same budget: ``--cap-mib`` on
+CPU, on CUDA the free device memory after the weights and gradient buffers are allocated. The planner models only
+the longctx stack (Megatron's DotProductAttention is not in its search space).
+
+    python bench/max_seqlen.py                 # CUDA: Llama-3-8B shape, bf16
+    python bench/max_seqlen.py --layers 8      # fewer layers (same per-layer shape), faster steps
+    python bench/max_seqlen.py --cpu-tiny      # CPU: 2 layers, hidden 64, fp32, 8 MiB cap (seconds)
+
+Status: the CPU tiny form is tested (tests/test_gpu_bench.py); the CUDA form has not run yet (no GPU in the session
+that wrote it): a GPU session runs it (scripts/gpu_check.sh runs it with GPU_CHECK_BENCH=1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from nemo_longctx.memory.model_shapes import KNOWN_SHAPES, ModelShape  # noqa: E402
+from nemo_longctx.memory.planner import LOCAL_CPU, Candidate, predicted_peak_bytes  # noqa: E402
+
+TINY = ModelShape("tiny", num_layers=2, hidden_size=64, ffn_hidden_size=224, num_attention_heads=4,
+                  num_query_groups=2, vocab_size=256)
+
+
+def _init_parallel(device: torch.device) -> None:
+    import torch.distributed as dist
+
+    from nemo_longctx.integrations.megatron import cpu_compat
+
+    if device.type == "cpu":
+        cpu_compat.apply()
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(1, 1)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+
+
+def build(shape: ModelShape, stack: str, *, device, dtype, max_len: int, recompute: str, tile_tokens: int,
+          chunk_tokens: int):
+    """(model, memory runtime or None) of ``shape`` for ``stack`` (see the module docstring)."""
+    import torch.nn.functional as F
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cfg = TransformerConfig(
+        num_layers=shape.num_layers, hidden_size=shape.hidden_size, ffn_hidden_size=shape.ffn_hidden_size,
+        num_attention_heads=shape.num_attention_heads, num_query_groups=shape.num_query_groups,
+        kv_channels=shape.head_dim, gated_linear_unit=shape.gated_mlp, activation_func=F.silu,
+        normalization="RMSNorm", add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
+        params_dtype=dtype, bf16=dtype == torch.bfloat16, use_cpu_initialization=device.type == "cpu",
+        masked_softmax_fusion=False, bias_activation_fusion=False, persist_layer_norm=False,
+        bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False)
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    runtime = None
+    if stack == "longctx":
+        from nemo_longctx.integrations.megatron.memory_options import (
+            MemoryOptions, apply_recompute_fields, attach_memory_options)
+        from nemo_longctx.integrations.megatron.spec import long_context_layer_spec
+        from nemo_longctx.integrations.megatron.tiled_mlp import tiled_mlp_layer_spec
+
+        opts = MemoryOptions(recompute=recompute, offload="layer_input", min_bytes=0)
+        apply_recompute_fields(cfg, opts)
+        spec = tiled_mlp_layer_spec(long_context_layer_spec(spec, "ring"), "auto", tile_tokens=tile_tokens)
+    model = GPTModel(cfg, spec, vocab_size=shape.vocab_size, max_sequence_length=max_len,
+                     position_embedding_type="rope", share_embeddings_and_output_weights=False).to(device)
+    if stack == "longctx":
+        from nemo_longctx.integrations.megatron.chunked_loss import use_chunked_loss
+
+        use_chunked_loss(model, "auto", chunk_tokens)
+        runtime = attach_memory_options(model, opts)
+    for p in model.parameters():  # gradient buffers exist before the step (as Megatron DDP's main_grad buffers)
+        p.grad = torch.zeros_like(p)
+    model.train()
+    return model, runtime
+
+
+def step(model, runtime, seq: int, device, vocab: int, track: bool):
+    """One forward + backward of ``seq`` tokens; returns the peak of live bytes during it (tracker on CPU, the CUDA
+    allocator's peak on CUDA)."""
+    from nemo_longctx.integrations.megatron.chunked_loss import loss_mask_scope
+    from nemo_longctx.memory.tracker import ActivationTracker
+
+    g = torch.Generator().manual_seed(seq)
+    ids = torch.randint(0, vocab, (1, seq + 1), generator=g).to(device)
+    tokens, labels = ids[:, :-1], ids[:, 1:]
+    mask = torch.ones(1, seq, device=device)
+    pos = torch.arange(seq, device=device)[None]
+    gc.collect()
+    tracker = ActivationTracker(device.type, params=model.parameters(), count_peak=track) if track else None
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    if tracker is not None:
+        tracker.__enter__()
+    try:
+        with loss_mask_scope(mask):
+            token_loss = model(tokens, pos, None, labels=labels)
+        (token_loss.float() * mask).sum().backward()
+        del token_loss
+    finally:
+        if tracker is not None:
+            tracker.__exit__(None, None, None)
+    if runtime is not None:
+        runtime.after_step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - base
+    return tracker.stats().peak_bytes
+
+
+def search(fits, start: int, granularity: int, max_len: int):
+    """Largest length (multiple of ``granularity``) for which ``fits`` is true: doubling, then bisection.
+    Returns (length or 0, [(length, fits, peak_or_reason)])."""
+    log, ok, bad = [], 0, None
+    s = start
+    while s <= max_len:
+        good, info = fits(s)
+        log.append((s, good, info))
+        if not good:
+            bad = s
+            break
+        ok, s = s, s * 2
+    if bad is not None and ok:
+        while bad - ok > granularity:
+            mid = (ok + bad) // 2 // granularity * granularity
+            if mid <= ok:
+                break
+            good, info = fits(mid)
+            log.append((mid, good, info))
+            ok, bad = (mid, bad) if good else (ok, mid)
+    return ok, log
+
+
+def planner_max(shape, cand_for, budget: float, granularity: int, max_len: int, activation_bytes: int) -> int:
+    """Largest multiple of ``granularity`` <= max_len whose predicted peak fits ``budget`` (the peak is monotonic)."""
+    def fits(s):
+        return predicted_peak_bytes(shape, s, cand_for(s), LOCAL_CPU, activation_bytes) <= budget
+
+    lo, hi = 0, max_len // granularity
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid * granularity) else (lo, mid - 1)
+    return lo * granularity
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cpu-tiny", action="store_true", help="tiny model on CPU, memory cap emulated (for tests)")
+    ap.add_argument("--layers", type=int, default=None, help="layers (default: the shape's)")
+    ap.add_argument("--recompute", choices=("full", "full_keep_attn"), default="full_keep_attn")
+    ap.add_argument("--stacks", nargs="+", choices=("megatron", "longctx"), default=["megatron", "longctx"])
+    ap.add_argument("--start", type=int, default=None)
+    ap.add_argument("--granularity", type=int, default=None)
+    ap.add_argument("--max-len", type=int, default=None)
+    ap.add_argument("--cap-mib", type=float, default=8.0, help="CPU: emulated activation memory cap")
+    ap.add_argument("--tile-tokens", type=int, default=None)
+    ap.add_argument("--chunk-tokens", type=int, default=None)
+    a = ap.parse_args(argv)
+
+    cuda = torch.cuda.is_available() and not a.cpu_tiny
+    if not cuda and not a.cpu_tiny:
+        print("max_seqlen: no CUDA device; run with --cpu-tiny for the CPU form", file=sys.stderr)
+        return 2
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    shape = KNOWN_SHAPES["llama3_8b"] if cuda else TINY
+    if a.layers:
+        shape = ModelShape(shape.name, a.layers, shape.hidden_size, shape.ffn_hidden_size, shape.num_attention_heads,
+                           shape.num_query_groups, shape.vocab_size)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    b = 2 if cuda else 4
+    start = a.start or (4096 if cuda else 128)
+    gran = a.granularity or (4096 if cuda else 64)
+    max_len = a.max_len or (1 << 22 if cuda else 1 << 14)
+    tile_tokens = a.tile_tokens or (16384 if cuda else 256)
+    chunk_tokens = a.chunk_tokens or (8192 if cuda else 256)
+    _init_parallel(device)
+
+    def cand_for(s):
+        return Candidate("none", 1, 1, 1, a.recompute, "layer_input", math.ceil(s / tile_tokens),
+                         math.ceil(s / chunk_tokens))
+
+    rows = []
+    budget = None
+    for stack in a.stacks:
+        t0 = time.perf_counter()
+        model, rt = build(shape, stack, device=device, dtype=dtype, max_len=max_len, recompute=a.recompute,
+                          tile_tokens=tile_tokens, chunk_tokens=chunk_tokens)
+        if cuda:
+            free, total = torch.cuda.mem_get_info(device)
+            budget = float(free)
+        else:
+            budget = a.cap_mib * 2**20
+
+        def fits(s, _m=[model], _rt=[rt], _stack=stack):
+            try:
+                peak = step(_m[0], _rt[0], s, device, shape.vocab_size, track=not cuda)
+            except torch.OutOfMemoryError:
+                _m[0] = _rt[0] = None
+                gc.collect()
+                torch.cuda.empty_cache()
+                _m[0], _rt[0] = build(shape, _stack, device=device, dtype=dtype, max_len=max_len,
+                                      recompute=a.recompute, tile_tokens=tile_tokens, chunk_tokens=chunk_tokens)
+                return False, "OOM"
+            return (cuda or peak <= budget), peak
+
+        best, log = search(fits, start, gran, max_len)
+        predicted = planner_max(shape, cand_for, budget, gran, max_len, b) if stack == "longctx" else None
+        rows.append((stack, best, predicted, log, time.perf_counter() - t0))
+        del model, rt, fits
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+
+    where = (f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}" if cuda
+             else f"CPU, emulated cap {a.cap_mib:g} MiB of activation peak (tracker)")
+    print(f"max sequence length: {shape.name} shape ({shape.num_layers} layers, hidden {shape.hidden_size}, "
+          f"heads {shape.num_attention_heads}/{shape.num_query_groups}, vocab {shape.vocab_size}), "
+          f"{'bf16' if cuda else 'fp32'}, one device: {where}; granularity {gran}")
+    print(f"longctx = recompute={a.recompute} offload=layer_input tiling.mlp_tiles=auto({tile_tokens}) "
+          f"tiling.loss_chunks=auto({chunk_tokens}), nemo_longctx core attention")
+    print()
+    print("| stack | measured max seq | planner max seq | planner / measured | steps | search s |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for stack, best, predicted, log, secs in rows:
+        ratio = f"{predicted / best:.2f}" if predicted and best else "n/a"
+        pred = f"{predicted}" if predicted is not None else "n/a (not modelled)"
+        print(f"| {stack} | {best} | {pred} | {ratio} | {len(log)} | {secs:.1f} |")
+    print()
+    for stack, _, _, log, _ in rows:
+        trail = ", ".join(f"{s}:{'ok' if ok else 'no'}({info if isinstance(info, str) else f'{info / 2**20:.2f}MiB'})"
+                          for s, ok, info in log)
+        print(f"{stack} steps: {trail}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
