@@ -315,16 +315,16 @@ if [ -n "$IMAGE" ]; then
 fi
 
 # 1. install the plugin once (shared run directory); its dependencies are the image's
-srun --nodes=1 --ntasks=1 "${{container[@]}}" "$PYTHON" -m pip install --no-deps --no-build-isolation \
+srun --nodes=1 --ntasks=1 "${{container[@]}}" "$PYTHON" -m pip install --no-deps --no-build-isolation \\
   --no-input --disable-pip-version-check --quiet --target "$SITE" "$package"
 
-srun --nodes=1 --ntasks=1 "${{container[@]}}" env PYTHONPATH="$SITE${{PYTHONPATH:+:$PYTHONPATH}}" "$PYTHON" -c \
+srun --nodes=1 --ntasks=1 "${{container[@]}}" env PYTHONPATH="$SITE${{PYTHONPATH:+:$PYTHONPATH}}" "$PYTHON" -c \\
   "import nemo_longctx, sys; print('nemo_longctx', nemo_longctx.__version__, 'from', nemo_longctx.__file__, 'python', sys.version.split()[0])"
 
 # 2. one task per GPU; the app reads RANK/WORLD_SIZE/LOCAL_RANK from SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID
-srun --kill-on-bad-exit=1 "${{container[@]}}" \
-  env PYTHONPATH="$SITE${{PYTHONPATH:+:$PYTHONPATH}}" "$SITE/bin/nemo-longctx" train \
-    {overrides} \
+srun --kill-on-bad-exit=1 "${{container[@]}}" \\
+  env PYTHONPATH="$SITE${{PYTHONPATH:+:$PYTHONPATH}}" "$SITE/bin/nemo-longctx" train \\
+    {overrides} \\
     output_dir="$OUTPUT_DIR" "${{extra_overrides[@]}}"
 """
     Path(path).parent.mkdir(parents=True, exist_ok=True)
