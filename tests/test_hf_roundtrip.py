@@ -78,7 +78,7 @@ def world(tmp_path_factory):
     _ok(CLI + ["import", f"source={hf['l31']}", f"output={d['imp_l31']}"], "import")
     llama_out = _ok(CLI + ["train", f"init_from={hf['llama']}", f"output_dir={d['llama']}", "cp=ring",
                            "trainer.max_steps=3", "checkpoint.every_n_steps=3", *COMMON,
-                           *[f"model.{k}={v}" for k, v in L31_OVERRIDE.items()]], "train_llama_ring")
+                           *[f"++model.{k}={v}" for k, v in L31_OVERRIDE.items()]], "train_llama_ring")
     qwen_args = [f"init_from={hf['qwen']}", f"output_dir={d['qwen']}", "cp=ulysses", "checkpoint.every_n_steps=2",
                  "data=documents", f"data.paths=[{docs}]", "model.rotary_base=100000", *COMMON]
     qwen_out = _ok(CLI + ["train", *qwen_args, "trainer.max_steps=2"], "train_qwen_ulysses")

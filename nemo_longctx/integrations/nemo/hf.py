@@ -149,12 +149,13 @@ def resolve_checkpoint(path: Any, field: str = "checkpoint") -> Path:
     p = Path(str(path))
     if is_nemo_checkpoint(p):
         return p
-    for base in (p, p / "checkpoints"):
-        if base.is_dir():
-            found = [c for c in base.iterdir() if is_nemo_checkpoint(c)]
-            if found:
-                last = [c for c in found if c.name.endswith("-last")] or found
-                return max(last, key=lambda c: c.stat().st_mtime)
+    base = p / "checkpoints" if (p / "checkpoints").is_dir() else p  # a run's output_dir, or its checkpoints dir
+    if base.is_dir():
+        # never a run's ``pretrained`` (its init_from import): that is not what the run trained
+        found = [c for c in base.iterdir() if is_nemo_checkpoint(c) and c.name != "pretrained"]
+        if found:
+            last = [c for c in found if c.name.endswith("-last")] or found
+            return max(last, key=lambda c: c.stat().st_mtime)
     raise ValueError(f"{field}={path}: not a NeMo checkpoint directory (context/io.json and weights/), nor a run "
                      f"directory holding one")
 
