@@ -6,9 +6,10 @@ steps, validation every 2 steps:
   * ``killed``: the same run with rank 1 SIGKILLed at step 5 (exit != 0; checkpoints of steps 2 and 4 on disk), then
     ``resumed`` with the same command (``checkpoint.resume=auto``): steps 5 and 6 equal ``full``'s (<= 1e-6 relative)
     -- model, optimizer, LR schedule and data position all come back;
-  * from ``full``'s step-4 checkpoint (``checkpoint.resume=<path>``): ``cp.size=4`` on 4 ranks and
-    ``cp.algorithm=ulysses``: the next step's loss equals ``full``'s step 5 (<= 1e-5), and their step-6 validation
-    loss equals ``full``'s;
+  * ``cp.size`` 2 -> 4 -> 2: ``cp4`` resumes from ``full``'s step-2 checkpoint (``checkpoint.resume=<path>``) on 4
+    ranks, ``back2`` resumes from ``cp4``'s step-4 checkpoint at cp.size=2 again; from ``full``'s step-4 checkpoint:
+    ``cp.algorithm=ulysses`` and TP=2. Every resumed step's loss equals ``full``'s (<= 1e-5), and so does their
+    step-6 validation loss;
   * ``none``: cp=none on one process, 6 steps with validation: validation losses equal the ring's (reduced over CP).
 Plus: the checkpoint's NeMo context (io.json) restores our layer spec; TensorBoard event files hold the scalars;
 ``checkpoint.keep`` prunes; bad checkpoint settings fail before anything starts.
@@ -55,26 +56,36 @@ def _ok(cmd, timeout=420):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("ckpt")
-    d = {name: base / name for name in ("full", "killed", "cp4", "ulysses", "tp2", "dp2", "none")}
+    d = {name: base / name for name in ("full", "killed", "cp4", "back2", "ulysses", "tp2", "dp2", "none")}
     _ok(APP + [f"output_dir={d['full']}", *COMMON])
     code, out = run_app(APP + [f"output_dir={d['killed']}", *COMMON, "run.fault=kill@5:1"], 420)
     assert code != 0 and "rank 1 killed by SIGKILL" in out, out[-3000:]
     killed_rows = _metrics(d["killed"])
     killed_ckpts = sorted(p.name for p in (d["killed"] / "checkpoints").iterdir())
     resumed_out = _ok(APP + [f"output_dir={d['killed']}", *COMMON])  # the same command again: auto-resume
+    # this one tracks memory too (the tracker's scalars reach TensorBoard)
+    none_common = [o for o in COMMON if not o.startswith("memory.track=")] + ["memory.track=true"]
+    none_out = _ok([sys.executable, "-m", "nemo_longctx.train", f"output_dir={d['none']}", *none_common, "cp=none",
+                    "trainer.devices=1", "run.kernel_self_test=true"])
+    return {"dirs": d, "killed_rows": killed_rows, "killed_ckpts": killed_ckpts, "resumed_out": resumed_out,
+            "none_out": none_out}
+
+
+@pytest.fixture(scope="module")
+def layouts(runs):
+    """Runs resumed from ``full``'s checkpoints at other layouts (a fixture of its own: its own time budget)."""
+    d = runs["dirs"]
     step4 = _ckpt(d["full"], 4)
-    _ok(APP + [f"output_dir={d['cp4']}", *COMMON, "cp.size=4", "trainer.devices=4", f"checkpoint.resume='{step4}'"],
-        timeout=600)
+    _ok(APP + [f"output_dir={d['cp4']}", *COMMON, "cp.size=4", "trainer.devices=4",
+               f"checkpoint.resume='{_ckpt(d['full'], 2)}'"], timeout=600)
+    _ok(APP + [f"output_dir={d['back2']}", *COMMON, f"checkpoint.resume='{_ckpt(d['cp4'], 4)}'"])
     _ok(APP + [f"output_dir={d['ulysses']}", *COMMON, "cp=ulysses", f"checkpoint.resume='{step4}'"])
     _ok(APP + [f"output_dir={d['tp2']}", *COMMON, "cp=none", "trainer.strategy.tensor_model_parallel_size=2",
                f"checkpoint.resume='{step4}'"])
     # DP=2 (global batch 2 instead of 1), and a run that saves nothing itself (checkpoint.every_n_steps=0)
     _ok(APP + [f"output_dir={d['dp2']}", "model.seq_length=1024", f"trainer.max_steps={STEPS}", "memory.track=false",
                "cp=none", f"checkpoint.resume='{step4}'"])
-    none_out = _ok([sys.executable, "-m", "nemo_longctx.train", f"output_dir={d['none']}", *COMMON, "cp=none",
-                    "trainer.devices=1", "run.kernel_self_test=true"])
-    return {"dirs": d, "killed_rows": killed_rows, "killed_ckpts": killed_ckpts, "resumed_out": resumed_out,
-            "none_out": none_out}
+    return d
 
 
 def _close(a: float, b: float, rel: float) -> bool:
@@ -96,25 +107,25 @@ def test_resume_after_a_killed_rank_continues_the_same_run(runs):
     assert full[5] != full[4]  # the comparison is not vacuous: the loss moves step to step
 
 
-@pytest.mark.parametrize("layout", ["cp4", "ulysses", "tp2"])
-def test_resume_at_another_cp_layout_continues_with_the_same_loss(runs, layout):
+@pytest.mark.parametrize("layout,first", [("cp4", 3), ("back2", 5), ("ulysses", 5), ("tp2", 5)])
+def test_resume_at_another_cp_layout_continues_with_the_same_loss(runs, layouts, layout, first):
     full, full_val = _metrics(runs["dirs"]["full"])
-    other, other_val = _metrics(runs["dirs"][layout])
-    assert sorted(other) == [5, 6], other  # resumed after step 4
-    assert _close(full[5], other[5], 1e-5), (full[5], other[5])
-    assert _close(full[6], other[6], 1e-5), (full[6], other[6])
+    other, other_val = _metrics(layouts[layout])
+    assert sorted(other) == list(range(first, STEPS + 1)), other  # resumed after step first-1
+    for step in range(first, STEPS + 1):
+        assert _close(full[step], other[step], 1e-5), (step, full[step], other[step])
     assert _close(full_val[6], other_val[6], 1e-5), (full_val[6], other_val[6])
 
 
-def test_resume_at_another_data_parallel_size(runs):
+def test_resume_at_another_data_parallel_size(runs, layouts):
     """DP 1 -> 2 with micro batch 1 doubles the global batch: the run resumes at step 5 (weights, optimizer and LR
     schedule restored; the sampler continues after the 4 consumed samples) but trains on 2 samples per step, so its
     losses are not the DP=1 run's. It saves nothing itself (checkpoint.every_n_steps=0)."""
     full, _ = _metrics(runs["dirs"]["full"])
-    dp2, _ = _metrics(runs["dirs"]["dp2"])
+    dp2, _ = _metrics(layouts["dp2"])
     assert sorted(dp2) == [5, 6], dp2
     assert all(0 < v < full[4] + 0.5 for v in dp2.values()), (dp2, full)
-    assert not (runs["dirs"]["dp2"] / "checkpoints").exists()
+    assert not (layouts["dp2"] / "checkpoints").exists()
 
 
 def test_validation_loss_is_reduced_over_cp(runs):
@@ -151,6 +162,10 @@ def test_tensorboard_event_files_hold_the_scalars(runs):
     losses = [e.value for e in acc.Scalars("train/loss")]
     full, _ = _metrics(runs["dirs"]["full"])
     assert len(losses) == STEPS and abs(losses[-1] - full[STEPS]) <= 1e-6 * abs(full[STEPS])
+    acc = EventAccumulator(str(runs["dirs"]["none"] / "tensorboard"))  # the run with memory.track=true
+    acc.Reload()
+    tracked = [e.value for e in acc.Scalars("train/activation_bytes_device")]
+    assert len(tracked) == STEPS and min(tracked) > 0, tracked
 
 
 CONTEXT_CHECK = """
@@ -163,8 +178,8 @@ print(json.dumps({"spec": type(spec).__name__, "algorithm": spec.cp_algorithm,
 """
 
 
-def test_checkpoint_context_restores_our_layer_spec(runs):
-    ctx = _ckpt(runs["dirs"]["ulysses"], 6) / "context"
+def test_checkpoint_context_restores_our_layer_spec(layouts):
+    ctx = _ckpt(layouts["ulysses"], 6) / "context"
     p = subprocess.run([sys.executable, "-c", CONTEXT_CHECK, str(ctx)], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     got = json.loads(p.stdout.strip().splitlines()[-1])
