@@ -19,6 +19,7 @@ the longctx stack (Megatron's DotProductAttention is not in its search space).
 
     python bench/max_seqlen.py                 # CUDA: Llama-3-8B shape, bf16
     python bench/max_seqlen.py --layers 8      # fewer layers (same per-layer shape), faster steps
+    python bench/max_seqlen.py --time-budget-s 240   # bounded search (an 8B step at 256K tokens takes minutes)
     python bench/max_seqlen.py --cpu-tiny      # CPU: 2 layers, hidden 64, fp32, 8 MiB cap (seconds)
 
 Status: the CPU tiny form is tested (tests/test_gpu_bench.py); the CUDA form has not run yet (no GPU in the session
@@ -41,7 +42,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from nemo_longctx.memory.model_shapes import KNOWN_SHAPES, ModelShape  # noqa: E402
-from nemo_longctx.memory.planner import LOCAL_CPU, Candidate, predicted_peak_bytes  # noqa: E402
+from nemo_longctx.memory.planner import (  # noqa: E402
+    LOCAL_CPU,
+    Candidate,
+    Hardware,
+    Precision,
+    memory_breakdown,
+    predicted_peak_bytes,
+)
 
 TINY = ModelShape("tiny", num_layers=2, hidden_size=64, ffn_hidden_size=224, num_attention_heads=4,
                   num_query_groups=2, vocab_size=256)
@@ -140,12 +148,15 @@ def step(model, runtime, seq: int, device, vocab: int, track: bool):
     return tracker.stats().peak_bytes
 
 
-def search(fits, start: int, granularity: int, max_len: int):
-    """Largest length (multiple of ``granularity``) for which ``fits`` is true: doubling, then bisection.
-    Returns (length or 0, [(length, fits, peak_or_reason)])."""
+def search(fits, start: int, granularity: int, max_len: int, deadline: float = float("inf")):
+    """Largest length (multiple of ``granularity``) for which ``fits`` is true: doubling, then bisection, until
+    ``deadline`` (time.monotonic()). Returns (length or 0, [(length, fits, peak_or_reason)], bracket upper bound or
+    None when the search finished)."""
     log, ok, bad = [], 0, None
     s = start
     while s <= max_len:
+        if time.monotonic() > deadline:
+            return ok, log, s
         good, info = fits(s)
         log.append((s, good, info))
         if not good:
@@ -157,16 +168,25 @@ def search(fits, start: int, granularity: int, max_len: int):
             mid = (ok + bad) // 2 // granularity * granularity
             if mid <= ok:
                 break
+            if time.monotonic() > deadline:
+                return ok, log, bad
             good, info = fits(mid)
             log.append((mid, good, info))
             ok, bad = (mid, bad) if good else (ok, mid)
-    return ok, log
+    return ok, log, None
 
 
-def planner_max(shape, cand_for, budget: float, granularity: int, max_len: int, activation_bytes: int) -> int:
-    """Largest multiple of ``granularity`` <= max_len whose predicted peak fits ``budget`` (the peak is monotonic)."""
+def planner_max(shape, cand_for, budget: float, granularity: int, max_len: int, activation_bytes: int,
+                host_budget: float = float("inf")) -> int:
+    """Largest multiple of ``granularity`` <= max_len whose predicted peak fits ``budget`` and whose offloaded bytes
+    fit ``host_budget`` (both are monotonic in the length)."""
     def fits(s):
-        return predicted_peak_bytes(shape, s, cand_for(s), LOCAL_CPU, activation_bytes) <= budget
+        c = cand_for(s)
+        if predicted_peak_bytes(shape, s, c, LOCAL_CPU, activation_bytes) > budget:
+            return False
+        host = memory_breakdown(shape, s, Hardware(gpus=1), c, Precision(activation_bytes=activation_bytes),
+                                LOCAL_CPU).host_offload
+        return host <= host_budget
 
     lo, hi = 0, max_len // granularity
     while lo < hi:
@@ -187,6 +207,11 @@ def main(argv=None) -> int:
     ap.add_argument("--cap-mib", type=float, default=8.0, help="CPU: emulated activation memory cap")
     ap.add_argument("--tile-tokens", type=int, default=None)
     ap.add_argument("--chunk-tokens", type=int, default=None)
+    ap.add_argument("--time-budget-s", type=float, default=None,
+                    help="per stack: stop the search after this many seconds and report the bracket")
+    ap.add_argument("--host-gib", type=float, default=None,
+                    help="host memory for offload in the planner's prediction (default: 90%% of MemAvailable on "
+                         "CUDA, unlimited on CPU)")
     a = ap.parse_args(argv)
 
     cuda = torch.cuda.is_available() and not a.cpu_tiny
@@ -206,6 +231,13 @@ def main(argv=None) -> int:
     tile_tokens = a.tile_tokens or (16384 if cuda else 256)
     chunk_tokens = a.chunk_tokens or (8192 if cuda else 256)
     _init_parallel(device)
+    host_budget = float("inf")
+    if a.host_gib is not None:
+        host_budget = a.host_gib * 2**30
+    elif cuda:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+        host_budget = 0.9 * avail * 1024
 
     def cand_for(s):
         return Candidate("none", 1, 1, 1, a.recompute, "layer_input", math.ceil(s / tile_tokens),
@@ -226,18 +258,23 @@ def main(argv=None) -> int:
         def fits(s, _m=[model], _rt=[rt], _stack=stack):
             try:
                 peak = step(_m[0], _rt[0], s, device, shape.vocab_size, track=not cuda)
-            except torch.OutOfMemoryError:
+            except RuntimeError as e:  # device OOM (torch.OutOfMemoryError) or a failed pinned host allocation
+                if "out of memory" not in str(e).lower():
+                    raise
+                reason = "OOM" if isinstance(e, torch.OutOfMemoryError) else "host OOM"
                 _m[0] = _rt[0] = None
                 gc.collect()
                 torch.cuda.empty_cache()
                 _m[0], _rt[0] = build(shape, _stack, device=device, dtype=dtype, max_len=max_len,
                                       recompute=a.recompute, tile_tokens=tile_tokens, chunk_tokens=chunk_tokens)
-                return False, "OOM"
+                return False, reason
             return (cuda or peak <= budget), peak
 
-        best, log = search(fits, start, gran, max_len)
-        predicted = planner_max(shape, cand_for, budget, gran, max_len, b) if stack == "longctx" else None
-        rows.append((stack, best, predicted, log, time.perf_counter() - t0))
+        deadline = time.monotonic() + a.time_budget_s if a.time_budget_s else float("inf")
+        best, log, stopped_below = search(fits, start, gran, max_len, deadline)
+        predicted = (planner_max(shape, cand_for, budget, gran, max_len, b, host_budget) if stack == "longctx"
+                     else None)
+        rows.append((stack, best, predicted, log, time.perf_counter() - t0, stopped_below))
         del model, rt, fits
         gc.collect()
         if cuda:
@@ -253,12 +290,13 @@ def main(argv=None) -> int:
     print()
     print("| stack | measured max seq | planner max seq | planner / measured | steps | search s |")
     print("|---|---:|---:|---:|---:|---:|")
-    for stack, best, predicted, log, secs in rows:
-        ratio = f"{predicted / best:.2f}" if predicted and best else "n/a"
+    for stack, best, predicted, log, secs, stopped_below in rows:
+        ratio = f"{predicted / best:.2f}" if predicted and best and stopped_below is None else "n/a"
         pred = f"{predicted}" if predicted is not None else "n/a (not modelled)"
-        print(f"| {stack} | {best} | {pred} | {ratio} | {len(log)} | {secs:.1f} |")
+        measured = f"{best}" if stopped_below is None else f"{best} (time budget: < {stopped_below} not tried)"
+        print(f"| {stack} | {measured} | {pred} | {ratio} | {len(log)} | {secs:.1f} |")
     print()
-    for stack, _, _, log, _ in rows:
+    for stack, _, _, log, _, _ in rows:
         trail = ", ".join(f"{s}:{'ok' if ok else 'no'}({info if isinstance(info, str) else f'{info / 2**20:.2f}MiB'})"
                           for s, ok, info in log)
         print(f"{stack} steps: {trail}")
