@@ -137,6 +137,28 @@ def _refusals():
     return {"gemma2": long_context_problems(Gemma2Config2B(), 2, "ring")}
 
 
+REAL = {  # conf/model entries of real families: dry run (build + validate the real NeMo objects, every layer ours)
+    "qwen2_5_7b": ["cp=ring", "cp.size=8", "trainer.devices=8"],
+    "mistral_7b": ["cp=ulysses", "cp.size=8", "trainer.devices=8"],
+    "mixtral_8x7b": ["cp=hybrid", "cp.size=8", "cp.ulysses_size=4", "trainer.devices=8"],
+    "deepseek_v2_lite": ["cp=ring", "cp.size=4", "trainer.devices=4"],
+}
+
+
+def _dry_runs():
+    from hydra import compose, initialize_config_module
+
+    from nemo_longctx.train import dry_run
+
+    out = {}
+    for name, overrides in REAL.items():
+        with initialize_config_module(config_module="nemo_longctx.conf", version_base=None):
+            cfg = compose("train", overrides=[f"model={name}", "run.dry_run=true", *overrides])
+        summary = dry_run(cfg)
+        out[name] = {k: summary[k] for k in ("model", "num_layers", "cp", "core_attention", "seq_length")}
+    return out
+
+
 def _worker(rank, world, families):
     from nemo_longctx.integrations.megatron import cpu_compat
 
@@ -154,6 +176,8 @@ def _worker(rank, world, families):
             out[name] = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"}
             raise
     out["refusals"] = _refusals()
+    if rank == 0 and os.environ.get("FAMILIES") is None:
+        out["dry_runs"] = _dry_runs()
     ps.destroy_model_parallel()
     return out
 
@@ -187,6 +211,16 @@ def test_mistral_window_per_layer_and_vs_megatron(results):
         errs = [abs(a - b) / abs(b) for a, b in zip(r[key], r["alt_megatron_local"])]
         assert max(errs) < 5e-6, (key, r)
     assert max(abs(a - b) / abs(b) for a, b in zip(r["alt_megatron_local"], r["megatron_local"])) > 1e-4, r
+
+
+def test_real_family_configs_dry_run_with_our_attention(results):
+    d = results["dry_runs"]
+    assert d["qwen2_5_7b"]["model"] == "Qwen25Config7B" and d["qwen2_5_7b"]["core_attention"].startswith("28/28")
+    assert d["mistral_7b"]["cp"] == "ulysses x 8" and d["mistral_7b"]["core_attention"].startswith("32/32")
+    assert d["mixtral_8x7b"]["cp"] == "hybrid x 8" and d["mixtral_8x7b"]["core_attention"].startswith("32/32")
+    assert d["deepseek_v2_lite"]["model"] == "DeepSeekV2LiteConfig"
+    assert d["deepseek_v2_lite"]["core_attention"].startswith("27/27")
+    assert all(v["seq_length"] == 32768 for v in d.values()), d
 
 
 def test_gemma2_logit_softcapping_refused(results):

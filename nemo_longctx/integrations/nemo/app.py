@@ -504,7 +504,7 @@ def dry_run(cfg: DictConfig) -> Dict[str, Any]:
     from megatron.core.transformer.transformer_block import _get_block_submodules
 
     from nemo_longctx.integrations.megatron.core_attention import LongContextCoreAttention
-    from nemo_longctx.integrations.megatron.spec import core_attention_modules
+    from nemo_longctx.integrations.megatron.spec import core_attention_modules, layer_specs_of
     from nemo_longctx.integrations.nemo.tiling import tiling_of
 
     built = build(cfg)
@@ -530,7 +530,8 @@ def dry_run(cfg: DictConfig) -> Dict[str, Any]:
         "tokens_per_cp_rank": config.seq_length // p["cp"],
         "global_batch_size": built.global_batch_size,
         "context_parallel_size_on_config": config.context_parallel_size,
-        "layer_spec": getattr(layer_spec.submodules.self_attention.submodules.linear_qkv, "__name__", "?"),
+        "layer_spec": getattr(getattr(layer_specs_of(layer_spec)[0].submodules.self_attention.submodules,
+                                      "linear_qkv", None), "__name__", "?"),  # a block spec's first layer; MLA: ?
         "core_attention": f"{len(modules)}/{config.num_layers} layers {LongContextCoreAttention.__name__}",
         "strategy": type(built.strategy).__name__,
         "trainer": f"{type(built.trainer).__name__}(devices={cfg.trainer.devices}, num_nodes={cfg.trainer.num_nodes})",
