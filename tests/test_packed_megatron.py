@@ -6,7 +6,9 @@ sequence, attending within documents through the mask Megatron's GPTDataset buil
 (``_get_ltor_masks_and_position_ids``, documents end after each EOD token). Ours: the same weights with our core
 attention; the sample goes through ``PerDocumentPacking`` (what ``data.packing=documents`` yields) and our data step
 (``long_context_data_step``: each document padded to a multiple of 2*cp, sharded per document, PackedSeqParams),
-for cp=none and ring / Ulysses / hybrid at CP=2. The summed loss over real tokens and every gradient must match
+for cp=none and ring / Ulysses / hybrid at CP=2. NeMo's packed fine-tuning data (a packed .npy read by NeMo's
+GPTSFTPackedDataset through ``data=packed_sft``'s data module, its own collate) against a block-diagonal causal mask
+over the same documents. The summed loss over real tokens and every gradient must match
 (fp64 model; Megatron's RoPE and cross entropy run in float32). Also: NeMo's packed fine-tuning format (documents
 pre-padded, ``cu_seqlens`` = layout, ``cu_seqlens_unpadded`` = real lengths) gives the same loss; pad tokens do not
 change the loss or any gradient; documents shorter than 2*cp; the RoPE positions Megatron applies (THD, per
@@ -74,7 +76,37 @@ def _nemo_prepadded(sample, cp):
             "attention_mask": torch.ones(1, cu[-1], dtype=torch.long)}
 
 
-def _worker(rank, world):
+def _packed_sft_batch(tmp):
+    """A batch from NeMo's own packed fine-tuning data: a packed .npy in NeMo's format (what
+    prepare_packed_sequence_data writes: input_ids, seq_start_id, loss_mask per pack) read through our
+    ``packed_sft_data_module`` (FineTuningDataModule + PackedSequenceSpecs -> GPTSFTPackedDataset) and its collate."""
+    import numpy as np
+    from omegaconf import OmegaConf
+
+    from hf_models import make_tokenizer
+    from nemo_longctx.integrations.nemo.data import packed_sft_data_module
+
+    tok_dir = tmp / "tok"
+    tok = make_tokenizer(VOCAB)
+    tok.save_pretrained(tok_dir)
+    g = torch.Generator().manual_seed(5)
+    lens = [d + 1 for d in DOCS]  # each sequence one longer: the collate drops the last token (labels = shifted)
+    ids = [torch.randint(5, VOCAB, (n,), generator=g) for n in lens]
+    mask = [(torch.rand(n, generator=g) > 0.3).long() for n in lens]  # answer-only loss: some tokens masked
+    starts = [0] + list(np.cumsum(lens)[:-1])
+    pack = {"input_ids": torch.cat(ids).tolist(), "seq_start_id": [int(x) for x in starts],
+            "loss_mask": torch.cat(mask).tolist()}
+    for name in ("train", "val"):
+        np.save(tmp / f"{name}.npy", np.array([pack], dtype=object), allow_pickle=True)
+    data = OmegaConf.create({"packed_train": str(tmp / "train.npy"), "packed_val": str(tmp / "val.npy"),
+                             "tokenizer": str(tok_dir), "num_workers": 0, "seed": 1})
+    dm = packed_sft_data_module(data, 256, 1, 1)
+    ds = dm._create_dataset(str(tmp / "train.npy"))
+    batch = ds.collate_fn([ds[0]])
+    return batch
+
+
+def _worker(rank, world, tmp):
     from nemo_longctx.integrations.megatron import cpu_compat
 
     cpu_compat.apply()
@@ -148,13 +180,37 @@ def _worker(rank, world):
     noisy["tokens"] = torch.where(pad, torch.randint(1, VOCAB, noisy["tokens"].shape, generator=g), noisy["tokens"])
     res["pads_changed"] = ours(world, "ring", {}, noisy)
     res["anchor_causal"] = ours(world, "ring", {}, packed, packed=False)
+
+    # NeMo's packed fine-tuning batch: the reference is the unpadded documents with a block-diagonal causal mask
+    sft = _packed_sft_batch(tmp / f"sft{rank}")
+    cu = sft["cu_seqlens"][0, : int(sft["cu_seqlens_argmin"][0, 0])].tolist()
+    s_real = cu[-1]
+    doc = torch.zeros(s_real, dtype=torch.long)
+    for i, (a, b) in enumerate(zip(cu, cu[1:])):
+        doc[a:b] = i
+    masked = (doc[:, None] != doc[None, :]) | torch.ones(s_real, s_real, dtype=torch.bool).triu(1)
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(context_parallel_size=1)
+    ref_model = build(1, base)
+    ref_model.load_state_dict(state, strict=False)
+    t, lab, lm = (sft[k][:, :s_real] for k in ("tokens", "labels", "loss_mask"))
+    loss = (ref_model(t, torch.arange(s_real)[None], masked[None, None], labels=lab) * lm).sum()
+    loss.backward()
+    ref = (loss.item(), grads(ref_model))
+    res["sft_ref"] = ref[0]
+    res["sft_none"] = ours(1, "ring", {}, sft)
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(context_parallel_size=world)
+    res["sft_ring"] = ours(world, "ring", {}, sft)
+    res["sft_ulysses"] = ours(world, "ulysses", {}, sft)
+    res["sft_keys"] = sorted(sft)
     ps.destroy_model_parallel()
     return res
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_distributed(_worker, 2, timeout=600)
+def results(tmp_path_factory):
+    return run_distributed(_worker, 2, tmp_path_factory.mktemp("packed"), timeout=600)
 
 
 def test_packed_losses_and_grads_equal_megatron_document_mask(results):
@@ -177,3 +233,12 @@ def test_packed_layout_pads_every_document_to_2cp(results):
     assert total_real == r["S"], results
     assert r["ring"][3] == (1, padded // 2)
     assert r["nemo_prepadded"][3] == (1, padded // 2)  # NeMo's extra padding is dropped, re-laid out for CP
+
+
+def test_nemo_packed_sft_batches_equal_megatron_document_mask(results):
+    for r in results:
+        assert {"cu_seqlens", "cu_seqlens_unpadded", "max_seqlen"} <= set(r["sft_keys"]), r["sft_keys"]
+        for key in ("sft_none", "sft_ring", "sft_ulysses"):
+            loss, grad_err, _, _ = r[key]
+            assert loss == pytest.approx(r["sft_ref"], rel=2e-6, abs=0), (key, r)
+            assert grad_err < 1e-5, (key, r)
