@@ -13,6 +13,8 @@ with ``recompute=full offload=layer_input``, and is compared with the plain-DDP 
                                              instead of the foreach AdamW (another fp32 rounding order); measured
                                              7.6e-6
 
+  optim=distributed, trainer.precision=32    1e-5: fp32 weights, nothing rounds to bf16
+
 Megatron-FSDP and the precision-aware optimizer (TE FusedAdam) cannot run on CPU: they are refused there, with the
 field named, before any process starts (tested below); a GPU session must train them.
 """
@@ -38,6 +40,9 @@ RUNS = {  # name: (overrides, baseline run, relative tolerance)
     "distributed_rc": (["optim=distributed", *RC_OFF], "ddp_rc", 1e-4),
     "cpu_offload": (["optim=cpu_offload"], "ddp", 1e-4),
     "cpu_offload_half_rc": (["optim=cpu_offload", "optim.optimizer_offload_fraction=0.5", *RC_OFF], "ddp_rc", 1e-4),
+    # the default job's own precision (fp32): the distributed optimizer against DDP
+    "ddp_fp32": (["trainer.precision=32"], None, None),
+    "distributed_fp32": (["optim=distributed", "trainer.precision=32"], "ddp_fp32", 1e-5),
 }
 
 
@@ -132,3 +137,22 @@ def test_cpu_only_refusals():
     for o in ("fsdp", "precision_aware"):
         opts = model_state_options(dict(_compose([f"optim={o}"]).optim))
         assert model_state_problems(opts, precision="bf16-mixed", te_available=True, target_cuda=True) == []
+
+
+def test_megatron_fsdp_is_wired_the_way_nemo_recipes_do_it():
+    """Not trainable here (CUDA only): the strategy the app builds for optim=fsdp is NeMo's MegatronStrategy with
+    fsdp="megatron" and Megatron-FSDP's DDP config (ZeRO-3 sharding), and the optimizer config shards too."""
+    from nemo_longctx.integrations.megatron.model_state import model_state_options, optimizer_config, strategy_kwargs
+    from nemo_longctx.integrations.nemo.strategy import LongContextStrategy
+
+    opts = model_state_options(dict(_compose(["optim=fsdp"]).optim))
+    s = LongContextStrategy(context_parallel_size=2, **strategy_kwargs(opts))
+    assert s._fsdp == "megatron" and s.save_ckpt_format == "fsdp_dtensor"
+    assert s.ddp_config.use_megatron_fsdp and s.ddp_config.data_parallel_sharding_strategy == "optim_grads_params"
+    assert s.ddp_config.use_distributed_optimizer
+    oc = optimizer_config(opts, lr=1e-3, weight_decay=0.0, clip_grad=1.0, adam_beta2=0.95, precision="bf16-mixed")
+    assert oc.use_distributed_optimizer and oc.bf16 and not oc.optimizer_cpu_offload
+    off = model_state_options(dict(_compose(["optim=cpu_offload", "optim.optimizer_offload_fraction=0.25"]).optim))
+    oc = optimizer_config(off, lr=1e-3, weight_decay=0.0, clip_grad=1.0, adam_beta2=0.95, precision="bf16-mixed")
+    assert oc.optimizer_cpu_offload and oc.optimizer_offload_fraction == 0.25
+    assert strategy_kwargs(off) == {}  # NeMo's default Megatron DDP
