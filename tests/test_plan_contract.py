@@ -3,11 +3,11 @@
 Sweep: llama3_8b, qwen3_32b, llama3_70b x GPU presets h100, h200 x 1, 8, 32 GPUs x seq 128K, 1M (36 plans, the
 plan app's own search space from conf/plan.yaml). For every fitting row the plan app prints with ``plan.show=8``,
 its `nemo-longctx train` overrides are composed into the train config, checked with the app's one validation
-pass (``config_problems``) and built with ``build`` (the model config against the parallel layout, strategy,
-trainer: what a dry run does before it resolves the layer specs), all in one process. This machine has no CUDA and
+pass (``config_problems``) and dry-run (``dry_run``: the NeMo objects built and validated against the parallel
+layout, the strategy attached, every layer's core attention resolved to ours), all in one process. This machine has no CUDA and
 no TransformerEngine, so the app refuses Megatron-FSDP and the precision-aware optimizer here; for those rows the
 only problems allowed are exactly the ones the planner's target (CUDA + TransformerEngine, the NGC image) does not
-have -- the same ``model_state_problems`` with its target arguments -- and the build runs with the CPU-runnable
+have -- the same ``model_state_problems`` with its target arguments -- and the dry run uses the CPU-runnable
 stand-in (``optim.use_distributed_optimizer=true``, same layout and memory options).
 
 Converse: every option combination (cp algorithm x recompute x offload x model state, over the planner's
@@ -78,7 +78,7 @@ def _contract(rank, world):
     from omegaconf import OmegaConf
 
     from nemo_longctx.integrations.megatron.model_state import model_state_options, model_state_problems
-    from nemo_longctx.integrations.nemo.app import build, config_problems
+    from nemo_longctx.integrations.nemo.app import config_problems, dry_run
     from nemo_longctx.memory.planner import plan
     from nemo_longctx.plan import inputs_from_config, optim_fields, train_overrides
 
@@ -114,7 +114,8 @@ def _contract(rank, world):
                 if env_only:  # the CPU-runnable stand-in: same layout, recompute, offload, tiling
                     tc = compose([o for o in ov if not o.startswith("optim.")] + ["optim.use_distributed_optimizer=true"])
                 try:
-                    build(tc)
+                    summary = dry_run(tc)  # build + validate + every layer's core attention is ours
+                    assert summary["world_size"] == n and summary["seq_length"] == seq, summary
                     res["built"] += 1
                 except ValueError as e:
                     res["bad"].append((ov, str(e)))
@@ -164,7 +165,7 @@ def contract():
 def test_every_fitting_row_passes_the_apps_validation(contract):
     c = contract
     print(f"contract sweep: {c['plans']} plans ({c['fitting']} fitting candidates), {c['checked']} printed rows "
-          f"checked with config_problems and built, {c['cpu_only_refused']} of them refused here only for CPU / no TE, "
+          f"checked with config_problems and dry-run, {c['cpu_only_refused']} of them refused here only for CPU / no TE, "
           f"{c['seconds']:.0f} s")
     assert c["plans"] == len(MODELS) * len(GPUS) * len(COUNTS) * len(SEQS)
     assert c["bad"] == [], c["bad"]
