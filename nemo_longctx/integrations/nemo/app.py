@@ -488,7 +488,25 @@ def build(cfg: DictConfig, launch: Optional[Launch] = None, extra_callbacks: Opt
         val_check_interval=int(vci) if vci else None, check_val_every_n_epoch=None if vci else 1,
         num_sanity_val_steps=0,
     )
+    _keep_checkpoint_context_loadable(trainer)
     return Built(model_config, model, strategy, trainer, data, world, gbs, log, resume)
+
+
+def _keep_checkpoint_context_loadable(trainer: Any) -> None:
+    """NeMo writes the trainer's constructor arguments into every checkpoint's context (``io.json``), pickling the
+    objects it cannot describe, and its loader (``nemo.lightning.io.load_context``) unpickles only NeMo/torch/
+    Lightning/... classes: our callbacks in that record made a full ``load_context`` of a checkpoint fail (NeMo's
+    ``HFQwen2Exporter`` does one). They are run machinery, not part of the model: the record keeps NeMo's and
+    Lightning's own callbacks only (the running trainer keeps all of them), and no cluster environment (rebuilding
+    torchrun's outside torchrun fails)."""
+    from lightning.fabric.plugins.environments import ClusterEnvironment
+
+    record = getattr(trainer, "__io__", None)
+    if record is not None and getattr(record, "callbacks", None):
+        record.callbacks = [c for c in record.callbacks
+                            if type(c).__module__.split(".")[0] in ("nemo", "lightning", "pytorch_lightning")]
+    if record is not None and getattr(record, "plugins", None):  # the launcher's environment (torchrun/srun) too:
+        record.plugins = [p for p in record.plugins if not isinstance(p, ClusterEnvironment)]  # absent at load time
 
 
 def fit(built: Built) -> None:
