@@ -324,6 +324,9 @@ def head_saved_bytes(shape: ModelShape, c: Candidate, coef: ActivationCoefficien
     (``loss_fixed_bytes``)."""
     if c.loss_chunks > 1:
         loss = b * coef.loss_grad_hidden * shape.hidden_size + coef.loss_chunk_bytes
+        # under sequence parallelism (tp > 1) it saves the all-gathered hidden states (Megatron's output layer saves
+        # its sharded input, counted in head_hidden / tp): the rest of the gathered copy (modelled, not calibrated)
+        loss += b * shape.hidden_size * (1 - 1 / c.tp)
     else:
         loss = 4 * coef.logits * shape.vocab_size / c.tp
     full = c.recompute in ("full", "full_keep_attn")
