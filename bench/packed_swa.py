@@ -76,7 +76,8 @@ def _packed(rank, world, args):
                 outs[key] = out
                 if rep:
                     times[key].append(dt)
-        err = {kind: ((outs[("ring", kind)] - outs[("ulysses", kind)]).abs().max().item()) for kind in ("dense", "packed")}
+        err = {kind: (outs[("ring", kind)] - outs[("ulysses", kind)]).abs().max().item()
+               for kind in ("dense", "packed")}
         for algo in ("ring", "ulysses"):
             td, tp = statistics.median(times[(algo, "dense")]), statistics.median(times[(algo, "packed")])
             rows.append(dict(S=S, algo=algo, dense=td, packed=tp, ratio=tp / td, err=max(err.values())))
@@ -159,7 +160,8 @@ def main(argv=None):
         print("| S | algorithm | dense (s) | packed (s) | packed / dense | max abs diff ring vs Ulysses |")
         print("|---|---|---:|---:|---:|---:|")
         for r in rows:
-            print(f"| {r['S']} | {r['algo']} | {r['dense']:.3f} | {r['packed']:.3f} | {r['ratio']:.3f} | {r['err']:.1e} |")
+            print(f"| {r['S']} | {r['algo']} | {r['dense']:.3f} | {r['packed']:.3f} | {r['ratio']:.3f} | "
+                  f"{r['err']:.1e} |")
         sys.stdout.flush()
     if "swa" in sections:
         rows = _spawn("swa", args.swa_ranks, args)

@@ -123,7 +123,8 @@ def _family(name, ps):
             alt = _model_config(name, world, algo, kwargs)
             alt.window_attn_skip_freq = 2
             res["alt_" + key] = _train(alt, batches, group, state)[0]
-            res["alt_window"] = [l.self_attention.core_attention.window_size for l in alt.configure_model(None).decoder.layers]
+            layers = alt.configure_model(None).decoder.layers
+            res["alt_window"] = [l.self_attention.core_attention.window_size for l in layers]
     cfg = _model_config(name, world, "ring", {})
     res["window"] = [getattr(l.self_attention.core_attention, "window_size", None)
                      for l in cfg.configure_model(None).decoder.layers]
