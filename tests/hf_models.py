@@ -122,7 +122,8 @@ def nemo_logits_worker(rank: int, world: int, cases: List[Case], tokens: torch.T
                 parts = [torch.empty_like(logits) for _ in range(cp)]
                 dist.all_gather(parts, logits.contiguous(), group=ps.get_context_parallel_group())
                 logits = zigzag_unshard(parts, dim=1)
-            out[name] = {"logits": logits.float(), "config": type(config).__name__,
+            # numpy: a tensor would travel as a shared-memory handle that dies with this process
+            out[name] = {"logits": logits.float().numpy(), "config": type(config).__name__,
                          "rotary_base": config.rotary_base}
         ps.destroy_model_parallel()
     return out if rank == 0 else {}

@@ -109,6 +109,8 @@ def world(tmp_path_factory):
     ref["trained_llama"] = hf_logits(d["exp_llama"], tokens)
     ref["trained_qwen"] = hf_logits(d["exp_qwen"], tokens)
     ref["plain_llama"], ref["plain_qwen"] = ref["llama"], ref["qwen"]
+    for r in nemo.values():
+        r["logits"] = torch.from_numpy(r["logits"])
     errors = {name: _rel(r["logits"], ref[name.split("/")[0]]) for name, r in nemo.items()}
     print("\nlogit errors (max |nemo - hf| / max |hf|):")
     for name, e in sorted(errors.items()):
