@@ -209,6 +209,9 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk-tokens", type=int, default=None)
     ap.add_argument("--time-budget-s", type=float, default=None,
                     help="per stack: stop the search after this many seconds and report the bracket")
+    ap.add_argument("--inject-oom-above", type=int, default=None,
+                    help="test hook: the last layer's forward raises torch.OutOfMemoryError for lengths above this "
+                         "(exercises the failure path mid-step, with offload/kept state left behind, on CPU)")
     ap.add_argument("--host-gib", type=float, default=None,
                     help="host memory for offload in the planner's prediction (default: 90%% of MemAvailable on "
                          "CUDA, unlimited on CPU)")
@@ -247,35 +250,52 @@ def main(argv=None) -> int:
     budget = None
     for stack in a.stacks:
         t0 = time.perf_counter()
-        model, rt = build(shape, stack, device=device, dtype=dtype, max_len=max_len, recompute=a.recompute,
-                          tile_tokens=tile_tokens, chunk_tokens=chunk_tokens)
+        held = list(build(shape, stack, device=device, dtype=dtype, max_len=max_len, recompute=a.recompute,
+                          tile_tokens=tile_tokens, chunk_tokens=chunk_tokens))  # the only reference: [model, rt]
         if cuda:
             free, total = torch.cuda.mem_get_info(device)
             budget = float(free)
         else:
             budget = a.cap_mib * 2**20
 
-        def fits(s, _m=[model], _rt=[rt], _stack=stack):
+        def fits(s, _held=held, _stack=stack):
+            reason = None
+            hook = None
+            if a.inject_oom_above is not None and s > a.inject_oom_above:
+                from nemo_longctx.integrations.megatron.memory_options import transformer_blocks
+
+                def _raise(*_):
+                    raise torch.OutOfMemoryError(f"out of memory (injected at seq {s})")
+
+                hook = transformer_blocks(_held[0])[0].layers[-1].register_forward_pre_hook(_raise)
             try:
-                peak = step(_m[0], _rt[0], s, device, shape.vocab_size, track=not cuda)
+                peak = step(_held[0], _held[1], s, device, shape.vocab_size, track=not cuda)
             except RuntimeError as e:  # device OOM (torch.OutOfMemoryError) or a failed pinned host allocation
                 if "out of memory" not in str(e).lower():
                     raise
                 reason = "OOM" if isinstance(e, torch.OutOfMemoryError) else "host OOM"
-                _m[0] = _rt[0] = None
-                gc.collect()
+            finally:
+                if hook is not None:
+                    hook.remove()
+            if reason is None:
+                return (cuda or peak <= budget), peak
+            # outside the except block (its traceback holds the step's tensors): drop the model, whose offload and
+            # kept-attention state the failed step left behind, and build a fresh one
+            _held[0] = _held[1] = None
+            gc.collect()
+            if cuda:
                 torch.cuda.empty_cache()
-                _m[0], _rt[0] = build(shape, _stack, device=device, dtype=dtype, max_len=max_len,
-                                      recompute=a.recompute, tile_tokens=tile_tokens, chunk_tokens=chunk_tokens)
-                return False, reason
-            return (cuda or peak <= budget), peak
+            _held[:] = build(shape, _stack, device=device, dtype=dtype, max_len=max_len, recompute=a.recompute,
+                             tile_tokens=tile_tokens, chunk_tokens=chunk_tokens)
+            return False, reason
 
         deadline = time.monotonic() + a.time_budget_s if a.time_budget_s else float("inf")
         best, log, stopped_below = search(fits, start, gran, max_len, deadline)
         predicted = (planner_max(shape, cand_for, budget, gran, max_len, b, host_budget) if stack == "longctx"
                      else None)
         rows.append((stack, best, predicted, log, time.perf_counter() - t0, stopped_below))
-        del model, rt, fits
+        held.clear()
+        del fits
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()

@@ -64,3 +64,17 @@ def test_max_seqlen_cpu_tiny_form():
         trail = re.search(rf"^{stack} steps: (.*)$", proc.stdout, re.M).group(1)
         for ok, mib in re.findall(r"\d+:(ok|no)\(([0-9.]+)MiB\)", trail):
             assert (float(mib) <= 8.0) == (ok == "ok"), trail
+
+
+def test_max_seqlen_failed_step_is_recovered():
+    """A step that fails mid-forward (injected out-of-memory in the last layer: kept attention and offloaded layer
+    inputs of the earlier layers are left behind) counts as not fitting, and the search goes on with a fresh model:
+    the lengths after the failures still run."""
+    proc = _bench("max_seqlen.py", "--cpu-tiny", "--stacks", "longctx", "--inject-oom-above", "700")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    trail = re.search(r"^longctx steps: (.*)$", proc.stdout, re.M).group(1)
+    steps = re.findall(r"(\d+):(ok|no)\(([^)]*)\)", trail)
+    assert [(int(s), ok) for s, ok, _ in steps] == [(128, "ok"), (256, "ok"), (512, "ok"), (1024, "no"), (768, "no"),
+                                                    (640, "ok"), (704, "no")], trail
+    assert all(info == "OOM" for _, ok, info in steps if ok == "no"), trail
+    assert re.search(r"^\| longctx \| 640 \|", proc.stdout, re.M), proc.stdout
