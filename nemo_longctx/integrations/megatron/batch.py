@@ -107,11 +107,12 @@ def shard_packed_batch_for_cp(batch: Dict[str, Any], cp_size: int, cp_rank: int)
 
     starts, lengths = packed_documents(batch)
     tokens = batch.get("tokens")
-    ref = tokens if tokens is not None else batch["labels"]
-    if ref.dim() != 2 or ref.shape[0] != 1:
+    # a middle pipeline stage gets no token keys (all None): only the layout (PackedSeqParams) is built
+    ref = next((batch[k] for k in TOKEN_KEYS if batch.get(k) is not None), None)
+    if ref is not None and (ref.dim() != 2 or ref.shape[0] != 1):
         raise ValueError(f"packed sequences need micro batch size 1 (trainer.micro_batch_size): tokens have shape "
                          f"{tuple(ref.shape)}")
-    if starts and starts[-1] + lengths[-1] > ref.shape[1]:
+    if ref is not None and starts and starts[-1] + lengths[-1] > ref.shape[1]:
         raise ValueError(f"batch['cu_seqlens'] covers {starts[-1] + lengths[-1]} positions but the packed sequence "
                          f"has {ref.shape[1]}")
     layout = cp_packed_layout(lengths, cp_size)
@@ -140,7 +141,7 @@ def shard_packed_batch_for_cp(batch: Dict[str, Any], cp_size: int, cp_rank: int)
         else:
             picked = picked.masked_fill(~keep, 0)
         out[key] = picked
-    device = ref.device
+    device = ref.device if ref is not None else torch.device("cpu")
     cu = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32, device=device)
     cu_padded = torch.tensor(layout, dtype=torch.int32, device=device)
     max_len = max(b - a for a, b in zip(layout, layout[1:]))
