@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from app_runner import run_app
+from app_runner import leftover_processes, run_app
 
 BIN = Path(sys.executable).parent
 APP = [str(BIN / "nemo-longctx"), "train"]
@@ -60,6 +60,7 @@ def runs(tmp_path_factory):
     _ok(APP + [f"output_dir={d['full']}", *COMMON])
     code, out = run_app(APP + [f"output_dir={d['killed']}", *COMMON, "run.fault=kill@5:1"], 420)
     assert code != 0 and "rank 1 killed by SIGKILL" in out, out[-3000:]
+    assert leftover_processes() == []  # not even the killed rank's asynchronous checkpoint worker
     killed_rows = _metrics(d["killed"])
     killed_ckpts = sorted(p.name for p in (d["killed"] / "checkpoints").iterdir())
     resumed_out = _ok(APP + [f"output_dir={d['killed']}", *COMMON])  # the same command again: auto-resume

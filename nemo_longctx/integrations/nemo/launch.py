@@ -132,6 +132,7 @@ def launch_local(nproc: int, argv: Sequence[str], threads_per_process: int, *, w
         for other, f in ranked[1:]:
             print(f"nemo-longctx:   then rank {other} {_describe(f)}", file=sys.stderr, flush=True)
         code = failure.exitcode
+        _kill_process_groups(f.pid for f in e.failures.values())
         return 128 - code if code < 0 else (code or 1)
     except SignalException as e:
         if timed_out.is_set():
@@ -144,6 +145,17 @@ def launch_local(nproc: int, argv: Sequence[str], threads_per_process: int, *, w
     finally:
         if timer is not None:
             timer.cancel()
+
+
+def _kill_process_groups(pids) -> None:
+    """SIGKILL what is left in the process groups of ranks that failed. Each rank leads its own group (the agent
+    starts it in a new session) and the agent signals only the groups of ranks still alive, so the children of a rank
+    that died (e.g. Megatron's asynchronous checkpoint worker) would otherwise outlive the run."""
+    for pid in pids:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 _PEER_ERRORS = ("connection closed by peer", "connection reset", "broken pipe", "socket closed", "timed out",
