@@ -36,6 +36,17 @@ def _slurm(*args, timeout=600):
     return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout)
 
 
+def _submit(script, tmp_path, env, wait_s=420):
+    """sbatch ``script`` from ``tmp_path`` and wait for it: (job id, the wait's result, the job's output text)."""
+    sub = subprocess.run(["sbatch", "--parsable", f"--chdir={tmp_path}", str(script)], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert sub.returncode == 0, sub.stderr
+    job = sub.stdout.strip().split(";")[0]
+    waited = _slurm("wait", job, str(wait_s), timeout=wait_s + 60)
+    log = next(tmp_path.glob(f"*-{job}.out"), None)
+    return job, waited, log.read_text() if log else "(no job output file)"
+
+
 @pytest.fixture(scope="module")
 def slurm_cluster():
     reason = _why_not_installable()
@@ -61,13 +72,7 @@ def test_cpu_demo_sbatch_trains_under_srun(slurm_cluster, tmp_path):
     assert nemo_longctx.exists(), f"console script missing next to {sys.executable}"
     env = dict(os.environ, NEMO_LONGCTX=str(nemo_longctx), OUTPUT_DIR=str(out_dir), MAX_STEPS=str(MAX_STEPS),
                EXTRA_OVERRIDES="model.seq_length=1024", MEM_LIMIT_KB=str(8 * 1024 * 1024))
-    sub = subprocess.run(["sbatch", "--parsable", f"--chdir={tmp_path}", str(DEMO)], env=env,
-                         capture_output=True, text=True, timeout=60)
-    assert sub.returncode == 0, sub.stderr
-    job = sub.stdout.strip().split(";")[0]
-    waited = _slurm("wait", job, "420", timeout=480)
-    log = next(tmp_path.glob(f"*-{job}.out"), None)
-    log_text = log.read_text() if log else "(no job output file)"
+    job, waited, log_text = _submit(DEMO, tmp_path, env)
     assert waited.returncode == 0, f"job {job} failed: {waited.stderr}\n--- job output (tail):\n{log_text[-5000:]}"
 
     # the ranks were the two srun tasks: the app did not fall back to spawning its own processes
@@ -87,13 +92,7 @@ def test_a_failing_rank_fails_the_slurm_job(slurm_cluster, tmp_path):
     nemo_longctx = Path(sys.executable).with_name("nemo-longctx")
     env = dict(os.environ, NEMO_LONGCTX=str(nemo_longctx), OUTPUT_DIR=str(out_dir), MAX_STEPS="4",
                EXTRA_OVERRIDES="model.seq_length=1024 run.fault=raise@2:1", MEM_LIMIT_KB=str(8 * 1024 * 1024))
-    sub = subprocess.run(["sbatch", "--parsable", f"--chdir={tmp_path}", str(DEMO)], env=env,
-                         capture_output=True, text=True, timeout=60)
-    assert sub.returncode == 0, sub.stderr
-    job = sub.stdout.strip().split(";")[0]
-    waited = _slurm("wait", job, "420", timeout=480)
-    log = next(tmp_path.glob(f"*-{job}.out"), None)
-    log_text = log.read_text() if log else "(no job output file)"
+    job, waited, log_text = _submit(DEMO, tmp_path, env)
     assert waited.returncode not in (0, 124), f"job {job}: {waited.stderr}\n{log_text[-3000:]}"
     assert "FAILED" in waited.stderr or "FAILED" in waited.stdout, waited.stderr
     assert "injected failure (run.fault) on rank 1 at step 2" in log_text, log_text[-3000:]
@@ -113,13 +112,7 @@ def test_planner_written_sbatch_installs_the_plugin_and_trains(slurm_cluster, tm
     assert "pip install --no-deps" in text and "--gpus-per-node" not in text and "IMAGE=${IMAGE-}" in text
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(PYTHON=sys.executable, OUTPUT_DIR=str(out_dir), EXTRA_OVERRIDES=f"trainer.max_steps={MAX_STEPS}")
-    sub = subprocess.run(["sbatch", "--parsable", f"--chdir={tmp_path}", str(sb)], env=env,
-                         capture_output=True, text=True, timeout=60)
-    assert sub.returncode == 0, sub.stderr
-    job = sub.stdout.strip().split(";")[0]
-    waited = _slurm("wait", job, "480", timeout=540)
-    log = next(tmp_path.glob(f"*-{job}.out"), None)
-    log_text = log.read_text() if log else "(no job output file)"
+    job, waited, log_text = _submit(sb, tmp_path, env, wait_s=480)
     assert waited.returncode == 0, f"job {job} failed: {waited.stderr}\n--- job output (tail):\n{log_text[-5000:]}"
     site = out_dir / ".nemo_longctx_site"
     assert (site / "nemo_longctx" / "__init__.py").exists() and (site / "bin" / "nemo-longctx").exists()
