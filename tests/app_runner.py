@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import subprocess
 from pathlib import Path
-from typing import Sequence, Tuple
+from typing import Callable, Sequence, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 MEMORY_LIMIT_KB = 8_000_000
@@ -27,19 +28,31 @@ def run_app(cmd: Sequence[str], timeout: float = 400) -> Tuple[int, str]:
     return p.returncode, p.stdout + p.stderr
 
 
-def leftover_processes() -> list:
-    """Live processes started by a local launch of the calling test (ranks and everything they started: they carry
-    NEMO_LONGCTX_SPAWNED=1 and this test's PYTEST_CURRENT_TEST in their environment), as "pid: command" lines."""
-    test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+
+def metrics_rows(out_dir: Path) -> list:
+    """The rows of a run's ``metrics.jsonl`` (train steps and validation rows)."""
+    return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def live_processes(match: Callable[[str, list], bool]) -> list:
+    """Live (not zombie) processes for which ``match(cmdline, environ entries)`` holds, as "pid: command" lines."""
     found = []
     for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():  # self, thread-self: this process again
+            continue
         try:
             env = (proc / "environ").read_bytes().split(b"\0")
             state = next(ln for ln in (proc / "status").read_text().splitlines() if ln.startswith("State:"))
             cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except (OSError, StopIteration):
             continue
-        ours = f"PYTEST_CURRENT_TEST={test} (".encode()
-        if b"NEMO_LONGCTX_SPAWNED=1" in env and any(v.startswith(ours) for v in env) and "zombie" not in state:
+        if "zombie" not in state and match(cmdline, env):
             found.append(f"{proc.name}: {cmdline[:200]}")
     return found
+
+
+def leftover_processes() -> list:
+    """Live processes started by a local launch of the calling test (ranks and everything they started: they carry
+    NEMO_LONGCTX_SPAWNED=1 and this test's PYTEST_CURRENT_TEST in their environment)."""
+    ours = f"PYTEST_CURRENT_TEST={os.environ.get('PYTEST_CURRENT_TEST', '').rsplit(' (', 1)[0]} (".encode()
+    return live_processes(lambda _, env: b"NEMO_LONGCTX_SPAWNED=1" in env and any(v.startswith(ours) for v in env))

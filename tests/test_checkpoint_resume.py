@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from app_runner import leftover_processes, run_app
+from app_runner import leftover_processes, metrics_rows, run_app
 
 BIN = Path(sys.executable).parent
 APP = [str(BIN / "nemo-longctx"), "train"]
@@ -34,7 +34,7 @@ COMMON = ["model.seq_length=1024", f"trainer.max_steps={STEPS}", "checkpoint.eve
 
 
 def _metrics(out_dir: Path):
-    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = metrics_rows(out_dir)
     train = {r["step"]: r["loss"] for r in rows if "loss" in r}
     val = {r["step"]: r["val_loss"] for r in rows if "val_loss" in r}
     return train, val

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from app_runner import run_app
+from app_runner import metrics_rows, run_app
 from distributed import run_distributed
 from hf_models import corpus, hf_logits, make_hf_model, make_tokenizer, nemo_logits_worker
 
@@ -54,7 +54,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _steps(out_dir: Path):
-    rows = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    rows = metrics_rows(out_dir)
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 

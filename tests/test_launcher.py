@@ -11,7 +11,6 @@ Every command runs under ``timeout`` + ``ulimit -v`` (tests/app_runner.py).
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from app_runner import MEMORY_LIMIT_KB, ROOT, run_app
+from app_runner import MEMORY_LIMIT_KB, ROOT, live_processes, metrics_rows, run_app
 
 BIN = Path(sys.executable).parent
 APP = [str(BIN / "nemo-longctx"), "train"]
@@ -32,7 +31,7 @@ SMALL = ["model.seq_length=1024", "trainer.max_steps=4", "memory.track=false"]
 
 
 def _metrics(out_dir: Path):
-    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return metrics_rows(out_dir)
 
 
 def _timed(cmd, timeout=300):
@@ -76,16 +75,7 @@ def test_a_hung_rank_ends_the_job_through_the_collective_timeout(tmp_path):
 
 def _run_processes(marker: str):
     """Command lines of the live processes that mention ``marker`` (the run's unique output dir)."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = next(ln for ln in (proc / "status").read_text().splitlines() if ln.startswith("State:"))
-        except (OSError, StopIteration):
-            continue
-        if marker in cmdline and "Z (zombie)" not in state:
-            found.append(f"{proc.name}: {cmdline}")
-    return found
+    return live_processes(lambda cmdline, _: marker in cmdline)
 
 
 def test_sigterm_to_the_launcher_stops_every_rank(tmp_path):

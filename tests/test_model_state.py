@@ -21,13 +21,12 @@ field named, before any process starts (tested below); a GPU session must train 
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import pytest
 
-from app_runner import run_app
+from app_runner import metrics_rows, run_app
 
 BIN = Path(sys.executable).parent
 STEPS = 6
@@ -47,7 +46,7 @@ RUNS = {  # name: (overrides, baseline run, relative tolerance)
 
 
 def _losses(out_dir: Path):
-    return [json.loads(line)["loss"] for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return [row["loss"] for row in metrics_rows(out_dir)]
 
 
 @pytest.fixture(scope="module")

@@ -5,13 +5,12 @@ CP=2 (the app spawns 2 processes). Two app runs, 3 SGD steps at seq 512, documen
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import pytest
 
-from app_runner import run_app
+from app_runner import metrics_rows, run_app
 
 COMMON = ["model=tiny_mistral", "data.packing=documents", "data.doc_length=96", "model.seq_length=512",
           "trainer.max_steps=3", "optim.optimizer=sgd", "optim.lr=0.5", "optim.min_lr=0.05", "log.tensorboard=false",
@@ -19,7 +18,7 @@ COMMON = ["model=tiny_mistral", "data.packing=documents", "data.doc_length=96", 
 
 
 def _losses(out_dir: Path):
-    return [json.loads(line)["loss"] for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return [row["loss"] for row in metrics_rows(out_dir)]
 
 
 @pytest.fixture(scope="module")
