@@ -16,7 +16,8 @@ What is measured and what is modelled (nothing here has run on a GPU):
     code), transients, CP buffers and a fixed reserve (5 GiB per GPU);
   * on CPU the saved-activation terms are calibrated against the tracker on Megatron's local spec (issue 13 part B,
     tests/test_planner_calibration.py) and every model-state option runnable on CPU trained with DDP's losses
-    (tests/test_model_state.py); Megatron-FSDP and the precision-aware optimizer have not run at all (CUDA only);
+    (tests/test_model_state.py), with the bytes Megatron holds equal to planner.model_state_bytes
+    (tests/test_planner_model_state_bytes.py: DDP, distributed optimizer, optimizer offload); Megatron-FSDP and the precision-aware optimizer have not run at all (CUDA only);
   * ALST (Arctic Long Sequence Training) and UPipe columns are their papers' measured maxima as cited in issue 13
     (H100 80 GB; different stacks: DeepSpeed ZeRO-3 + CPU offload / FSDP).
 """

@@ -13,10 +13,17 @@ S = dp * cp the data-parallel-with-CP group that the distributed optimizer and M
   grads       = grad_bytes * P / tp                            (DDP main grads: fp32, bf16 when precision-aware)
                 fsdp: grad_bytes * (P / S + 2 layers + non-layer params) / tp    (shard + reduce-scatter units)
   optimizer   = (master 4 + moments 8) * P / (tp * S)          (distributed optimizer / fsdp; ddp: not / S)
+                fp32 weights (param_bytes 4): master 0 (the weights are the master; Megatron makes no copy)
                 precision-aware: moments 2 + 2 (bf16); optimizer offload fraction f (HybridDeviceOptimizer):
                 the host holds f of (fp32 master + fp32 grad copy + fp32 moments) = 16 bytes per parameter; the
                 device keeps the distributed optimizer's fp32 master shard of the offloaded part (4 bytes), except
-                with the precision-aware optimizer, where the master lives only on the host
+                with the precision-aware optimizer, where the master lives only on the host. Megatron moves whole
+                (pieces of) parameter tensors until at least f of the shard is on the host: the device part is
+                counted at f (the most that stays), the host part, for 0 < f < 1, at f + one largest parameter
+                tensor (the most that moves)
+                not counted: Megatron DDP's buffer padding under the distributed optimizer (each parameter starts
+                on a multiple of 64 elements, each bucket ends on one of lcm(S, 128)): < 64 elements per tensor
+                plus one alignment per bucket; tests/test_planner_model_state_bytes.py measures every term
   activations = tokens * (L * layer_saved + head_saved)        (saved for backward, kept on the device)
   transient   = max(working_sets: loss head, recomputed layer, recomputed/tiled MLP, attention) - comm
   comm        = tokens * CP communication buffers (ring KV/dKV buffers or Ulysses all-to-all buffers)
@@ -100,7 +107,9 @@ class Precision:
     activation_bytes: int = 2  # bf16 activations
     param_bytes: int = 2  # bf16 weights
     grad_bytes: int = 4  # fp32 main grads (NeMo bf16-mixed: grad_reduce_in_fp32=True)
-    optimizer_bytes: int = 12  # fp32 master weights + Adam exp_avg + exp_avg_sq, sharded (distributed optimizer)
+    # fp32 master weights + Adam exp_avg + exp_avg_sq, sharded (distributed optimizer); with fp32 weights
+    # (param_bytes=4) the weights are the master and only the moments (optimizer_bytes - 4) are counted
+    optimizer_bytes: int = 12
 
 
 @dataclass(frozen=True)
@@ -411,6 +420,14 @@ def _transient_bytes(shape: ModelShape, c: Candidate, coef: ActivationCoefficien
     return max(0.0, max(working_sets(shape, c, coef, b, tokens).values()) - comm)
 
 
+def largest_parameter_tensor(shape: ModelShape) -> int:
+    """Elements of the largest parameter tensor (before tensor parallelism): embedding / output layer, fused QKV,
+    attention output, MLP fc1 / fc2."""
+    h, f = shape.hidden_size, shape.ffn_hidden_size
+    return max(shape.vocab_size * h, h * (shape.q_width + 2 * shape.kv_width), shape.q_width * h,
+               (2 if shape.gated_mlp else 1) * f * h, f * h)
+
+
 def model_state_bytes(shape: ModelShape, c: Candidate, dp: int, precision: Precision = Precision()) -> dict:
     """Per-GPU bytes of weights, grads and optimizer states on the device, and optimizer bytes on the host, for
     `c.model_state` (see the module docstring). Megatron-FSDP's unsharded working set: two TransformerLayer units
@@ -420,7 +437,9 @@ def model_state_bytes(shape: ModelShape, c: Candidate, dp: int, precision: Preci
     p = shape.parameters()
     shard = max(1, dp) * c.cp_size
     grad_bytes = 2 if ms.precision_aware else precision.grad_bytes
-    master, moments = 4.0, float(precision.optimizer_bytes - 4)
+    # fp32 weights are their own master: Megatron's FP32Optimizer / the distributed optimizer's fp32 shards are the
+    # parameters (views of DDP's parameter buffer), no copy
+    master, moments = (4.0 if precision.param_bytes < 4 else 0.0), float(precision.optimizer_bytes - 4)
     if ms.precision_aware and ms.optimizer_offload == 0:
         moments = 4.0  # bf16 exp_avg + exp_avg_sq in TE's FusedAdam
     if ms.sharding == "fsdp":
@@ -433,7 +452,9 @@ def model_state_bytes(shape: ModelShape, c: Candidate, dp: int, precision: Preci
     opt_params = p / c.tp / (1 if ms.sharding == "ddp" else shard)
     f = float(ms.optimizer_offload)
     on_device = (1 - f) * (master + moments) + (0.0 if ms.precision_aware else f * master)
-    host = f * (master + 4.0 + 8.0)  # fp32 master copy, fp32 grad copy, fp32 moments
+    # HybridDeviceOptimizer offloads whole shard pieces until >= f of the shard's elements: at most one more piece
+    host_f = min(1.0, f + largest_parameter_tensor(shape) / c.tp / opt_params) if 0.0 < f < 1.0 else f
+    host = host_f * (4.0 + 4.0 + 8.0)  # fp32 master copy, fp32 grad copy, fp32 moments
     return {"weights": weights, "grads": grads, "optimizer": on_device * opt_params, "host": host * opt_params}
 
 

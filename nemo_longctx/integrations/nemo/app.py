@@ -471,7 +471,7 @@ def build(cfg: DictConfig, launch: Optional[Launch] = None, extra_callbacks: Opt
         callbacks.append(MemoryOptionsCallback(memory, str(cfg.cp.algorithm)))
     from nemo_longctx.integrations.nemo.model_state_callback import ModelStateCheck
 
-    callbacks.append(ModelStateCheck(model_state))
+    callbacks.append(ModelStateCheck(model_state, output_dir=str(cfg.output_dir)))
     if cfg.run.save_final_params:
         callbacks.append(SaveFinalParameters(os.path.join(str(cfg.output_dir), "final_params.pt")))
     if cfg.run.get("fault"):

@@ -1,9 +1,14 @@
 """``ModelStateCheck``: after the optimizer is built (fit start), check that Megatron built the model-state layout
-the ``optim`` group asked for (distributed optimizer, HybridDeviceOptimizer and its host fraction) and print it."""
+the ``optim`` group asked for (distributed optimizer, HybridDeviceOptimizer and its host fraction) and print it; after
+the first optimizer step, measure the bytes of weights, grads and optimizer states each rank holds on the device and
+on the host (``state_bytes.measured_model_state_bytes``), print rank 0's and write every rank's to
+``<output_dir>/model_state_bytes.rank<R>.json``."""
 
 from __future__ import annotations
 
-from typing import Any
+import json
+import os
+from typing import Any, Optional
 
 import lightning.pytorch as pl
 
@@ -15,9 +20,11 @@ from nemo_longctx.integrations.megatron.model_state import (
 
 
 class ModelStateCheck(pl.Callback):
-    def __init__(self, options: ModelStateOptions) -> None:
+    def __init__(self, options: ModelStateOptions, output_dir: Optional[str] = None) -> None:
         self.options = options
+        self.output_dir = output_dir
         self.summary = None
+        self.state_bytes = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
         optimizers = trainer.strategy.optimizers
@@ -27,3 +34,27 @@ class ModelStateCheck(pl.Callback):
         self.summary = check_optimizer_layout(self.options, optimizer_layout(mcore))
         if trainer.global_rank == 0:
             print(self.summary, flush=True)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self.state_bytes is not None:
+            return
+        from nemo_longctx.integrations.megatron.state_bytes import measured_model_state_bytes, summary_line
+
+        optimizer = trainer.strategy.optimizers[0]
+        mcore = getattr(optimizer, "mcore_optimizer", optimizer)
+        try:
+            self.state_bytes = measured_model_state_bytes(list(trainer.strategy.model), mcore)
+        except Exception as e:  # a diagnostic: never stops training (the JSON says what failed)
+            self.state_bytes = {"error": f"{type(e).__name__}: {e}"}
+            print(f"[rank {trainer.global_rank}] model state bytes not measured: {self.state_bytes['error']}",
+                  flush=True)
+        self.state_bytes.update(options=self.options.describe(), rank=trainer.global_rank,
+                                world_size=trainer.world_size)
+        if self.output_dir:
+            os.makedirs(self.output_dir, exist_ok=True)
+            path = os.path.join(self.output_dir, f"model_state_bytes.rank{trainer.global_rank}.json")
+            with open(path, "w") as f:
+                json.dump(self.state_bytes, f, indent=1)
+        if trainer.global_rank == 0 and "error" not in self.state_bytes:
+            print(summary_line(self.state_bytes), flush=True)
