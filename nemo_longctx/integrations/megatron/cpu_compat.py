@@ -45,6 +45,13 @@ available, is idempotent, and every patch below says what it fixes (numbers refe
     (Megatron maps those names only for distributed checkpoints): the importer silently left the norms at their init
     and the exporter failed (IndexError). For a Megatron model with local norms, the converter's keys on the
     Megatron side are renamed to the local names before NeMo's ``apply_transforms`` runs.
+14. ``OptimizerConfig.__post_init__`` (precision-aware optimizer) asks ``is_te_min_version("2.1.0")`` to decide
+    ``store_param_remainders``; without TransformerEngine ``get_te_version()`` is None and the comparison raises
+    TypeError, even with ``optimizer_cpu_offload`` (which returns before the TE FusedAdam check and runs the
+    precision-aware step in Megatron's ``HybridDeviceOptimizer``: host torch AdamW with fp32 master copies). The name
+    bound in ``optimizer_config`` answers False when TE is not installed -- "TE is not at least 2.1", so
+    ``store_param_remainders=False`` (the hybrid optimizer keeps whole fp32 master params; the int16 remainders are
+    a TE FusedAdam format). With TE installed the original function answers.
 
 What cannot run without CUDA at all is refused (not patched) by ``model_state_cpu_problems``, before step 0.
 """
@@ -330,13 +337,42 @@ def _patch_hybrid_device_optimizer() -> None:
 
 
 # --------------------------------------------------------------------------------------------------------------
+# 14: OptimizerConfig's TE version check without TE
+def _patch_optimizer_config_te_version() -> None:
+    from megatron.core import utils as mutils
+    from megatron.core.optimizer import optimizer_config
+
+    original = optimizer_config.is_te_min_version
+    if getattr(original, "_nemo_longctx", False) or mutils.get_te_version() is not None:
+        return  # patched already, or TE installed: its version answers
+
+    def is_te_min_version(version: str, check_equality: bool = True) -> bool:
+        return False  # fix 14: no TransformerEngine is not at least any TE version
+
+    is_te_min_version._nemo_longctx = True  # type: ignore[attr-defined]
+    optimizer_config.is_te_min_version = is_te_min_version
+
+
+# --------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------------------
 # refusals: model-state options that cannot run without CUDA (checked by the app's validation pass)
-def model_state_cpu_problems(opts: Any, force: bool = False) -> list:
+def model_state_cpu_problems(opts: Any, force: bool = False, checkpointing: bool = False) -> list:
     """Problems (each naming its ``optim.*`` field) of model-state options that cannot run on a CPU-only build;
-    empty when CUDA is available (unless ``force``). ``opts``: ``model_state.ModelStateOptions``."""
+    empty when CUDA is available (unless ``force``). ``opts``: ``model_state.ModelStateOptions``; ``checkpointing``:
+    checkpoint.every_n_steps > 0."""
     if not (force or needed()):
         return []
     out = []
+    if checkpointing and getattr(opts, "use_distributed_optimizer", False) is True and not getattr(
+            opts, "megatron_fsdp", False):
+        # without TE/Apex (HAVE_APEX_OR_TE False) the distributed optimizer steps torch AdamW, which keeps a scalar
+        # per-parameter ``step``: dp_reshardable saving asserts on it ((torch.Size([]), 0, n)); the fully_reshardable
+        # format saves it, but resuming asserts in DistributedOptimizer.state_dict (one ``step`` over the still
+        # empty state, a branch taken before its HybridDeviceOptimizer case)
+        out.append("optim.use_distributed_optimizer=true with checkpoint.every_n_steps > 0: without "
+                   "TransformerEngine/Apex Megatron's distributed optimizer runs torch AdamW, whose per-parameter "
+                   "'step' state its checkpoint formats do not handle (saving or resuming fails) (CPU only; set "
+                   "checkpoint.every_n_steps=0)")
     if getattr(opts, "use_precision_aware_optimizer", False) is True and not getattr(opts, "optimizer_cpu_offload",
                                                                                    False):
         # TE's FusedAdam (master_weight_dtype / exp_avg_dtype / use_decoupled_grad) is a CUDA kernel
@@ -500,6 +536,7 @@ def apply(force: bool = False) -> bool:
     _patch_hybrid_device_optimizer()
     _patch_moe_router_without_te()
     _patch_zero_centered_norm()
+    _patch_optimizer_config_te_version()
     _MODE = _CudaToCpuMode()
     _MODE.__enter__()  # fix 3: stays active for the life of the process
     _APPLIED = True

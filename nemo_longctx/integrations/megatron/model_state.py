@@ -18,7 +18,10 @@ Options (all Megatron-core 0.15.3 / NeMo 2.7 machinery, used the way NeMo's reci
                                  and moments
   use_precision_aware_optimizer  TE's FusedAdam keeps moments in ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` and master
                                  weights in ``main_params_dtype``; ``main_grads_dtype=bf16`` reduces gradients in
-                                 bf16 (``MegatronMixedPrecision(grad_reduce_in_fp32=False)``)
+                                 bf16 (``MegatronMixedPrecision(grad_reduce_in_fp32=False)``). With
+                                 ``optimizer_cpu_offload`` Megatron runs it in ``HybridDeviceOptimizer`` instead (no
+                                 TE FusedAdam: fp32 master copies and fp32 moments, only the main-grads dtype and the
+                                 dropped device fp32 main params differ from plain offload); trainable on CPU
 """
 
 from __future__ import annotations
@@ -138,23 +141,41 @@ def model_state_problems(opts: ModelStateOptions, precision: str = "bf16-mixed",
         if o.use_distributed_optimizer is not True:
             p.append("optim.use_precision_aware_optimizer=true needs optim.use_distributed_optimizer=true")
         if o.optimizer_cpu_offload is True:
-            for f in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+            # Megatron builds HybridDeviceOptimizer(param_update_in_fp32=True) without the dtype arguments: fp32
+            # master copies of the bf16 shards and torch AdamW's fp32 moments (its device part, fraction < 1, too)
+            for f in ("exp_avg_dtype", "exp_avg_sq_dtype", "main_params_dtype"):
                 if getattr(o, f) != "fp32":
-                    p.append(f"optim.{f}={getattr(o, f)} with optim.optimizer_cpu_offload=true: the host optimizer "
-                             "(torch AdamW in Megatron's HybridDeviceOptimizer) keeps fp32 moments; set it to fp32")
+                    p.append(f"optim.{f}={getattr(o, f)} with optim.optimizer_cpu_offload=true: Megatron's "
+                             "HybridDeviceOptimizer keeps fp32 master weights and fp32 Adam moments (it ignores "
+                             f"{f}); set it to fp32")
         te = _te_available() if te_available is None else te_available
-        if not te:  # OptimizerConfig.__post_init__ reads TE's version even with optimizer_cpu_offload
-            p.append("optim.use_precision_aware_optimizer=true needs TransformerEngine (its FusedAdam keeps the "
-                     "low-precision states; Megatron's OptimizerConfig checks its version): transformer_engine is "
-                     "not installed")
+        if not te and o.optimizer_cpu_offload is not True:
+            # with optimizer_cpu_offload the precision-aware step is HybridDeviceOptimizer's: no TE FusedAdam
+            p.append("optim.use_precision_aware_optimizer=true needs TransformerEngine's FusedAdam (it keeps the "
+                     "low-precision states) unless optim.optimizer_cpu_offload=true: transformer_engine is not "
+                     "installed")
+        elif not te and _cuda_target(target_cuda):
+            # OptimizerConfig.__post_init__ compares TE's version (None without TE: TypeError); cpu_compat fix 14
+            # answers it on CPU-only builds, nothing does on a CUDA build without TE
+            p.append("optim.use_precision_aware_optimizer=true on a CUDA build needs TransformerEngine installed "
+                     "(Megatron's OptimizerConfig reads its version), even with optim.optimizer_cpu_offload=true")
         if o.main_grads_dtype != "fp32" and not str(precision).startswith("bf16"):
             p.append(f"optim.main_grads_dtype={o.main_grads_dtype} needs trainer.precision=bf16-mixed "
                      f"(got {precision})")
     from nemo_longctx.integrations.megatron.cpu_compat import model_state_cpu_problems
 
     if target_cuda is None or not target_cuda:
-        p += model_state_cpu_problems(opts, force=target_cuda is False)
+        p += model_state_cpu_problems(opts, force=target_cuda is False, checkpointing=checkpointing)
     return p
+
+
+def _cuda_target(target_cuda: Optional[bool]) -> bool:
+    """The target has CUDA: ``target_cuda``, or this process when None."""
+    if target_cuda is not None:
+        return bool(target_cuda)
+    from nemo_longctx.integrations.megatron.cpu_compat import needed
+
+    return not needed()
 
 
 def _te_available() -> bool:
@@ -203,6 +224,11 @@ def grad_reduce_in_fp32(opts: ModelStateOptions) -> bool:
 def strategy_kwargs(opts: ModelStateOptions) -> Dict[str, Any]:
     """``MegatronStrategy`` arguments: Megatron-FSDP the way NeMo's recipes enable it, else NeMo's default DDP."""
     if not opts.megatron_fsdp:
+        if opts.optimizer_cpu_offload:
+            # HybridDeviceOptimizer's per-parameter state holds torch AdamW's scalar ``step``, which Megatron's
+            # default dp_reshardable optimizer format asserts against (AssertionError (torch.Size([]), 0, n) at the
+            # first save); its fully_reshardable format handles ``step`` (NeMo's own switch)
+            return {"ckpt_optim_fully_reshardable": True}
         return {}
     from megatron.core.distributed import DistributedDataParallelConfig
 
@@ -211,6 +237,19 @@ def strategy_kwargs(opts: ModelStateOptions) -> Dict[str, Any]:
         data_parallel_sharding_strategy="optim_grads_params",
     )
     return {"ddp": ddp, "fsdp": "megatron", "save_ckpt_format": "fsdp_dtensor"}
+
+
+def allow_offload_optimizer_classes_in_checkpoints() -> None:
+    """``optimizer_cpu_offload``: HybridDeviceOptimizer keeps its sub-optimizer classes (``cpu_optimizer_cls`` /
+    ``gpu_optimizer_cls``) in its param groups, so the checkpoint's common state holds them and Megatron's
+    ``load_common`` (``torch.load``, weights_only by default since torch 2.6) refuses to resume ("Unsupported global:
+    torch.optim.adamw.AdamW"). Allow-list exactly the classes Megatron's ``get_megatron_optimizer`` may put there
+    (torch's documented ``add_safe_globals``)."""
+    import torch
+    from megatron.core import optimizer as mopt
+
+    torch.serialization.add_safe_globals([c for c in {mopt.Adam, mopt.SGD, mopt.CPUAdam, mopt.CPUSGD}
+                                          if isinstance(c, type)])
 
 
 # ---------------------------------------------------------------------------------------------- runtime check
@@ -223,19 +262,44 @@ def optimizer_layout(optimizer: Any) -> Dict[str, Any]:
     chained = getattr(optimizer, "chained_optimizers", None) or [optimizer]
     out = {"kind": [type(o).__name__ for o in chained], "distributed": all(isinstance(o, DistributedOptimizer)
                                                                              for o in chained),
-           "hybrid": False, "host_numel": 0, "device_numel": 0, "moment_dtypes": set()}
+           "hybrid": False, "host_numel": 0, "device_numel": 0, "moment_dtypes": set(),
+           # precision-aware: Megatron's live flag (decoupled bf16/fp32 grads, no device fp32 main params)
+           "precision_aware": all(bool(getattr(getattr(o, "config", None),
+                                               "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False))
+                                  for o in chained),
+           "grad_buffer_dtypes": set(), "grad_reduce_in_fp32": set(), "device_main_params": 0,
+           "master_dtypes": set()}
     for o in chained:
+        for b in getattr(o, "buffers", None) or [b for m in getattr(o, "model_chunks", []) or []
+                                                 for b in getattr(m, "buffers", [])]:
+            out["grad_buffer_dtypes"].add(_dtype_name(b.grad_dtype))
+        ddp = getattr(o, "ddp_config", None) or getattr((getattr(o, "model_chunks", None) or [None])[0],
+                                                         "ddp_config", None)
+        if ddp is not None:
+            out["grad_reduce_in_fp32"].add(bool(ddp.grad_reduce_in_fp32))
+        # fp32 main params the distributed optimizer keeps on the device (None per shard when precision-aware)
+        out["device_main_params"] += sum(1 for g in getattr(o, "shard_fp32_from_float16_groups", []) or []
+                                         for p in g if p is not None)
         inner = getattr(o, "optimizer", None)
         if isinstance(inner, HybridDeviceOptimizer):
             out["hybrid"] = True
             out["host_numel"] += sum(p.numel() for p in inner.gpu_params_map_cpu_copy.values())
             out["device_numel"] += sum(p.numel() for g in inner.gpu_param_groups for p in g["params"])
+        # what the (sub-)optimizers step on: their master weights
+        for sub in (inner.sub_optimizers if isinstance(inner, HybridDeviceOptimizer) else [inner] if inner else []):
+            out["master_dtypes"].update(_dtype_name(p.dtype) for g in sub.param_groups for p in g["params"])
         for state in getattr(inner, "state", {}).values():
             for k in ("exp_avg", "exp_avg_sq"):
                 if k in state and hasattr(state[k], "dtype"):
-                    out["moment_dtypes"].add(str(state[k].dtype).replace("torch.", ""))
-    out["moment_dtypes"] = sorted(out["moment_dtypes"])
+                    out["moment_dtypes"].add(_dtype_name(state[k].dtype))
+    for k in ("moment_dtypes", "grad_buffer_dtypes", "grad_reduce_in_fp32", "master_dtypes"):
+        out[k] = sorted(out[k])
     return out
+
+
+def _dtype_name(dtype: Any) -> str:
+    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(str(dtype).replace("torch.", ""),
+                                                                         str(dtype).replace("torch.", ""))
 
 
 def check_optimizer_layout(opts: ModelStateOptions, layout: Dict[str, Any]) -> str:
@@ -253,7 +317,24 @@ def check_optimizer_layout(opts: ModelStateOptions, layout: Dict[str, Any]) -> s
         if frac + 1e-9 < float(opts.optimizer_offload_fraction) or (opts.optimizer_offload_fraction == 0 and frac):
             raise RuntimeError(f"optim.optimizer_offload_fraction={opts.optimizer_offload_fraction} but "
                                f"{frac:.3f} of the optimizer's parameters are on the host")
+    pa = bool(opts.use_precision_aware_optimizer)
+    if "precision_aware" in layout and pa != layout["precision_aware"]:
+        raise RuntimeError(f"optim.use_precision_aware_optimizer={opts.use_precision_aware_optimizer} but Megatron's "
+                           f"use_precision_aware_optimizer_no_fp8_or_ds_fp8 is {layout['precision_aware']}")
+    if layout.get("grad_buffer_dtypes"):
+        want = opts.main_grads_dtype
+        if layout["grad_buffer_dtypes"] != [want] or layout["grad_reduce_in_fp32"] != [want == "fp32"]:
+            raise RuntimeError(f"optim.main_grads_dtype={want} but the DDP grad buffers are "
+                               f"{layout['grad_buffer_dtypes']} (grad_reduce_in_fp32={layout['grad_reduce_in_fp32']})")
+    if pa and layout.get("device_main_params"):
+        raise RuntimeError(f"optim.use_precision_aware_optimizer=true but the distributed optimizer keeps "
+                           f"{layout['device_main_params']} fp32 main param shards on the device")
     line = f"model state: {opts.describe()} | optimizer {'+'.join(sorted(set(layout['kind'])))}"
     if layout["hybrid"]:
         line += f" | host Adam for {layout['host_numel']} of {total} parameters (this rank)"
+    if layout.get("grad_buffer_dtypes"):
+        line += f" | main grads {'+'.join(layout['grad_buffer_dtypes'])}"
+    if pa:
+        line += (f" | precision-aware live: decoupled grads, no device main params, master "
+                 f"{'+'.join(layout['master_dtypes'])}")
     return line

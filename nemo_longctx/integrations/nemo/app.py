@@ -421,6 +421,10 @@ def build(cfg: DictConfig, launch: Optional[Launch] = None, extra_callbacks: Opt
         from nemo_longctx.integrations.megatron.model_state import strategy_kwargs
 
         state_kwargs.update(strategy_kwargs(model_state))  # Megatron-FSDP: ddp config, fsdp="megatron"
+        if model_state.optimizer_cpu_offload:
+            from nemo_longctx.integrations.megatron.model_state import allow_offload_optimizer_classes_in_checkpoints
+
+            allow_offload_optimizer_classes_in_checkpoints()  # resume: its param groups hold optimizer classes
     strategy = LongContextStrategy(
         tensor_model_parallel_size=p["tp"], pipeline_model_parallel_size=p["pp"], context_parallel_size=p["cp"],
         sequence_parallel=bool(cfg.trainer.strategy.sequence_parallel), cp_algorithm=str(cfg.cp.algorithm),
