@@ -42,9 +42,13 @@ def test_optimizer_offload_and_precision_aware_bytes():
     d = _bytes(ModelState("distributed", 0.5), cp=2)
     assert d["optimizer"] == pytest.approx((0.5 * 12 + 0.5 * 4) * P / 2)
     assert d["host"] == pytest.approx(16 * (0.5 * P / 2 + L8B.vocab_size * L8B.hidden_size))
-    # precision-aware on the device: fp32 master + bf16 moments
+    # precision-aware on the device (TE FusedAdam >= 2.1): the fp32 master as its 16-bit remainder + bf16 moments
     d = _bytes(ModelState("distributed", 0.0, True), cp=8)
-    assert d["optimizer"] == pytest.approx(8 * P / 8) and d["grads"] == 2 * P
+    assert d["optimizer"] == pytest.approx(6 * P / 8) and d["grads"] == 2 * P
+    # precision-aware + half offload: HybridDeviceOptimizer's device part steps fp32 copies (4 B) with fp32 moments
+    # (8 B) and an fp32 copy of each bf16 grad (4 B)
+    d = _bytes(ModelState("distributed", 0.5, True), cp=2)
+    assert d["optimizer"] == pytest.approx(0.5 * 16 * P / 2) and d["grads"] == 2 * P
 
 
 def test_structural_filter_matches_the_known_refusals():

@@ -17,7 +17,9 @@ S = dp * cp the data-parallel-with-CP group that the distributed optimizer and M
                 precision-aware: moments 2 + 2 (bf16); optimizer offload fraction f (HybridDeviceOptimizer):
                 the host holds f of (fp32 master + fp32 grad copy + fp32 moments) = 16 bytes per parameter; the
                 device keeps the distributed optimizer's fp32 master shard of the offloaded part (4 bytes), except
-                with the precision-aware optimizer, where the master lives only on the host. Megatron moves whole
+                with the precision-aware optimizer, where the master lives only on the host (its device part,
+                0 < f < 1, steps fp32 copies of the bf16 shards with fp32 copies of their bf16 grads: + 4 bytes;
+                without offload TE >= 2.1 keeps the fp32 master as a 2-byte remainder). Megatron moves whole
                 (pieces of) parameter tensors until at least f of the shard is on the host: the device part is
                 counted at f (the most that stays), the host part, for 0 < f < 1, at f + one largest parameter
                 tensor (the most that moves)
@@ -442,6 +444,8 @@ def model_state_bytes(shape: ModelShape, c: Candidate, dp: int, precision: Preci
     master, moments = (4.0 if precision.param_bytes < 4 else 0.0), float(precision.optimizer_bytes - 4)
     if ms.precision_aware and ms.optimizer_offload == 0:
         moments = 4.0  # bf16 exp_avg + exp_avg_sq in TE's FusedAdam
+        if precision.param_bytes == 2:  # TE >= 2.1 (store_param_remainders, Megatron's default): the fp32 master is
+            master = 2.0  # kept as its 16-bit remainder next to the bf16 weight
     if ms.sharding == "fsdp":
         unit = 2 * shape.layer_parameters() + (p - shape.num_layers * shape.layer_parameters())
         weights = precision.param_bytes * (p / shard + unit) / c.tp
@@ -452,6 +456,10 @@ def model_state_bytes(shape: ModelShape, c: Candidate, dp: int, precision: Preci
     opt_params = p / c.tp / (1 if ms.sharding == "ddp" else shard)
     f = float(ms.optimizer_offload)
     on_device = (1 - f) * (master + moments) + (0.0 if ms.precision_aware else f * master)
+    if ms.precision_aware and 0.0 < f < 1.0:
+        # HybridDeviceOptimizer's device part steps fp32 copies of the bf16 shards: each holds an fp32 copy of its
+        # bf16 main grad as .grad (`grad.to(fp32)`, kept until the next step)
+        on_device += (1 - f) * 4.0
     # HybridDeviceOptimizer offloads whole shard pieces until >= f of the shard's elements: at most one more piece
     host_f = min(1.0, f + largest_parameter_tensor(shape) / c.tp / opt_params) if 0.0 < f < 1.0 else f
     host = host_f * (4.0 + 4.0 + 8.0)  # fp32 master copy, fp32 grad copy, fp32 moments
