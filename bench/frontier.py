@@ -37,10 +37,11 @@ from nemo_longctx.memory.planner import GIB, plan  # noqa: E402
 from nemo_longctx.plan import conf_dir, inputs_from_config  # noqa: E402
 
 STEP = 16384
-SETTINGS = [  # (label, model group, gpu preset, gpus)
+SETTINGS = [  # (label, model group, gpu preset, gpus[, host GiB per node when not plan.host_memory_gb's 1024])
     ("Llama-3.1-8B", "llama3_8b", "h100", 1),
     ("Llama-3.1-8B", "llama3_8b", "h200", 1),
     ("Llama-3.1-8B", "llama3_8b", "h100", 8),
+    ("Llama-3.1-8B", "llama3_8b", "h100", 8, 1862),  # a DGX H100 has 2 TB (1862 GiB) of host memory
     ("Llama-3.1-8B", "llama3_8b", "h100", 32),
     ("Qwen3-32B", "qwen3_32b", "h100", 8),
     ("Qwen3-32B", "qwen3_32b", "h100", 32),
@@ -54,17 +55,18 @@ UPIPE = {("llama3_8b", "h100", 8): 5_000_000}
 TARGETS = {("llama3_8b", "h100", 1): 1_000_000, ("llama3_8b", "h100", 8): 5_000_000}
 
 
-def _inputs(model: str, gpu: str, gpus: int):
+def _inputs(model: str, gpu: str, gpus: int, host_gb: int | None = None):
     from hydra import compose, initialize_config_dir
 
+    extra = [f"plan.host_memory_gb={host_gb}"] if host_gb else []
     with initialize_config_dir(config_dir=conf_dir(), version_base=None):
-        cfg = compose("plan", overrides=[f"model={model}", f"plan={gpu}", f"plan.gpus={gpus}"])
+        cfg = compose("plan", overrides=[f"model={model}", f"plan={gpu}", f"plan.gpus={gpus}", *extra])
     return inputs_from_config(cfg), float(cfg.plan.cost_tolerance)
 
 
-def frontier(model: str, gpu: str, gpus: int, hi: int = 1 << 27):
+def frontier(model: str, gpu: str, gpus: int, hi: int = 1 << 27, host_gb: int | None = None):
     """(longest fitting seq multiple of STEP, its Plan); (0, None) when not even STEP fits."""
-    (shape, _, hw, precision, coef, cost, search), tol = _inputs(model, gpu, gpus)
+    (shape, _, hw, precision, coef, cost, search), tol = _inputs(model, gpu, gpus, host_gb)
 
     def fits(seq):
         p = plan(shape, seq, hw, precision, coef, cost, tol, **search)
@@ -96,7 +98,9 @@ def limits_at(seq: int, ctx) -> dict:
     terms = {k: round(m[k], 1) for k in ("weights", "grads", "optimizer", "activations", "transient", "comm",
                                           "reserve")}
     return {"seq_length": seq, "candidate": best.candidate.label(), "total_gib": round(m["total"], 1),
-            "fits": best.fits, "terms_gib": dict(sorted(terms.items(), key=lambda kv: -kv[1]))}
+            "fits": best.fits, "fits_gpu": best.fits_gpu, "fits_host": best.fits_host,
+            "host_gib_per_node": round(m["host_per_node"]), "peak_phase": best.memory.peak_phase,
+            "terms_gib": dict(sorted(terms.items(), key=lambda kv: -kv[1]))}
 
 
 def main(argv=None) -> int:
@@ -105,13 +109,16 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     rows, t0 = [], time.time()
     ctxs = {}
-    for label, model, gpu, gpus in SETTINGS:
-        seq, p, ctx = frontier(model, gpu, gpus)
-        ctxs[(model, gpu, gpus)] = ctx
+    for label, model, gpu, gpus, *host in SETTINGS:
+        host_gb = host[0] if host else None
+        seq, p, ctx = frontier(model, gpu, gpus, host_gb=host_gb)
+        if host_gb is None:
+            ctxs[(model, gpu, gpus)] = ctx
         ev = p.chosen if p else None
         m = ev.memory.gib() if ev else {}
         key = (model, gpu, gpus)
-        rows.append({"model": label, "gpu": gpu.upper(), "gpus": gpus, "planner_max_seq": seq,
+        rows.append({"model": label, "gpu": gpu.upper() + (f", {host_gb} GiB host" if host_gb else ""), "gpus": gpus,
+                     "planner_max_seq": seq,
                      "chosen": ev.candidate.label() if ev else None,
                      "gib_per_gpu": round(m.get("total", 0.0), 1), "host_gib_per_node": round(m.get("host_per_node", 0.0)),
                      "model_states_gib": round(m.get("weights", 0) + m.get("grads", 0) + m.get("optimizer", 0), 1),
@@ -130,8 +137,11 @@ def main(argv=None) -> int:
            for (m, g, n), s in (((("llama3_8b", "h100", 1)), 1 << 20), ((("llama3_8b", "h100", 8)), 5 << 20))}
     print("\nwhat limits the targets (the smallest-memory candidate at the target length):")
     for k, v in lim.items():
-        print(f"  {k}: {v['total_gib']} GiB ({'fits' if v['fits'] else 'does not fit'}) {v['candidate']}: "
-              + ", ".join(f"{t} {g}" for t, g in v["terms_gib"].items()))
+        verdict = "fits" if v["fits"] else ", ".join(
+            w for w, ok in (("device memory exceeded", v["fits_gpu"]), ("host memory exceeded", v["fits_host"]))
+            if not ok)
+        print(f"  {k}: {v['total_gib']} GiB/GPU, host {v['host_gib_per_node']} GiB/node ({verdict}; peak in the "
+              f"{v['peak_phase']} backward) {v['candidate']}: " + ", ".join(f"{t} {g}" for t, g in v["terms_gib"].items()))
     print(f"\n({time.time() - t0:.0f} s)")
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "limits": lim}, indent=1))

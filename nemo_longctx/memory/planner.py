@@ -26,11 +26,15 @@ S = dp * cp the data-parallel-with-CP group that the distributed optimizer and M
                 not counted: Megatron DDP's buffer padding under the distributed optimizer (each parameter starts
                 on a multiple of 64 elements, each bucket ends on one of lcm(S, 128)): < 64 elements per tensor
                 plus one alignment per bucket; tests/test_planner_model_state_bytes.py measures every term
-  activations = tokens * (L * layer_saved + head_saved)        (saved for backward, kept on the device)
-  transient   = max(working_sets: loss head, recomputed layer, recomputed/tiled MLP, attention) - comm
-  comm        = tokens * CP communication buffers (ring KV/dKV buffers or Ulysses all-to-all buffers)
-                activations + transient + comm = the step's predicted activation peak (`predicted_peak_bytes`),
-                calibrated with the saved bytes against the tracker on CPU (tests/test_planner_calibration.py)
+  activations, transient, comm: the step's predicted activation peak (`predicted_peak_bytes`) is the larger of
+                two phases of backward (`_peak_phase`), calibrated with the saved bytes against the tracker on CPU
+                (tests/test_planner_calibration.py):
+                head:   tokens * (L_dev * layer_saved + head_saved) + the loss head's working set
+                layers: tokens * L_dev * layer_saved + max(recomputed layer, recomputed/tiled MLP, attention)
+                        (the head's saved tensors are freed once its backward ran)
+                with L_dev = L, or under layer-input offload the layer in backward + those prefetched;
+                activations = the saved bytes live at the peak, transient = that phase's working set less comm,
+                comm = tokens * CP communication buffers (ring KV/dKV or Ulysses all-to-all), layers phase only
   reserve     = fixed bytes for CUDA context, NCCL, allocator fragmentation
   total       = sum of the above; fits when total <= gpu_memory_gb.
 Host memory per node = gpus_per_node * (offloaded activations per GPU + host_reserve_gb).
@@ -149,8 +153,14 @@ class ActivationCoefficients:
     loss_grad_hidden: float = 1.0
     loss_chunk_bytes: float = 7.0
     # transient (not saved) terms
-    mlp_grad: float = 2.0  # x f: gradient of the fc1 output during the MLP backward
+    # x f (/ tiles): gradient of the fc1 output ([s, 2f] gated, [s, f] plain) alive during the MLP backward next to
+    # what the MLP saved (measured on CPU: tests/test_planner_calibration.py)
+    mlp_grad: float = 2.0
+    mlp_grad_plain: float = 1.0
     mlp_tile_grad: float = 1.0  # x f / tiles: gradient live next to one tile's recomputed intermediate (tiled MLP)
+    # x MLP weights (per GPU, not per token): a tiled MLP's backward forms each tile's weight gradients before they
+    # are accumulated (one extra set of MLP weight gradients, in the activation dtype)
+    mlp_tile_wgrad: float = 1.0
     attn_accum: float = 1.0  # x hq*d fp32: output accumulator (forward) / dq accumulator (backward)
     attn_kv_accum: float = 2.0  # x hkv*d fp32: dk, dv accumulators in the ring backward
 
@@ -240,12 +250,15 @@ class MemoryBreakdown:
     weights: float
     grads: float
     optimizer: float
-    activations: float  # saved for backward, on the device
-    transient: float
-    comm: float
+    activations: float  # saved for backward, on the device, live at the step's peak (see `peak_phase`)
+    transient: float  # the peak phase's working set (less the CP buffers)
+    comm: float  # CP buffers live at the peak (0 when the peak is in the head's backward)
     reserve: float
     host_offload: float  # per GPU, on the host
     host_per_node: float
+    # "head": the peak is reached in the loss/output layer's backward, with everything saved still alive;
+    # "layers": in a transformer layer's backward, after the head's saved tensors were freed
+    peak_phase: str = "layers"
 
     @property
     def total(self) -> float:
@@ -253,7 +266,7 @@ class MemoryBreakdown:
                 + self.reserve)
 
     def gib(self) -> dict:
-        out = {k: v / GIB for k, v in asdict(self).items()}
+        out = {k: v / GIB for k, v in asdict(self).items() if k != "peak_phase"}
         out["total"] = self.total / GIB
         return out
 
@@ -387,6 +400,9 @@ def working_sets(shape: ModelShape, c: Candidate, coef: ActivationCoefficients, 
     mlp        selective (mlp) or tiled MLP: the recomputed MLP intermediate (one tile) + gradients in/out; tiled adds
                a gradient of the tile (``mlp_tile_grad``)
     attention  CP buffers (``_comm_buffer_bytes``) + gradients in/out
+    Every set that runs an MLP backward also holds the fc1-output gradient (``mlp_grad``, one tile's when tiled) and,
+    tiled, one tile's MLP weight gradients (``mlp_tile_wgrad``); without recompute that is the ``mlp_backward`` set
+    (the intermediates it needs are among the saved bytes).
     """
     h, f, v = shape.hidden_size, shape.ffn_hidden_size, shape.vocab_size
     tp = c.tp
@@ -394,6 +410,9 @@ def working_sets(shape: ModelShape, c: Candidate, coef: ActivationCoefficients, 
     half = b if b < 4 else 0
     ffn_coef = coef.ffn if shape.gated_mlp else coef.ffn_plain
     tiles = max(1, c.mlp_tiles)
+    mlp_bwd = (coef.mlp_grad if shape.gated_mlp else coef.mlp_grad_plain) * f * b / tp / tiles * tokens
+    if tiles > 1:
+        mlp_bwd += coef.mlp_tile_wgrad * (3 if shape.gated_mlp else 2) * f * h * b / tp
     sets = {}
     if c.loss_chunks > 1:
         chunk = math.ceil(tokens / c.loss_chunks)
@@ -405,21 +424,37 @@ def working_sets(shape: ModelShape, c: Candidate, coef: ActivationCoefficients, 
         regained = none_layer - layer_saved_bytes(shape, c, coef, b)
         if tiles > 1:  # the tiled MLP saves nothing; one tile's intermediate and a gradient of it live
             regained -= ffn_coef * f * b / tp * (1 - 1 / tiles) - coef.mlp_tile_grad * f * b / tp / tiles
-        sets["recompute"] = regained * tokens + grads_io
+        sets["recompute"] = regained * tokens + grads_io + mlp_bwd
     elif c.recompute == "selective" or tiles > 1:
         grad = coef.mlp_tile_grad if tiles > 1 else 0.0
-        sets["mlp"] = (ffn_coef + grad) * f * b / tp / tiles * tokens + grads_io
+        sets["mlp"] = (ffn_coef + grad) * f * b / tp / tiles * tokens + grads_io + mlp_bwd
+    else:
+        sets["mlp_backward"] = mlp_bwd + grads_io
     # attn_accum / attn_kv_accum (fp32 accumulators inside the attention kernels) are not added: on CPU they never
     # set the peak (measured); a GPU session must measure the flash kernels' dq accumulators
     sets["attention"] = _comm_buffer_bytes(shape, c, b) * tokens + grads_io
     return sets
 
 
-def _transient_bytes(shape: ModelShape, c: Candidate, coef: ActivationCoefficients, b: int, tokens: float) -> float:
-    """Bytes per GPU: the largest working set (``working_sets``) less the CP buffers, which ``comm`` reports (they
-    are part of the attention working set), so that activations + transient + comm is the predicted peak."""
+def _peak_phase(shape: ModelShape, c: Candidate, coef: ActivationCoefficients, b: int, tokens: float,
+                layers_saved: float, head_saved: float) -> tuple:
+    """(phase, saved bytes live at the peak, transient, comm) per GPU. Two phases of backward can set the peak:
+
+    head    the loss + output layer's backward (first in backward): every saved byte is alive -- the layers' saved
+            bytes on the device (``layers_saved``) and the head's own (``head_saved``) -- plus the head working set;
+    layers  a transformer layer's backward: the head's saved tensors (final-norm / output-layer inputs, fp32 logits
+            or the chunked loss's precomputed gradients) were freed by autograd after the head's backward, so only
+            the layers' saved bytes and the largest layer working set (recomputed layer, MLP, attention) are alive.
+
+    The transient of the layers phase is reported less the CP buffers, which ``comm`` reports (they are part of the
+    attention working set). Calibrated on CPU against the tracker's peak, with a vocabulary large enough for the
+    head to matter (tests/test_planner_calibration.py)."""
+    sets = working_sets(shape, c, coef, b, tokens)
+    layer_ws = max(v for k, v in sets.items() if k != "head")
+    if head_saved + sets["head"] >= layer_ws:
+        return "head", layers_saved + head_saved, sets["head"], 0.0
     comm = tokens * _comm_buffer_bytes(shape, c, b)
-    return max(0.0, max(working_sets(shape, c, coef, b, tokens).values()) - comm)
+    return "layers", layers_saved, max(0.0, layer_ws - comm), comm
 
 
 def largest_parameter_tensor(shape: ModelShape) -> int:
@@ -480,23 +515,25 @@ def memory_breakdown(shape: ModelShape, seq_length: int, hw: Hardware, c: Candid
     if c.offload == "layer_input":  # on the device in backward: the layer being recomputed + those prefetched
         layer = offloaded_layer_bytes(shape, c, coef, b)
         on_device_layers = min(L, 1 + c.prefetch_depth)
-        device_act = tokens * (on_device_layers * layer + head)
+        layers_saved = tokens * on_device_layers * layer
         host = tokens * (L - on_device_layers) * layer
     else:
-        device_act = tokens * (L * layer + head)
+        layers_saved = tokens * L * layer
         host = 0.0
-    device_act += loss_fixed_bytes(shape, c)
+    head_saved = tokens * head + loss_fixed_bytes(shape, c)
+    phase, device_act, transient, comm = _peak_phase(shape, c, coef, b, tokens, layers_saved, head_saved)
     host += states["host"]
     return MemoryBreakdown(
         weights=states["weights"],
         grads=states["grads"],
         optimizer=states["optimizer"],
         activations=device_act,
-        transient=_transient_bytes(shape, c, coef, b, tokens),
-        comm=tokens * _comm_buffer_bytes(shape, c, b),
+        transient=transient,
+        comm=comm,
         reserve=hw.reserve_gb * GIB,
         host_offload=host,
         host_per_node=hw.gpus_on_a_node * (host + hw.host_reserve_gb * GIB),
+        peak_phase=phase,
     )
 
 
