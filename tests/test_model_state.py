@@ -25,10 +25,17 @@ with ``recompute=full offload=layer_input``, and is compared with the plain-DDP 
                                              differ from cpu_offload's (bf16 grads live), and the bound is 65x below
                                              the smallest step-to-step loss change (a lost or doubled update fails)
 
+  optim=fsdp                                 1e-4: Megatron-FSDP (ZeRO-3, DTensor shards over the CP group of 2,
+                                             gloo all-gather / reduce-scatter; cpu_compat_fsdp.py): the fp32 Adam
+                                             math of the distributed optimizer on its shards, gradients reduce-
+                                             scattered in fp32 (scaled by 1/2 before the sum), the gradient norm
+                                             summed over shards: the same bf16 rounding flips as above; measured
+                                             9.7e-6 (plain and with recompute/offload); at trainer.precision=32 its
+                                             losses equal DDP's bit for bit (5 runs, not in the test)
+
   optim=distributed, trainer.precision=32    1e-5: fp32 weights, nothing rounds to bf16
 
-Megatron-FSDP cannot run on CPU: it is refused there, with the field named, before any process starts (tested
-below); a GPU session must train it. The precision-aware optimizer without optimizer offload (TE's FusedAdam, a CUDA kernel) cannot run on CPU: it is
+The precision-aware optimizer without optimizer offload (TE's FusedAdam, a CUDA kernel) cannot run on CPU: it is
 refused there, with the field named, before any process starts (tested below); a GPU session must train it. With
 optimizer offload it trains here (above) through Megatron's own HybridDeviceOptimizer; the only CPU patch it adds to
 optim=cpu_offload's is cpu_compat fix 14 (OptimizerConfig's TE version check answered without TE).
@@ -59,6 +66,8 @@ RUNS = {  # name: (overrides, baseline run, relative tolerance)
     "cpu_offload_half_rc": (["optim=cpu_offload", "optim.optimizer_offload_fraction=0.5", *RC_OFF], "ddp_rc", 1e-4),
     "precision_aware": (PA, "ddp", 1e-4),
     "precision_aware_half_rc": ([*PA, "optim.optimizer_offload_fraction=0.5", *RC_OFF], "ddp_rc", 1e-4),
+    "fsdp": (["optim=fsdp"], "ddp", 1e-4),
+    "fsdp_rc": (["optim=fsdp", *RC_OFF], "ddp_rc", 1e-4),
     # the default job's own precision (fp32): the distributed optimizer against DDP
     "ddp_fp32": (["trainer.precision=32"], None, None),
     "distributed_fp32": (["optim=distributed", "trainer.precision=32"], "ddp_fp32", 1e-5),
@@ -125,6 +134,38 @@ def test_precision_aware_is_megatrons_path_with_bf16_main_grads(trained):
     assert min(abs(b - a) / abs(a) for a, b in zip(ref, ref[1:])) > 10 * RUNS["precision_aware"][2]
 
 
+@pytest.mark.parametrize("name", ["fsdp", "fsdp_rc"])
+def test_megatron_fsdp_really_shards_the_model(trained, name):
+    """ModelStateCheck (model_state.check_fsdp_layout) ran on every rank before step 0: the model is wrapped in
+    Megatron-FSDP's FullyShardedDataParallel, every parameter is a DTensor on a CPU (gloo) mesh, its weight, fp32
+    master-weight and main-grad buffers are sharded, and each rank holds about half of the elements."""
+    line = [x for x in trained[name][1].splitlines() if x.startswith("model state:")][0]
+    assert line.startswith("model state: megatron_fsdp | optimizer DistributedOptimizer | Megatron-FSDP: "), line
+    assert " DTensor params on a cpu mesh, " in line and " over 2 shards" in line, line
+    local, total = [int(x) for x in line.split("this rank holds ")[1].split(" elements")[0].split(" of ")]
+    assert total > 1_000_000 and abs(2 * local - total) <= 0.01 * total, line  # half, up to bucket padding
+
+
+def test_the_megatron_fsdp_check_fails_on_what_is_not_sharded():
+    """check_fsdp_layout is not vacuous: a model not wrapped, plain (non-DTensor) parameters, a buffer held whole or
+    a rank holding everything each fail; Megatron-FSDP without optim.megatron_fsdp fails too."""
+    from nemo_longctx.integrations.megatron.model_state import ModelStateOptions, check_fsdp_layout
+
+    fsdp = ModelStateOptions(use_distributed_optimizer=True, megatron_fsdp=True)
+    good = {"fsdp": True, "fsdp_params": 15, "fsdp_dtensor_params": 15, "fsdp_total_numel": 1639680,
+            "fsdp_local_numel": 820480, "fsdp_shards": 2, "fsdp_mesh": ["cpu"], "fsdp_unsharded_buffers": []}
+    assert "this rank holds 820480 of 1639680 elements over 2 shards" in check_fsdp_layout(fsdp, good)
+    for bad, msg in (({"fsdp": False}, "not wrapped in Megatron-FSDP"),
+                     ({"fsdp_dtensor_params": 14}, "1 of 15 parameters are not DTensors"),
+                     ({"fsdp_unsharded_buffers": ["group 0 main_grad_buffer"]}, "keeps whole"),
+                     ({"fsdp_local_numel": 1639680}, "this rank holds 1639680 of 1639680")):
+        with pytest.raises(RuntimeError, match=msg):
+            check_fsdp_layout(fsdp, {**good, **bad})
+    with pytest.raises(RuntimeError, match="optim.megatron_fsdp=False but the model is wrapped"):
+        check_fsdp_layout(ModelStateOptions(use_distributed_optimizer=True), good)
+    assert check_fsdp_layout(ModelStateOptions(), {**good, "fsdp": False}) == ""
+
+
 def _compose(overrides):
     from hydra import compose, initialize_config_module
 
@@ -167,8 +208,7 @@ def test_cpu_only_refusals():
 
     if torch.cuda.is_available():
         pytest.skip("CPU-only refusals")
-    p = "\n".join(config_problems(_compose(["optim=fsdp"])))
-    assert "optim.megatron_fsdp=true: Megatron-FSDP builds its DTensor device mesh" in p and "CPU only" in p
+    assert config_problems(_compose(["optim=fsdp"])) == []  # Megatron-FSDP trains on CPU (cpu_compat_fsdp.py)
     p = "\n".join(config_problems(_compose(["optim=precision_aware", "trainer.precision=bf16-mixed"])))
     assert "optim.use_precision_aware_optimizer=true runs TransformerEngine's FusedAdam, a CUDA kernel" in p
     # with optimizer offload it runs in Megatron's HybridDeviceOptimizer (trained above) ...
@@ -190,8 +230,8 @@ def test_cpu_only_refusals():
 
 
 def test_megatron_fsdp_is_wired_the_way_nemo_recipes_do_it():
-    """Not trainable here (CUDA only): the strategy the app builds for optim=fsdp is NeMo's MegatronStrategy with
-    fsdp="megatron" and Megatron-FSDP's DDP config (ZeRO-3 sharding), and the optimizer config shards too."""
+    """The strategy the app builds for optim=fsdp is NeMo's MegatronStrategy with fsdp="megatron" and Megatron-FSDP's
+    DDP config (ZeRO-3 sharding), and the optimizer config shards too (trained above: fsdp, fsdp_rc)."""
     from nemo_longctx.integrations.megatron.model_state import model_state_options, optimizer_config, strategy_kwargs
     from nemo_longctx.integrations.nemo.strategy import LongContextStrategy
 

@@ -5,7 +5,8 @@ plan app's own search space from conf/plan.yaml). For every fitting row the plan
 its `nemo-longctx train` overrides are composed into the train config, checked with the app's one validation
 pass (``config_problems``) and dry-run (``dry_run``: the NeMo objects built and validated against the parallel
 layout, the strategy attached, every layer's core attention resolved to ours), all in one process. This machine has no CUDA and
-no TransformerEngine, so the app refuses Megatron-FSDP and the precision-aware optimizer here; for those rows the
+no TransformerEngine, so the app refuses the precision-aware optimizer's TE FusedAdam here (Megatron-FSDP trains on
+CPU: cpu_compat_fsdp.py); for those rows the
 only problems allowed are exactly the ones the planner's target (CUDA + TransformerEngine, the NGC image) does not
 have -- the same ``model_state_problems`` with its target arguments -- and the dry run uses the CPU-runnable
 stand-in (``optim.use_distributed_optimizer=true``, same layout and memory options).
@@ -170,7 +171,7 @@ def test_every_fitting_row_passes_the_apps_validation(contract):
     assert c["plans"] == len(MODELS) * len(GPUS) * len(COUNTS) * len(SEQS)
     assert c["bad"] == [], c["bad"]
     assert c["checked"] == c["built"] > 100
-    assert c["cpu_only_refused"] > 0  # the sweep does propose Megatron-FSDP / precision-aware rows
+    assert c["cpu_only_refused"] > 0  # the sweep does propose precision-aware (TE FusedAdam) rows
 
 
 def test_what_the_app_accepts_is_searched(contract):

@@ -53,6 +53,9 @@ available, is idempotent, and every patch below says what it fixes (numbers refe
     ``store_param_remainders=False`` (the hybrid optimizer keeps whole fp32 master params; the int16 remainders are
     a TE FusedAdam format). With TE installed the original function answers.
 
+Megatron-FSDP (``optim=fsdp``) has its own fixes (device, DTensor mesh, gradient scaling, exit) in
+``cpu_compat_fsdp.py``, applied from ``apply()``.
+
 What cannot run without CUDA at all is refused (not patched) by ``model_state_cpu_problems``, before step 0.
 """
 
@@ -354,7 +357,6 @@ def _patch_optimizer_config_te_version() -> None:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# --------------------------------------------------------------------------------------------------------------
 # refusals: model-state options that cannot run without CUDA (checked by the app's validation pass)
 def model_state_cpu_problems(opts: Any, force: bool = False, checkpointing: bool = False) -> list:
     """Problems (each naming its ``optim.*`` field) of model-state options that cannot run on a CPU-only build;
@@ -378,11 +380,7 @@ def model_state_cpu_problems(opts: Any, force: bool = False, checkpointing: bool
         # TE's FusedAdam (master_weight_dtype / exp_avg_dtype / use_decoupled_grad) is a CUDA kernel
         out.append("optim.use_precision_aware_optimizer=true runs TransformerEngine's FusedAdam, a CUDA kernel: "
                    "not available on CPU (CPU only; on GPUs it is allowed with TransformerEngine installed)")
-    if getattr(opts, "megatron_fsdp", False) is True:
-        # megatron-core 0.15.3's Megatron-FSDP is CUDA-bound by construction: its adapter builds its DTensor
-        # DeviceMesh with device_type="cuda" and its buffers on torch.device(f"cuda:{current_device()}")
-        out.append("optim.megatron_fsdp=true: Megatron-FSDP builds its DTensor device mesh and buffers on CUDA "
-                   "devices only (device_type='cuda'): not available on CPU (CPU only; allowed on GPUs)")
+    # Megatron-FSDP (optim.megatron_fsdp) runs on CPU over gloo with cpu_compat_fsdp's device/mesh fixes
     return out
 
 
@@ -537,6 +535,9 @@ def apply(force: bool = False) -> bool:
     _patch_moe_router_without_te()
     _patch_zero_centered_norm()
     _patch_optimizer_config_te_version()
+    from nemo_longctx.integrations.megatron import cpu_compat_fsdp
+
+    cpu_compat_fsdp.apply()  # Megatron-FSDP's device and DTensor mesh on the CPU (cpu_compat_fsdp.py)
     _MODE = _CudaToCpuMode()
     _MODE.__enter__()  # fix 3: stays active for the life of the process
     _APPLIED = True

@@ -115,6 +115,10 @@ def model_state_problems(opts: ModelStateOptions, precision: str = "bf16-mixed",
             p.append(f"optim.megatron_fsdp=true with trainer.strategy.pipeline_model_parallel_size={pp}: "
                      "nemo_longctx runs Megatron-FSDP without pipeline parallelism only")
         if checkpointing:
+            # tried on CPU (gloo): NeMo's fsdp_dtensor save fails in megatron-core 0.15.3's SwiGLU split of
+            # linear_fc1 (fsdp_dtensor_checkpoint.handle_swiglu_in_state_dict -> validate_uneven_dtensor: "DTensor
+            # chunk metadata is invalid", offsets past the split half) and, with fp32 weights (no Float16Module),
+            # earlier in NeMo's _get_fsdp_dtensor_state_dict (get_parameter("module.<key>") on the GPTModel)
             p.append("optim.megatron_fsdp=true with checkpoint.every_n_steps > 0: Megatron-FSDP saves in the "
                      "fsdp_dtensor format, which nemo_longctx's checkpoint/resume path does not support yet "
                      "(set checkpoint.every_n_steps=0)")
@@ -272,7 +276,11 @@ def optimizer_layout(optimizer: Any) -> Dict[str, Any]:
     for o in chained:
         for b in getattr(o, "buffers", None) or [b for m in getattr(o, "model_chunks", []) or []
                                                  for b in getattr(m, "buffers", [])]:
-            out["grad_buffer_dtypes"].add(_dtype_name(b.grad_dtype))
+            if hasattr(b, "grad_dtype"):
+                out["grad_buffer_dtypes"].add(_dtype_name(b.grad_dtype))
+            else:  # Megatron-FSDP's ParamAndGradBuffer: a main-grad buffer per parameter group
+                out["grad_buffer_dtypes"].update(_dtype_name(g.main_grad_buffer.dtype) for g in b.parameter_groups
+                                                 if g.main_grad_buffer is not None)
         ddp = getattr(o, "ddp_config", None) or getattr((getattr(o, "model_chunks", None) or [None])[0],
                                                          "ddp_config", None)
         if ddp is not None:
@@ -294,12 +302,72 @@ def optimizer_layout(optimizer: Any) -> Dict[str, Any]:
                     out["moment_dtypes"].add(_dtype_name(state[k].dtype))
     for k in ("moment_dtypes", "grad_buffer_dtypes", "grad_reduce_in_fp32", "master_dtypes"):
         out[k] = sorted(out[k])
+    out.update(fsdp_layout([c for o in chained for c in getattr(o, "model_chunks", None) or []]))
     return out
 
 
 def _dtype_name(dtype: Any) -> str:
     return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(str(dtype).replace("torch.", ""),
                                                                          str(dtype).replace("torch.", ""))
+
+
+def fsdp_layout(model_chunks: List[Any]) -> Dict[str, Any]:
+    """How Megatron-FSDP sharded the model (this rank): {'fsdp': a chunk is Megatron-FSDP's
+    ``FullyShardedDataParallel``, 'fsdp_params' / 'fsdp_dtensor_params': parameters of its module / those that are
+    DTensors, 'fsdp_total_numel' / 'fsdp_local_numel': their global / this rank's element counts, 'fsdp_shards': the
+    data-parallel x CP group it shards over, 'fsdp_mesh': the DTensor meshes' device types, 'fsdp_unsharded_buffers':
+    weight / master-weight / main-grad buffers held whole}."""
+    from torch.distributed.tensor import DTensor
+
+    try:
+        from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+    except ImportError:  # a Megatron without Megatron-FSDP: nothing can be wrapped in it
+        FullyShardedDataParallel = ()
+    fsdp = [c for c in model_chunks if FullyShardedDataParallel and isinstance(c, FullyShardedDataParallel)]
+    out = {"fsdp": bool(fsdp), "fsdp_params": 0, "fsdp_dtensor_params": 0, "fsdp_total_numel": 0,
+           "fsdp_local_numel": 0, "fsdp_shards": 0, "fsdp_mesh": set(), "fsdp_unsharded_buffers": []}
+    for c in fsdp:
+        out["fsdp_shards"] = max(out["fsdp_shards"], c.megatron_fsdp_dist_index.get_dp_group().size())
+        for p in {id(p): p for p in c.parameters()}.values():
+            out["fsdp_params"] += 1
+            if isinstance(p, DTensor):
+                out["fsdp_dtensor_params"] += 1
+                out["fsdp_total_numel"] += p.numel()
+                out["fsdp_local_numel"] += p.to_local().numel()
+                out["fsdp_mesh"].add(p.device_mesh.device_type)
+        for i, g in enumerate(c.param_and_grad_buffer.parameter_groups):
+            for name in ("model_weight_buffer", "main_weight_buffer", "main_grad_buffer"):
+                b = getattr(g, name, None)
+                if b is not None and not b.is_data_distributed:
+                    out["fsdp_unsharded_buffers"].append(f"group {i} {name}")
+    out["fsdp_mesh"] = sorted(out["fsdp_mesh"])
+    return out
+
+
+def check_fsdp_layout(opts: ModelStateOptions, layout: Dict[str, Any]) -> str:
+    """Raise RuntimeError unless the model is Megatron-FSDP-sharded exactly when ``opts.megatron_fsdp`` asks for it
+    (every parameter a DTensor on the mesh, this rank holding about 1/shards of the elements, weights, master
+    weights and grads in sharded buffers); else the summary's Megatron-FSDP part ('' without it)."""
+    if "fsdp" not in layout:
+        return ""
+    if bool(opts.megatron_fsdp) != layout["fsdp"]:
+        raise RuntimeError(f"optim.megatron_fsdp={opts.megatron_fsdp} but the model is "
+                           f"{'' if layout['fsdp'] else 'not '}wrapped in Megatron-FSDP")
+    if not layout["fsdp"]:
+        return ""
+    n, nd, total, local, shards = (layout[k] for k in ("fsdp_params", "fsdp_dtensor_params", "fsdp_total_numel",
+                                                         "fsdp_local_numel", "fsdp_shards"))
+    if not n or nd != n:
+        raise RuntimeError(f"optim.megatron_fsdp=true but {n - nd} of {n} parameters are not DTensors")
+    if layout["fsdp_unsharded_buffers"]:
+        raise RuntimeError(f"optim.megatron_fsdp=true (optim_grads_params) but Megatron-FSDP keeps whole: "
+                           f"{layout['fsdp_unsharded_buffers']}")
+    # the flat buffers are cut evenly (a parameter may straddle ranks); padding stays below a few percent
+    if shards > 1 and not abs(local * shards - total) <= 0.05 * total:
+        raise RuntimeError(f"optim.megatron_fsdp=true over {shards} ranks but this rank holds {local} of {total} "
+                           "parameter elements")
+    return (f" | Megatron-FSDP: {nd} DTensor params on a {'+'.join(layout['fsdp_mesh'])} mesh, this rank holds "
+            f"{local} of {total} elements over {shards} shards")
 
 
 def check_optimizer_layout(opts: ModelStateOptions, layout: Dict[str, Any]) -> str:
@@ -329,7 +397,8 @@ def check_optimizer_layout(opts: ModelStateOptions, layout: Dict[str, Any]) -> s
     if pa and layout.get("device_main_params"):
         raise RuntimeError(f"optim.use_precision_aware_optimizer=true but the distributed optimizer keeps "
                            f"{layout['device_main_params']} fp32 main param shards on the device")
-    line = f"model state: {opts.describe()} | optimizer {'+'.join(sorted(set(layout['kind'])))}"
+    fsdp = check_fsdp_layout(opts, layout)
+    line = f"model state: {opts.describe()} | optimizer {'+'.join(sorted(set(layout['kind'])))}{fsdp}"
     if layout["hybrid"]:
         line += f" | host Adam for {layout['host_numel']} of {total} parameters (this rank)"
     if layout.get("grad_buffer_dtypes"):
