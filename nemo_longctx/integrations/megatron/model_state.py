@@ -115,10 +115,14 @@ def model_state_problems(opts: ModelStateOptions, precision: str = "bf16-mixed",
             p.append(f"optim.megatron_fsdp=true with trainer.strategy.pipeline_model_parallel_size={pp}: "
                      "nemo_longctx runs Megatron-FSDP without pipeline parallelism only")
         if checkpointing:
-            # tried on CPU (gloo): NeMo's fsdp_dtensor save fails in megatron-core 0.15.3's SwiGLU split of
-            # linear_fc1 (fsdp_dtensor_checkpoint.handle_swiglu_in_state_dict -> validate_uneven_dtensor: "DTensor
-            # chunk metadata is invalid", offsets past the split half) and, with fp32 weights (no Float16Module),
-            # earlier in NeMo's _get_fsdp_dtensor_state_dict (get_parameter("module.<key>") on the GPTModel)
+            # tried on CPU (gloo, bf16-mixed): NeMo's fsdp_dtensor save fails in megatron-core 0.15.3's SwiGLU split
+            # of linear_fc1 (fsdp_dtensor_checkpoint.handle_swiglu_in_state_dict): a rank whose shard of fc1 is
+            # empty has no Adam state for it (torch AdamW, the optimizer without TE/Apex, creates state only for
+            # parameters with a grad), so the other rank makes more make_fsdp_dtensor calls, their all_gather_object
+            # chunk-metadata collectives pair up wrongly and validate_uneven_dtensor asserts ("DTensor chunk metadata
+            # is invalid", offsets (1024, 0) for a 512-row half; the missing state is inferred from the calls: the
+            # rank holding fc1 made 5 make_fsdp_dtensor calls, the empty one 4). With fp32 weights (no Float16Module) it fails
+            # earlier in NeMo's _get_fsdp_dtensor_state_dict (get_parameter("module.<key>") on the GPTModel).
             p.append("optim.megatron_fsdp=true with checkpoint.every_n_steps > 0: Megatron-FSDP saves in the "
                      "fsdp_dtensor format, which nemo_longctx's checkpoint/resume path does not support yet "
                      "(set checkpoint.every_n_steps=0)")
