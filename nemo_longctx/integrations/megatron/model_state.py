@@ -121,8 +121,9 @@ def model_state_problems(opts: ModelStateOptions, precision: str = "bf16-mixed",
             # parameters with a grad), so the other rank makes more make_fsdp_dtensor calls, their all_gather_object
             # chunk-metadata collectives pair up wrongly and validate_uneven_dtensor asserts ("DTensor chunk metadata
             # is invalid", offsets (1024, 0) for a 512-row half; the missing state is inferred from the calls: the
-            # rank holding fc1 made 5 make_fsdp_dtensor calls, the empty one 4). With fp32 weights (no Float16Module) it fails
-            # earlier in NeMo's _get_fsdp_dtensor_state_dict (get_parameter("module.<key>") on the GPTModel).
+            # rank holding fc1 made 5 make_fsdp_dtensor calls, the empty one 4). With fp32 weights (no
+            # Float16Module) it fails earlier in NeMo's _get_fsdp_dtensor_state_dict (get_parameter("module.<key>")
+            # on the GPTModel).
             p.append("optim.megatron_fsdp=true with checkpoint.every_n_steps > 0: Megatron-FSDP saves in the "
                      "fsdp_dtensor format, which nemo_longctx's checkpoint/resume path does not support yet "
                      "(set checkpoint.every_n_steps=0)")
