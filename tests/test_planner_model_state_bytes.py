@@ -1,8 +1,9 @@
 """The planner's model-state bytes (`planner.model_state_bytes`) against what Megatron actually holds.
 
-One run of the train app per row (two gloo ranks, cp=ring cp.size=2, so the distributed optimizer shards over
-S = dp x cp = 2; one step at seq 256) of a tiny GQA Llama with odd widths (hidden 200, 4 query heads / 2 KV groups,
-ffn 520, vocab 1000: no parameter is a multiple of 64 elements, so the distributed optimizer's buffer padding shows).
+Each row reads a run of tests/model_state_runs.py (shared with tests/test_model_state.py: two gloo ranks, cp=ring
+cp.size=2, so the distributed optimizer shards over S = dp x cp = 2) of a tiny GQA Llama with odd widths (hidden 200,
+4 query heads / 2 KV groups, ffn 520, vocab 1000: no parameter is a multiple of 64 elements, so the distributed
+optimizer's buffer padding shows).
 The app's ModelStateCheck writes each rank's bytes (`nemo_longctx.integrations.megatron.state_bytes`, every storage
 counted once, after the first optimizer step) to ``model_state_bytes.rank<R>.json``; the prediction is
 `model_state_bytes` for the app's own model shape (`shape_from_config` of the composed ``model`` group).
@@ -24,38 +25,32 @@ Compared, per row (all exact, in bytes):
                      host-optimizer elements
 Not modelled: Adam's ``step`` scalars (4 bytes per optimizer tensor, "other" in the JSON).
 
-A new option is one line in ROWS (app overrides, the planner's ModelState, its Precision). Not here yet: the
-precision-aware optimizer with optimizer offload and Megatron-FSDP (other sessions are making them run on CPU), e.g.
-  "precision_aware_offload": (["optim=precision_aware", "optim.optimizer_cpu_offload=true", ...],
-                              ModelState("distributed", 1.0, True), BF16),
-  "fsdp": (["optim=fsdp", "checkpoint.every_n_steps=0"], ModelState("fsdp"), BF16),
+The precision-aware optimizer (with optimizer offload 1.0, as it runs without TE) keeps no fp32 master on the device
+and bf16 main grads. A new option is one line in ROWS (the run, the planner's ModelState, its Precision). Not here:
+Megatron-FSDP (its gathered buffers are freed between steps: state_bytes cannot read them yet) and the precision-aware
+optimizer at 0 < f < 1 (state_bytes does not yet count its device part's fp32 copies and their fp32 grads).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-from app_runner import run_app
+import model_state_runs
+from model_state_runs import COMMON
 from nemo_longctx.memory.model_shapes import shape_from_config
 from nemo_longctx.memory.planner import Candidate, ModelState, Precision, largest_parameter_tensor, model_state_bytes
 
-BIN = Path(sys.executable).parent
-SHAPE = ["model.hidden_size=200", "model.num_attention_heads=4", "model.num_query_groups=2",
-         "model.ffn_hidden_size=520", "model.vocab_size=1000"]
-COMMON = ["trainer.max_steps=1", "model.seq_length=256", "run.timeout_s=300", "memory.track=false", *SHAPE]
 BF16 = Precision()  # bf16 weights, fp32 main grads (grad_reduce_in_fp32), fp32 master + Adam moments
 FP32 = Precision(activation_bytes=4, param_bytes=4)  # trainer.precision=32: the weights are the master
-ROWS = {  # name: (app overrides, planner ModelState, planner Precision)
-    "ddp_bf16": (["optim=default", "trainer.precision=bf16-mixed"], ModelState("ddp"), BF16),
-    "distributed_fp32": (["optim=distributed", "trainer.precision=32"], ModelState("distributed"), FP32),
-    "offload_1.0_bf16": (["optim=cpu_offload", "trainer.precision=bf16-mixed"], ModelState("distributed", 1.0), BF16),
-    "offload_0.5_bf16": (["optim=cpu_offload", "optim.optimizer_offload_fraction=0.5", "trainer.precision=bf16-mixed"],
-                         ModelState("distributed", 0.5), BF16),
+ROWS = {  # name: (run in model_state_runs.RUNS, planner ModelState, planner Precision)
+    "ddp_bf16": ("ddp", ModelState("ddp"), BF16),
+    "distributed_fp32": ("distributed_fp32", ModelState("distributed"), FP32),
+    "offload_1.0_bf16": ("cpu_offload", ModelState("distributed", 1.0), BF16),
+    "offload_0.5_bf16": ("cpu_offload_half_rc", ModelState("distributed", 0.5), BF16),
+    "precision_aware_offload_1.0": ("precision_aware", ModelState("distributed", 1.0, True), BF16),
 }
 _RUNS: dict = {}
 
@@ -71,8 +66,8 @@ def _predicted(name, f=None):
     """The planner's per-GPU bytes for the row's model shape and layout (``f``: another offload fraction)."""
     from omegaconf import OmegaConf
 
-    overrides, ms, precision = ROWS[name]
-    cfg = _compose(COMMON + overrides)
+    run, ms, precision = ROWS[name]
+    cfg = _compose(COMMON + model_state_runs.RUNS[run][0])
     shape = shape_from_config(OmegaConf.to_container(cfg.model, resolve=True))
     tp, cp = int(cfg.trainer.strategy.tensor_model_parallel_size), int(cfg.cp.size)
     dp = int(cfg.trainer.devices) // (tp * cp)
@@ -85,9 +80,7 @@ def _predicted(name, f=None):
 def _measured(name, tmp_path_factory):
     """Each rank's measured bytes for the row (one app run, cached for the module)."""
     if name not in _RUNS:
-        out = tmp_path_factory.mktemp(f"state_bytes_{name}")
-        code, log = run_app([str(BIN / "nemo-longctx"), "train", f"output_dir={out}", *COMMON, *ROWS[name][0]])
-        assert code == 0, f"{name}: {log[-4000:]}"
+        out = model_state_runs.trained(ROWS[name][0], tmp_path_factory)["dir"]
         files = sorted(out.glob("model_state_bytes.rank*.json"))
         ranks = [json.loads(p.read_text()) for p in files]
         assert len(ranks) == 2 and all("error" not in r for r in ranks), (files, ranks)
@@ -109,7 +102,7 @@ def test_model_state_bytes_match_megatron(name, tmp_path_factory):
         d, pad = r["device"], r["padding"]
         assert d["weights"] - pad["weights"] == pred["weights"], (name, r)
         assert d["grads"] - pad["grads"] == pred["grads"], (name, r)
-        pad_elems = pad["grads"] // precision.grad_bytes
+        pad_elems = pad["grads"] // (2 if ms.precision_aware else precision.grad_bytes)
         if sharded:
             bound = 63 * r["numel"]["param_tensors"] + (math.lcm(S, 128) - 1) * r["numel"]["buckets"]
             assert pad_elems <= bound and pad["weights"] == pad_elems * precision.param_bytes, (name, pad, bound)
@@ -122,8 +115,8 @@ def test_model_state_bytes_match_megatron(name, tmp_path_factory):
     shard = [a + b for a, b in zip(n_dev, n_host)]
     assert (sum(shard) == P) if sharded else all(n == P for n in shard), (name, shard)
 
-    # per rank: the byte rules behind the planner's constants
-    master = 4 if precision.param_bytes < 4 else 0
+    # per rank: the byte rules behind the planner's constants (precision-aware: the master lives on the host only)
+    master = 4 if precision.param_bytes < 4 and not ms.precision_aware else 0
     for r, nd, nh, n in zip(ranks, n_dev, n_host, shard):
         d, h = r["device"], r["host"]
         assert d["main_params"] == master * n and d["moments"] == 8 * nd, (name, r)

@@ -1,0 +1,55 @@
+"""The app trained once per model-state option (``optim`` group), shared by tests/test_model_state.py (losses against
+plain DDP, what Megatron built) and tests/test_planner_model_state_bytes.py (the bytes Megatron holds against the
+planner): each run happens at most once per pytest session (~25 s each on the 2-core CI VM).
+
+The job: a tiny GQA Llama with odd widths (hidden 200, 4 query heads / 2 KV groups, ffn 520, vocab 1000: no parameter
+is a multiple of 64 elements, so the distributed optimizer's buffer padding shows), cp=ring cp.size=2 on two gloo
+processes (the distributed optimizer and Megatron-FSDP shard over the data-parallel-with-CP group of 2), 6 steps at
+seq 2048, Adam, bf16-mixed unless the run says otherwise. Every run's ModelStateCheck writes
+``model_state_bytes.rank<R>.json`` after the first optimizer step.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from app_runner import metrics_rows, run_app
+
+BIN = Path(sys.executable).parent
+STEPS = 6
+SHAPE = ["model.hidden_size=200", "model.num_attention_heads=4", "model.num_query_groups=2",
+         "model.ffn_hidden_size=520", "model.vocab_size=1000"]
+COMMON = [f"trainer.max_steps={STEPS}", "model.seq_length=2048", "trainer.precision=bf16-mixed", "run.timeout_s=300",
+          *SHAPE]
+RC_OFF = ["recompute=full", "offload=layer_input"]
+# the precision-aware optimizer as it runs without TE: Megatron's HybridDeviceOptimizer (fp32 moments), bf16 main grads
+PA = ["optim=precision_aware", "optim.optimizer_cpu_offload=true", "optim.exp_avg_dtype=fp32",
+      "optim.exp_avg_sq_dtype=fp32", "optim.main_grads_dtype=bf16"]
+RUNS = {  # name: (overrides, baseline run, relative tolerance of its losses against the baseline's)
+    "ddp": ([], None, None),
+    "ddp_rc": (RC_OFF, None, None),
+    "distributed": (["optim=distributed"], "ddp", 1e-4),
+    "distributed_rc": (["optim=distributed", *RC_OFF], "ddp_rc", 1e-4),
+    "cpu_offload": (["optim=cpu_offload"], "ddp", 1e-4),
+    "cpu_offload_half_rc": (["optim=cpu_offload", "optim.optimizer_offload_fraction=0.5", *RC_OFF], "ddp_rc", 1e-4),
+    "precision_aware": (PA, "ddp", 1e-4),
+    "precision_aware_half_rc": ([*PA, "optim.optimizer_offload_fraction=0.5", *RC_OFF], "ddp_rc", 1e-4),
+    "fsdp": (["optim=fsdp"], "ddp", 1e-4),
+    "fsdp_rc": (["optim=fsdp", *RC_OFF], "ddp_rc", 1e-4),
+    # the default job's own precision (fp32): the distributed optimizer against DDP
+    "ddp_fp32": (["trainer.precision=32"], None, None),
+    "distributed_fp32": (["optim=distributed", "trainer.precision=32"], "ddp_fp32", 1e-5),
+}
+_DONE: dict = {}
+
+
+def trained(name: str, tmp_path_factory) -> dict:
+    """{'losses', 'log', 'dir'} of the run ``name`` (trained on first use)."""
+    if name not in _DONE:
+        out = tmp_path_factory.getbasetemp() / "model_state_runs" / name
+        out.parent.mkdir(parents=True, exist_ok=True)
+        code, log = run_app([str(BIN / "nemo-longctx"), "train", f"output_dir={out}", *COMMON, *RUNS[name][0]])
+        assert code == 0, f"{name}: {log[-4000:]}"
+        _DONE[name] = {"losses": [row["loss"] for row in metrics_rows(out)], "log": log, "dir": out}
+    return _DONE[name]
