@@ -76,7 +76,25 @@ def train_rank(cfg: DictConfig, launch: Optional[Launch]) -> int:
             flush=True,
         )
     fit(built)
+    _finish_distributed()
     return 0
+
+
+def _finish_distributed() -> None:
+    """After a successful fit: let collectives still in flight finish (Megatron-FSDP's next-step all-gathers), wait
+    for every rank, and destroy the process groups before interpreter finalization -- gloo tearing a process group
+    down with work in flight during finalization aborted runs after their last step (issue 13 notes)."""
+    import sys
+
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    fsdp_compat = sys.modules.get("nemo_longctx.integrations.megatron.cpu_compat_fsdp")
+    if fsdp_compat is not None:
+        fsdp_compat.wait_for_param_gathers()
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def kernel_self_test(precision: str, local_rank: int = 0) -> None:

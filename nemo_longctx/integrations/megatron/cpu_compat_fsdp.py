@@ -121,22 +121,24 @@ def _patch_megatron_fsdp_init() -> None:  # F3
     mfsdp.MegatronFSDP.__init__ = __init__
 
 
+def wait_for_param_gathers() -> None:  # F5
+    """Wait for the all-gathers the live Megatron-FSDP modules left in flight (the app calls it after a successful
+    fit, before it destroys the process groups; the exit hook calls it again, a no-op then)."""
+    for m in list(_INSTANCES):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "There are still pending all-gather tasks, process them."
+                m.synchronize_param_gather()  # F5: Megatron-FSDP's own wait for its in-flight all-gathers
+        except Exception as e:  # a peer gone after a failure: nothing left to wait for
+            log.debug("Megatron-FSDP: pending all-gathers not awaited at exit: %s", e)
+
+
 def _wait_for_param_gathers_at_exit() -> None:  # F5
     global _AT_EXIT
     if _AT_EXIT:
         return
     _AT_EXIT = True
-
-    def wait() -> None:
-        for m in list(_INSTANCES):
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")  # "There are still pending all-gather tasks, process them."
-                    m.synchronize_param_gather()  # F5: Megatron-FSDP's own wait for its in-flight all-gathers
-            except Exception as e:  # a peer gone after a failure: nothing left to wait for
-                log.debug("Megatron-FSDP: pending all-gathers not awaited at exit: %s", e)
-
-    atexit.register(wait)
+    atexit.register(wait_for_param_gathers)
 
 
 def apply() -> None:
