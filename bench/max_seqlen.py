@@ -12,8 +12,8 @@ Stacks (one device, no CP/TP, micro batch 1, gradients in buffers allocated befo
 Search: lengths double from ``--start`` until a step fails, then bisect down to ``--granularity`` tokens. A step
 "fits" when it completes: on CUDA, without an out-of-memory error (the real limit of the device); on CPU (the tiny
 form, for tests), when the activation tracker's peak of live bytes stays within ``--cap-mib`` (an emulated memory
-cap). Planner: the largest length whose ``predicted_peak_bytes`` (saved activations + largest working set, calibrated
-on CPU against the tracker; ``local_cpu`` coefficients: the same local spec) fits the same budget: ``--cap-mib`` on
+cap). Planner: the largest length whose ``predicted_peak_bytes`` (the larger of the head's and a layer's
+backward, calibrated on CPU against the tracker; ``local_cpu`` coefficients: the same local spec) fits the same budget: ``--cap-mib`` on
 CPU, on CUDA the free device memory after the weights and gradient buffers are allocated. The planner models only
 the longctx stack (Megatron's DotProductAttention is not in its search space).
 

@@ -390,7 +390,9 @@ def _comm_buffer_bytes(shape: ModelShape, c: Candidate, b: int) -> float:
 
 def working_sets(shape: ModelShape, c: Candidate, coef: ActivationCoefficients, b: int, tokens: float) -> dict:
     """Bytes per GPU of the short-lived working sets of one step, on top of the saved activations; the step's peak
-    is saved + the largest of them (calibrated against the tracker's peak on CPU: tests/test_planner_calibration.py).
+    is the larger of the head's backward (everything saved + ``head``) and a layer's backward (the layers' saved bytes
+    + the largest other set), see ``_peak_phase`` (calibrated against the tracker's peak on CPU:
+    tests/test_planner_calibration.py).
 
     head       the loss + output layer: untiled, the output weight's gradient before accumulation (fp32 [V/tp, h])
                and, with half-precision activations, the half logits next to their fp32 copy; chunked, one chunk's
