@@ -28,8 +28,10 @@ F5. With ``overlap_param_gather`` (Megatron-FSDP turns it on for ``optim_grads_p
     ``start_param_sync``: asynchronous all-gathers of the next step's first buckets, awaited by the next forward.
     After the last step nobody awaits them. NCCL does not care; gloo completes them on its worker threads, and one
     that completes while Python finalizes (the peer rank a little behind) needs the GIL to release the tensors:
-    the thread is unwound and the rank aborts ("FATAL: exception not rethrown", glibc; 3 of 25 runs here). An
-    ``atexit`` hook (before finalization) waits for them with Megatron-FSDP's own ``synchronize_param_gather()``.
+    the thread is unwound and the rank aborts ("FATAL: exception not rethrown", glibc; 3 of 25 runs here).
+    ``wait_for_param_gathers()`` waits for them with Megatron-FSDP's own ``synchronize_param_gather()``: the train
+    app calls it after a successful fit, before it destroys the process groups, and an ``atexit`` hook (before
+    finalization) calls it for any other way out.
 
 Nothing else is changed: the numerics (bf16/fp32 buffers, gradient scaling, the sharded optimizer step) are
 Megatron-FSDP's own.
