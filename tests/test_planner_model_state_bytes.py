@@ -27,8 +27,14 @@ Not modelled: Adam's ``step`` scalars (4 bytes per optimizer tensor, "other" in 
 
 The precision-aware optimizer (with optimizer offload 1.0, as it runs without TE) keeps no fp32 master on the device
 and bf16 main grads. A new option is one line in ROWS (the run, the planner's ModelState, its Precision). Not here:
-Megatron-FSDP (its gathered buffers are freed between steps: state_bytes cannot read them yet) and the precision-aware
-optimizer at 0 < f < 1 (state_bytes does not yet count its device part's fp32 copies and their fp32 grads).
+the precision-aware optimizer at 0 < f < 1 (state_bytes does not yet count its device part's fp32 copies and their
+fp32 grads).
+
+Megatron-FSDP (its own test below): the sharded bf16 weights, fp32 master and fp32 grads (P/S elements each, plus the
+flat buffers' padding) and the Adam moments of the shard (exact), and the gathered weight units (the planner's
+2 layers + the non-layer parameters = the whole 2-layer model here: Megatron-FSDP has prefetched the next step's
+all-gathers when the bytes are taken); the gathered gradient units are a backward transient, freed after their
+reduce-scatter, so the measured grads are the planner's less that unit.
 """
 
 from __future__ import annotations
@@ -152,3 +158,34 @@ def test_model_state_bytes_match_megatron(name, tmp_path_factory):
           f"\n  device optimizer {mean(dev):.0f} vs {pred['optimizer']:.0f} (at f_real {exact_dev:.0f})"
           f"\n  host optimizer {mean(host):.0f} vs {pred['host']:.0f} (at f_real {exact_host:.0f})"
           f"\n  other (Adam step scalars) {mean([r['device']['other'] + r['host']['other'] for r in ranks]):.0f}")
+
+
+def test_megatron_fsdp_state_bytes_match_the_planner(tmp_path_factory):
+    out = model_state_runs.trained("fsdp", tmp_path_factory)["dir"]
+    ranks = [json.loads(p.read_text()) for p in sorted(out.glob("model_state_bytes.rank*.json"))]
+    assert len(ranks) == 2 and all("error" not in r for r in ranks), ranks
+    cfg = _compose(COMMON + model_state_runs.RUNS["fsdp"][0])
+    from omegaconf import OmegaConf
+
+    shape = shape_from_config(OmegaConf.to_container(cfg.model, resolve=True))
+    P, S = shape.parameters(), 2
+    unit = 2 * shape.layer_parameters() + (P - shape.num_layers * shape.layer_parameters())
+    assert unit == P  # 2 layers: the gathered unit is the whole model
+    pred = model_state_bytes(shape, Candidate(cp_algorithm="ring", cp_size=2, model_state=ModelState("fsdp")), 1)
+    pad = 0.01  # Megatron-FSDP's flat buffers: each shard padded (measured 0.7% here)
+    rows = []
+    for r in ranks:
+        d, h = r["device"], r["host"]
+        assert r["numel"]["params"] == P and sum(h.values()) == 0, r
+        assert pred["weights"] <= d["weights"] <= pred["weights"] * (1 + pad), (d, pred)  # shard + gathered unit
+        grads_shard = pred["grads"] - 4 * unit  # fp32 shard; the unit's fp32 grads are a backward transient
+        assert grads_shard <= d["grads"] <= grads_shard * (1 + pad) and d["main_params"] == d["grads"], (d, pred)
+        assert d["moments"] == 8 * r["numel"]["optimizer_device"], r  # fp32 exp_avg + exp_avg_sq of the shard
+        rows.append((d["weights"], d["grads"], d["main_params"] + d["moments"]))
+    assert sum(r["numel"]["optimizer_device"] for r in ranks) == P  # every parameter stepped once over the shards
+    opt = sum(x[2] for x in rows)
+    assert S * pred["optimizer"] <= opt <= S * pred["optimizer"] * (1 + pad), (opt, pred)
+    print(f"\nfsdp per rank (S={S}): weights {[x[0] for x in rows]} vs {pred['weights']:.0f}; grads "
+          f"{[x[1] for x in rows]} vs {pred['grads'] - 4 * unit:.0f} (+ a {4 * unit} B backward unit); optimizer "
+          f"{[x[2] for x in rows]} (sum {opt}) vs {pred['optimizer']:.0f} per rank")
+

@@ -26,6 +26,12 @@ this order:
   numel   params / param_tensors: elements / tensors of the module's parameters; buckets: DDP buckets;
           optimizer_device / optimizer_host: elements the device / host optimizer steps (this rank's shard)
 
+Megatron-FSDP: its sharded bf16 weight, fp32 master-weight and fp32 main-grad buffers (the optimizer's DTensor
+master shards are views into them) are device weights / main_params / grads; the module's parameters are then views
+of the unsharded weight buckets it has gathered at that moment (after a step: the next step's first buckets, which
+``overlap_param_gather`` prefetches), counted as weights too; its unsharded gradient buckets are freed after their
+reduce-scatter, so they are not here (the planner's gathered units count them as a backward transient).
+
 "Device" and "host" are roles, not ``tensor.device``: on a CPU-only build everything lives in host memory, and
 cpu_compat fix 9 lets the parameters stand in for device tensors while HybridDeviceOptimizer sorts them.
 """
@@ -37,6 +43,11 @@ from typing import Any, Dict, Iterable, List
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
+def _local(t: Any) -> Any:
+    """A DTensor (Megatron-FSDP's parameters and master shards): this rank's local tensor; anything else as is."""
+    return t.to_local() if hasattr(t, "to_local") and hasattr(t, "device_mesh") else t
+
+
 class _Counter:
     def __init__(self) -> None:
         self.seen: set = set()
@@ -44,6 +55,7 @@ class _Counter:
     def add(self, tensors: Iterable[Any]) -> int:
         total = 0
         for t in tensors:
+            t = _local(t)
             if t is None or not hasattr(t, "untyped_storage"):
                 continue
             s = t.untyped_storage()
@@ -70,6 +82,20 @@ def _state_tensors(opt: Any, moments: bool) -> List[Any]:
     return out
 
 
+def _fsdp_buffers(chunks: List[Any]) -> Dict[str, List[Any]]:
+    """Megatron-FSDP's persistent (sharded) buffers of every parameter group: bf16 weights, fp32 master weights, fp32
+    main grads (the unsharded buckets it gathers for a layer's forward / backward are temporary: freed by then)."""
+    out: Dict[str, List[Any]] = {"weights": [], "main_params": [], "grads": []}
+    for m in chunks:
+        for g in getattr(getattr(m, "param_and_grad_buffer", None), "parameter_groups", None) or []:
+            for key, name in (("weights", "model_weight_buffer"), ("main_params", "main_weight_buffer"),
+                              ("grads", "main_grad_buffer")):
+                data = getattr(getattr(g, name, None), "data", None)
+                if data is not None:
+                    out[key].append(data)
+    return out
+
+
 def measured_model_state_bytes(model_chunks: Iterable[Any], optimizer: Any) -> Dict[str, Dict[str, int]]:
     """This rank's model-state bytes (see the module docstring); ``model_chunks``: the (DDP-wrapped) model modules,
     ``optimizer``: the MegatronOptimizer (chained or not). Call after the first optimizer step (Adam's moments and
@@ -80,12 +106,17 @@ def measured_model_state_bytes(model_chunks: Iterable[Any], optimizer: Any) -> D
     params = [p for m in chunks for p in m.parameters()]
     stepped = [p for inner in _inner_optimizers(optimizer) for g in inner.param_groups for p in g["params"]]
     c = _Counter()
-    device = {"weights": c.add(params)}
-    device["grads"] = c.add([getattr(p, "main_grad", None) for p in params] + [p.grad for p in params + stepped])
+    fsdp = _fsdp_buffers(chunks)  # counted first: the DTensor parameters / master shards are views into them
+    device = {"weights": c.add(fsdp["weights"] + params)}
+    device["grads"] = c.add(fsdp["grads"] + [getattr(p, "main_grad", None) for p in params]
+                            + [p.grad for p in params + stepped])
+    device["main_params"] = c.add(fsdp["main_params"])
     padding, n_buckets = {"weights": 0, "grads": 0}, 0
     for m in chunks:
         bufs = getattr(m, "buffers", None)
         for b in (bufs if isinstance(bufs, list) else []) + list(getattr(m, "expert_parallel_buffers", []) or []):
+            if not hasattr(b, "buckets"):  # Megatron-FSDP's ParamAndGradBuffer: see _fsdp_buffers
+                continue
             n_buckets += len(b.buckets)
             pad = int(b.numel) - sum(int(p.numel()) for p in b.params)  # alignment gaps + bucket-end padding
             if getattr(b, "param_data", None) is not None:
@@ -110,8 +141,8 @@ def measured_model_state_bytes(model_chunks: Iterable[Any], optimizer: Any) -> D
                 host["other"] += c.add(_state_tensors(o, False))
         else:
             device_opts.append(inner)
-            numel["optimizer_device"] += sum(p.numel() for g in inner.param_groups for p in g["params"])
-    device["main_params"] = c.add(stepped)
+            numel["optimizer_device"] += sum(_local(p).numel() for g in inner.param_groups for p in g["params"])
+    device["main_params"] += c.add(stepped)
     device["moments"] = sum(c.add(_state_tensors(o, True)) for o in device_opts)
     device["other"] = sum(c.add(_state_tensors(o, False)) for o in device_opts)
     return {"device": device, "host": host, "padding": padding, "numel": numel}
