@@ -243,8 +243,9 @@ def format_report(p: Plan, model: str, show: int) -> str:
             f"seq_length {p.seq_length} on {hw.gpus} GPU(s) x {hw.gpu_memory_gb:g} GiB "
             f"({hw.nodes} node(s) x {hw.gpus_on_a_node}, host {hw.host_memory_gb:g} GiB/node): "
             f"{len(fitting)} of {len(p.evaluations)} candidates fit\n"
-            f"memory columns: GiB per GPU (act = saved activations on the device, trans = transient peak, "
-            f"comm = CP buffers; total includes {hw.reserve_gb:g} GiB reserve); cost = step time relative to "
+            f"memory columns: GiB per GPU at the step's peak (act = saved activations on the device then, trans "
+            f"= that phase's working set, comm = CP buffers; the peak is the head's or a layer's backward, "
+            f"whichever is larger; total includes {hw.reserve_gb:g} GiB reserve); cost = step time relative to "
             f"ideal compute\n")
     shown = fitting[:show] + [e for e in p.evaluations if not e.fits][:max(0, show - len(fitting[:show]))][:5]
     return head + "\n" + format_table(shown)
