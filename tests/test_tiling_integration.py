@@ -368,4 +368,9 @@ def test_app_tiled_run_matches_the_default_run(tmp_path):
     for k, final in pp["final"].items():
         update = final.double() - pp["initial"][k].double()
         assert update.norm() > 0, k
-        assert _rel(pt["final"][k] - pt["initial"][k], update) < 2e-6, k
+        # the updates are read back from the stored fp32 weights, so one rounding flip of a stored weight moves an
+        # update by an ulp of that weight: ~1e-5 of a norm weight's update (weights ~1, updates ~1e-3 per element);
+        # measured on a CPU without AVX-512: <= 1 ulp on two norm weights, every other difference < 1.1e-6 relative
+        diff = (pt["final"][k].double() - pt["initial"][k].double() - update).abs()
+        ulp = torch.finfo(torch.float32).eps * final.double().abs()
+        assert ((diff - ulp).clamp_min(0).norm() / update.norm()).item() < 2e-6, (k, (diff / ulp).max().item())
