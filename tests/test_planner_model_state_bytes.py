@@ -58,7 +58,6 @@ ROWS = {  # name: (run in model_state_runs.RUNS, planner ModelState, planner Pre
     "offload_0.5_bf16": ("cpu_offload_half_rc", ModelState("distributed", 0.5), BF16),
     "precision_aware_offload_1.0": ("precision_aware", ModelState("distributed", 1.0, True), BF16),
 }
-_RUNS: dict = {}
 
 
 def _compose(overrides):
@@ -68,35 +67,39 @@ def _compose(overrides):
         return compose("train", overrides=list(overrides))
 
 
-def _predicted(name, f=None):
-    """The planner's per-GPU bytes for the row's model shape and layout (``f``: another offload fraction)."""
+def _planned(run, ms, precision=BF16):
+    """The planner's per-GPU bytes for a run's model shape and parallel layout with model state ``ms``:
+    (bytes, shape, S = dp x cp)."""
     from omegaconf import OmegaConf
 
-    run, ms, precision = ROWS[name]
     cfg = _compose(COMMON + model_state_runs.RUNS[run][0])
     shape = shape_from_config(OmegaConf.to_container(cfg.model, resolve=True))
     tp, cp = int(cfg.trainer.strategy.tensor_model_parallel_size), int(cfg.cp.size)
     dp = int(cfg.trainer.devices) // (tp * cp)
-    if f is not None:
-        ms = ModelState(ms.sharding, f, ms.precision_aware)
     cand = Candidate(cp_algorithm=str(cfg.cp.algorithm), cp_size=cp, tp=tp, model_state=ms)
     return model_state_bytes(shape, cand, dp, precision), shape, dp * cp
 
 
-def _measured(name, tmp_path_factory):
-    """Each rank's measured bytes for the row (one app run, cached for the module)."""
-    if name not in _RUNS:
-        out = model_state_runs.trained(ROWS[name][0], tmp_path_factory)["dir"]
-        files = sorted(out.glob("model_state_bytes.rank*.json"))
-        ranks = [json.loads(p.read_text()) for p in files]
-        assert len(ranks) == 2 and all("error" not in r for r in ranks), (files, ranks)
-        _RUNS[name] = sorted(ranks, key=lambda r: r["rank"])
-    return _RUNS[name]
+def _predicted(name, f=None):
+    """The planner's per-GPU bytes for the row (``f``: another offload fraction)."""
+    run, ms, precision = ROWS[name]
+    if f is not None:
+        ms = ModelState(ms.sharding, f, ms.precision_aware)
+    return _planned(run, ms, precision)
+
+
+def _rank_bytes(run, tmp_path_factory):
+    """Each rank's measured bytes (model_state_bytes.rank<R>.json) of a run, by rank."""
+    out = model_state_runs.trained(run, tmp_path_factory)["dir"]
+    files = sorted(out.glob("model_state_bytes.rank*.json"))
+    ranks = [json.loads(p.read_text()) for p in files]
+    assert len(ranks) == 2 and all("error" not in r for r in ranks), (files, ranks)
+    return sorted(ranks, key=lambda r: r["rank"])
 
 
 @pytest.mark.parametrize("name", list(ROWS))
 def test_model_state_bytes_match_megatron(name, tmp_path_factory):
-    ranks = _measured(name, tmp_path_factory)
+    ranks = _rank_bytes(ROWS[name][0], tmp_path_factory)
     _, ms, precision = ROWS[name]
     pred, shape, S = _predicted(name)
     P = shape.parameters()
@@ -161,17 +164,11 @@ def test_model_state_bytes_match_megatron(name, tmp_path_factory):
 
 
 def test_megatron_fsdp_state_bytes_match_the_planner(tmp_path_factory):
-    out = model_state_runs.trained("fsdp", tmp_path_factory)["dir"]
-    ranks = [json.loads(p.read_text()) for p in sorted(out.glob("model_state_bytes.rank*.json"))]
-    assert len(ranks) == 2 and all("error" not in r for r in ranks), ranks
-    cfg = _compose(COMMON + model_state_runs.RUNS["fsdp"][0])
-    from omegaconf import OmegaConf
-
-    shape = shape_from_config(OmegaConf.to_container(cfg.model, resolve=True))
-    P, S = shape.parameters(), 2
+    ranks = _rank_bytes("fsdp", tmp_path_factory)
+    pred, shape, S = _planned("fsdp", ModelState("fsdp"))
+    P = shape.parameters()
     unit = 2 * shape.layer_parameters() + (P - shape.num_layers * shape.layer_parameters())
-    assert unit == P  # 2 layers: the gathered unit is the whole model
-    pred = model_state_bytes(shape, Candidate(cp_algorithm="ring", cp_size=2, model_state=ModelState("fsdp")), 1)
+    assert unit == P and S == 2  # 2 layers: the gathered unit is the whole model
     pad = 0.01  # Megatron-FSDP's flat buffers: each shard padded (measured 0.7% here)
     rows = []
     for r in ranks:

@@ -26,12 +26,16 @@ class ModelStateCheck(pl.Callback):
         self.summary = None
         self.state_bytes = None
 
-    def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+    @staticmethod
+    def _mcore_optimizer(trainer: pl.Trainer) -> Any:
+        """The Megatron optimizer NeMo's strategy built (inside its Lightning wrapper)."""
         optimizers = trainer.strategy.optimizers
         if not optimizers:
             raise RuntimeError("ModelStateCheck: the strategy built no optimizer")
-        mcore = getattr(optimizers[0], "mcore_optimizer", optimizers[0])
-        self.summary = check_optimizer_layout(self.options, optimizer_layout(mcore))
+        return getattr(optimizers[0], "mcore_optimizer", optimizers[0])
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self.summary = check_optimizer_layout(self.options, optimizer_layout(self._mcore_optimizer(trainer)))
         if trainer.global_rank == 0:
             print(self.summary, flush=True)
 
@@ -41,10 +45,9 @@ class ModelStateCheck(pl.Callback):
             return
         from nemo_longctx.integrations.megatron.state_bytes import measured_model_state_bytes, summary_line
 
-        optimizer = trainer.strategy.optimizers[0]
-        mcore = getattr(optimizer, "mcore_optimizer", optimizer)
         try:
-            self.state_bytes = measured_model_state_bytes(list(trainer.strategy.model), mcore)
+            self.state_bytes = measured_model_state_bytes(list(trainer.strategy.model),
+                                                          self._mcore_optimizer(trainer))
         except Exception as e:  # a diagnostic: never stops training (the JSON says what failed)
             self.state_bytes = {"error": f"{type(e).__name__}: {e}"}
             print(f"[rank {trainer.global_rank}] model state bytes not measured: {self.state_bytes['error']}",
