@@ -13,6 +13,7 @@ checkpoints, fit). The exit code is non-zero whenever any rank failed; the faile
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
 import time
@@ -153,7 +154,7 @@ def run(cfg: DictConfig) -> int:
         code = launch_local(
             local, [*_ARGV, "hydra.output_subdir=null"], int(threads), wall_timeout_s=cfg.run.timeout_s,
             shutdown_timeout_s=int(cfg.launcher.get("shutdown_timeout_s", 30)),
-            env={"NEMO_LONGCTX_CONFIG_HASH": config_hash(cfg)},
+            env={"NEMO_LONGCTX_CONFIG_HASH": config_hash(cfg)}, log_dir=os.path.join(str(cfg.output_dir), "rank_logs"),
         )
         print(f"nemo-longctx: {'finished' if code == 0 else f'FAILED (exit {code})'} in {time.perf_counter() - t0:.1f} s",
               flush=True)
@@ -172,6 +173,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 def main(argv: Optional[List[str]] = None) -> None:
     die_with_parent()  # a rank of the local launcher never outlives it
+    faulthandler.enable()  # a rank killed by SIGSEGV/SIGABRT/SIGBUS/SIGFPE leaves its Python stacks on stderr
     args = list(sys.argv[1:] if argv is None else argv)
     if any(a in MULTIRUN_FLAGS for a in args):
         print("nemo-longctx train: --multirun/-m is not supported: start one run per configuration "

@@ -62,6 +62,26 @@ def test_a_killed_rank_stops_the_others_within_bounded_time(tmp_path):
     assert elapsed < 60, elapsed
 
 
+def test_an_aborted_rank_is_reported_with_its_last_stderr_lines(tmp_path):
+    """A rank that dies by SIGABRT (a C++ std::terminate, a gloo/c10 fatal error, glibc's heap checks) prints its reason
+    to stderr just before it dies: the launcher names the signal and quotes those lines, after the other ranks'
+    consequential errors, and each rank's stderr is kept under <output_dir>/rank_logs."""
+    code, out, elapsed = _timed(APP + [f"output_dir={tmp_path}", *SMALL, "run.fault=abort@2:1"])
+    assert code == 128 + signal.SIGABRT, (code, out[-3000:])
+    assert "nemo-longctx: FAILED: rank 1 killed by SIGABRT" in out, out[-3000:]
+    report = out[out.index("nemo-longctx: rank 1 (SIGABRT) last wrote to stderr ("):]
+    quoted = [ln for ln in report.splitlines()[1:] if ln.startswith("nemo-longctx:   | ")]
+    marker = quoted.index("nemo-longctx:   | run.fault: rank 1 aborts now (C++-style fatal error marker)")
+    # then faulthandler's dump (train.main enables it in every rank): the fatal error and the Python frame that died
+    assert quoted[marker + 1] == "nemo-longctx:   | Fatal Python error: Aborted", report
+    assert any("callbacks.py" in ln and "in on_train_batch_start" in ln for ln in quoted[marker:]), report
+    assert "nemo-longctx: rank 0 (" not in out  # the survivor was stopped by the agent: no last words quoted for it
+    path = Path(report.split("last wrote to stderr (", 1)[1].split("):", 1)[0])
+    assert path.is_relative_to(tmp_path / "rank_logs") and "aborts now" in path.read_text()
+    assert elapsed < 60, elapsed
+    assert not _run_processes(str(tmp_path)), "processes of the aborted run are still alive"
+
+
 def test_a_hung_rank_ends_the_job_through_the_collective_timeout(tmp_path):
     code, out, elapsed = _timed(APP + [f"output_dir={tmp_path}", *SMALL, "run.fault=hang@2:1",
                                        "launcher.timeout_s=15", "launcher.shutdown_timeout_s=10"])

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from typing import Any, Optional
 
@@ -188,7 +189,7 @@ class FaultInjection(pl.Callback):
     raises (``raise``), kills itself with SIGKILL (``kill``) or hangs (``hang``). Used by the tests of the launcher,
     the collective timeout and resume after a failure."""
 
-    KINDS = ("raise", "kill", "hang")
+    KINDS = ("raise", "kill", "hang", "abort")
 
     def __init__(self, kind: str, step: int, rank: int) -> None:
         if kind not in self.KINDS:
@@ -215,5 +216,9 @@ class FaultInjection(pl.Callback):
             import signal
 
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.kind == "abort":  # what a C++ std::terminate / gloo or c10 fatal error does: a message, then SIGABRT
+            print(f"run.fault: rank {self.rank} aborts now (C++-style fatal error marker)", file=sys.stderr,
+                  flush=True)
+            os.abort()
         while True:  # hang: the peers block in their next collective until launcher.timeout_s
             time.sleep(1)

@@ -89,7 +89,8 @@ def detect_external_launch() -> Optional[Launch]:
 
 
 def launch_local(nproc: int, argv: Sequence[str], threads_per_process: int, *, wall_timeout_s: Optional[float] = None,
-                 shutdown_timeout_s: int = 30, env: Optional[Dict[str, str]] = None) -> int:
+                 shutdown_timeout_s: int = 30, env: Optional[Dict[str, str]] = None,
+                 log_dir: Optional[str] = None) -> int:
     """Start ``python -m nemo_longctx.train *argv`` on ``nproc`` local ranks with PyTorch's elastic agent (the code
     ``torchrun --standalone`` runs: a c10d rendezvous on a port the OS picks, no restarts) and wait for them.
 
@@ -98,6 +99,11 @@ def launch_local(nproc: int, argv: Sequence[str], threads_per_process: int, *, w
     traceback the rank recorded) are printed, and the exit code is returned (128 + signal for a killed rank).
     SIGTERM/SIGINT/SIGHUP to this process stop every rank (the agent's own signal handling) and return 128 + signal;
     ``wall_timeout_s`` stops the run the same way and returns 124.
+
+    Each rank's stderr goes to ``<log_dir>/<run id>_*/attempt_0/<local rank>/stderr.log`` (torch's own
+    ``DefaultLogsSpecs`` layout; a temporary directory when ``log_dir`` is None) and is copied to this process's stderr
+    as it is written, unprefixed (``_RankStderr``). A rank killed by a signal is reported with the last lines it wrote
+    to stderr before it died: a C++ ``std::terminate``/gloo/c10 message, a glibc abort, faulthandler's traceback.
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -109,7 +115,7 @@ def launch_local(nproc: int, argv: Sequence[str], threads_per_process: int, *, w
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"nemo-longctx-{uuid.uuid4().hex[:12]}",
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.5,
-        start_method="spawn", shutdown_timeout=int(shutdown_timeout_s),
+        start_method="spawn", shutdown_timeout=int(shutdown_timeout_s), logs_specs=_RankStderr(log_dir),
     )
     timed_out = threading.Event()
     timer = None
@@ -128,9 +134,17 @@ def launch_local(nproc: int, argv: Sequence[str], threads_per_process: int, *, w
         print(e.format_msg(), file=sys.stderr, flush=True)
         ranked = sorted(e.failures.items(), key=lambda kv: _root_cause_key(*kv))
         rank, failure = ranked[0]
+        config.logs_specs.stop()  # type: ignore[union-attr]  # every rank's stderr is on the console and on disk
         print(f"nemo-longctx: FAILED: rank {rank} {_describe(failure)}", file=sys.stderr, flush=True)
         for other, f in ranked[1:]:
             print(f"nemo-longctx:   then rank {other} {_describe(f)}", file=sys.stderr, flush=True)
+        for r, f in ranked:  # a dead rank's own last words (the surviving ranks' tracebacks are consequences)
+            if _killed(f):
+                tail = config.logs_specs.last_lines(f.local_rank)  # type: ignore[union-attr]
+                path = config.logs_specs.stderr_path(f.local_rank)  # type: ignore[union-attr]
+                print(f"nemo-longctx: rank {r} ({f.signal_name()}) last wrote to stderr ({path}):", file=sys.stderr)
+                print("".join(f"nemo-longctx:   | {ln}\n" for ln in tail) or "nemo-longctx:   | (nothing)",
+                      file=sys.stderr, end="", flush=True)
         code = failure.exitcode
         _kill_process_groups(f.pid for f in e.failures.values())
         return 128 - code if code < 0 else (code or 1)
@@ -145,6 +159,61 @@ def launch_local(nproc: int, argv: Sequence[str], threads_per_process: int, *, w
     finally:
         if timer is not None:
             timer.cancel()
+        config.logs_specs.stop()  # type: ignore[union-attr]
+
+
+class _RankStderr:
+    """torch's ``DefaultLogsSpecs`` with every rank's stderr redirected to its file, copied to the console unprefixed
+    by torch's own ``TailLog`` (torchrun's ``--tee`` would prefix each line with ``[default<N>]:``), so that a rank
+    that dies by a signal can be reported with what it wrote last. Built lazily: torch imports stay in the call."""
+
+    def __new__(cls, log_dir: Optional[str]):
+        from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, Std
+        from torch.distributed.elastic.multiprocessing.tail_log import TailLog
+
+        class RankStderr(DefaultLogsSpecs):
+            def __init__(self) -> None:
+                super().__init__(log_dir=log_dir, redirects=Std.ERR)
+                self._paths: Dict[int, str] = {}
+                self._tail: Optional[TailLog] = None
+
+            def reify(self, envs):  # called by the agent before it starts the ranks
+                dest = super().reify(envs)
+                self._paths = {r: p for r, p in dest.stderrs.items() if p}
+                self.stop()
+                self._tail = TailLog("rank", self._paths, sys.stderr, {r: "" for r in self._paths}).start()
+                return dest
+
+            def stop(self) -> None:
+                """Copy what is left of every rank's stderr to the console and stop following the files."""
+                if self._tail is not None:
+                    self._tail.stop()
+                    self._tail = None
+
+            def stderr_path(self, local_rank: int) -> str:
+                return self._paths.get(local_rank, "(not redirected)")
+
+            def last_lines(self, local_rank: int, n: int = 12) -> list:
+                try:
+                    with open(self._paths[local_rank], "rb") as f:
+                        f.seek(0, os.SEEK_END)
+                        f.seek(max(0, f.tell() - 64 * 1024))
+                        text = f.read().decode(errors="replace")
+                except (KeyError, OSError):
+                    return []
+                lines = [ln.rstrip() for ln in text.splitlines() if ln.strip()]
+                fatal = [i for i, ln in enumerate(lines) if ln.startswith("Fatal Python error:")]
+                if fatal:  # faulthandler's dump follows the C++/glibc message: quote both, not only the stack
+                    return lines[max(0, fatal[-1] - n // 2):fatal[-1] + 2 * n]
+                return lines[-n:]
+
+        return RankStderr()
+
+
+def _killed(failure: object) -> bool:
+    """Died by a signal other than the agent's own SIGTERM (which stops the surviving ranks)."""
+    code = getattr(failure, "exitcode", 1)
+    return code < 0 and -code != int(signal.SIGTERM)
 
 
 def _kill_process_groups(pids) -> None:
@@ -166,7 +235,7 @@ def _root_cause_key(rank: int, failure: object) -> tuple:
     """Order failures so the root cause comes first: a rank killed by a signal other than the agent's own SIGTERM,
     then a rank whose error is not a lost/hung peer (those follow from another rank's failure), then the earliest."""
     code = getattr(failure, "exitcode", 1)
-    killed = code < 0 and -code != int(signal.SIGTERM)
+    killed = _killed(failure)
     message = _first_line(getattr(failure, "message", "")).lower()
     peer = any(p in message for p in _PEER_ERRORS) or (code < 0 and -code == int(signal.SIGTERM))
     return (not killed, peer, getattr(failure, "timestamp", 0), rank)
