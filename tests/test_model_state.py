@@ -120,7 +120,7 @@ def test_megatron_fsdp_really_shards_the_model(trained, name):
     master-weight and main-grad buffers are sharded, and each rank holds about half of the elements."""
     line = [x for x in trained[name][1].splitlines() if x.startswith("model state:")][0]
     assert line.startswith("model state: megatron_fsdp | optimizer DistributedOptimizer | Megatron-FSDP: "), line
-    assert " DTensor params on a cpu mesh, " in line and " over 2 shards" in line, line
+    assert " DTensor params on a cpu mesh, " in line and " over 2 shards, all-gathers synchronous (gloo)" in line, line
     local, total = [int(x) for x in line.split("this rank holds ")[1].split(" elements")[0].split(" of ")]
     assert total > 1_000_000 and abs(2 * local - total) <= 0.01 * total, line  # half, up to bucket padding
 
@@ -137,7 +137,8 @@ def test_the_megatron_fsdp_check_fails_on_what_is_not_sharded():
     for bad, msg in (({"fsdp": False}, "not wrapped in Megatron-FSDP"),
                      ({"fsdp_dtensor_params": 14}, "1 of 15 parameters are not DTensors"),
                      ({"fsdp_unsharded_buffers": ["group 0 main_grad_buffer"]}, "keeps whole"),
-                     ({"fsdp_local_numel": 1639680}, "this rank holds 1639680 of 1639680")):
+                     ({"fsdp_local_numel": 1639680}, "this rank holds 1639680 of 1639680"),
+                     ({"fsdp_gather_sync_required": True, "fsdp_gather_sync": False}, "asynchronous parameter")):
         with pytest.raises(RuntimeError, match=msg):
             check_fsdp_layout(fsdp, {**good, **bad})
     with pytest.raises(RuntimeError, match="optim.megatron_fsdp=False but the model is wrapped"):

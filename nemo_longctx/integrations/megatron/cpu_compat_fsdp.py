@@ -25,13 +25,37 @@ F4. Megatron-FSDP's gradient reduce-scatter pre-multiplies by 1/data-parallel-si
     ``grad.mul_(1/dp)`` then ``SUM`` (what it does for bf16 gradients) -- the same products summed.
 
 F5. With ``overlap_param_gather`` (Megatron-FSDP turns it on for ``optim_grads_params``), the optimizer step ends with
-    ``start_param_sync``: asynchronous all-gathers of the next step's first buckets, awaited by the next forward.
-    After the last step nobody awaits them. NCCL does not care; gloo completes them on its worker threads, and one
+    ``start_param_sync``: all-gathers of the next step's first buckets (asynchronous without F6), awaited by the next
+    forward. After the last step nobody awaits them. NCCL does not care; gloo completes them on its worker threads, and one
     that completes while Python finalizes (the peer rank a little behind) needs the GIL to release the tensors:
     the thread is unwound and the rank aborts ("FATAL: exception not rethrown", glibc; 3 of 25 runs here).
     ``wait_for_param_gathers()`` waits for them with Megatron-FSDP's own ``synchronize_param_gather()``: the train
     app calls it after a successful fit, before it destroys the process groups, and an ``atexit`` hook (before
     finalization) calls it for any other way out.
+
+F6. Megatron-FSDP issues its parameter all-gathers asynchronously (``AllGatherPipeline.all_gather_params``, always
+    ``async_param_gather=True``: prefetched buckets of the next module in forward and backward order, and the next
+    step's first buckets after the optimizer step) and waits for each one only when its bucket is needed. On a GPU
+    that overlaps NCCL with compute. On gloo the coalesced all-gather runs on one of the process group's worker
+    threads (``AsyncAllgatherCoalescedWork::run``: it allocates a flat output, receives into it and copies it into
+    the bucket with ATen ops, under the issuing thread's thread-local state), concurrently with the main thread's
+    forward/backward, the ring's point-to-point exchange on the CP group and the synchronous gradient
+    reduce-scatters issued on the same group's other worker thread. That is the one place where this app keeps a
+    gloo collective in flight while the training thread goes on, and runs with it corrupt the heap (issue 20): a
+    core dump shows glibc's ``malloc(): unaligned tcache chunk detected`` raised in a gloo worker thread inside
+    ``AsyncAllgatherCoalescedWork::allgather_coalesced`` -> ``at::empty``; other runs die by SIGSEGV in the training
+    thread (RoPE, ``_grad_acc``'s copy, a reduce-scatter's wait) with up to 8 all-gathers in flight. No Megatron-FSDP
+    buffer is freed or resized while an all-gather on it is in flight (checked for every collective of a crashing
+    run), the collectives match across ranks (``TORCH_DISTRIBUTED_DEBUG=DETAIL``), and the same collectives without
+    the model do not crash (gloo alone, 60K iterations): the writer is inside torch/gloo's worker-thread path, which
+    only runs beside the training thread when an all-gather is asynchronous. Measured beside two CPU hogs
+    (8 layers, seq 512, 300 steps): asynchronous 2 of 6 runs crashed, synchronous 0 of 6; 30 steps of the test's
+    shape: 1 of 19 vs 0 of 10. Every all-gather is issued with
+    ``async_param_gather=False``: Megatron-FSDP's own synchronous path (the coalesced work is waited for before
+    ``all_gather_params`` returns; the bucket state machine is unchanged), so at most one gloo collective is in
+    flight per process, in program order -- the same order on every rank. On a CPU there is nothing to overlap
+    (gloo's threads and the compute share the same cores); the losses are bit-identical to the asynchronous path's
+    (30 steps, fsdp with recompute=full offload=layer_input).
 
 Nothing else is changed: the numerics (bf16/fp32 buffers, gradient scaling, the sharded optimizer step) are
 Megatron-FSDP's own.
@@ -123,6 +147,22 @@ def _patch_megatron_fsdp_init() -> None:  # F3
     mfsdp.MegatronFSDP.__init__ = __init__
 
 
+def _patch_synchronous_param_gather() -> None:  # F6
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as pgb
+
+    original = pgb.AllGatherPipeline.all_gather_params
+    if getattr(original, "_nemo_longctx", False):
+        return
+
+    @functools.wraps(original)
+    def all_gather_params(self, params, *args: Any, **kwargs: Any) -> Any:
+        kwargs["async_param_gather"] = False  # F6: every gloo all-gather completes before the caller goes on
+        return original(self, params, *args, **kwargs)
+
+    all_gather_params._nemo_longctx = True  # type: ignore[attr-defined]
+    pgb.AllGatherPipeline.all_gather_params = all_gather_params
+
+
 def wait_for_param_gathers() -> None:  # F5
     """Wait for the all-gathers the live Megatron-FSDP modules left in flight (the app calls it after a successful
     fit, before it destroys the process groups; the exit hook calls it again, a no-op then)."""
@@ -148,5 +188,6 @@ def apply() -> None:
     _patch_adapter_device()
     _patch_adapter_mesh()
     _patch_megatron_fsdp_init()
+    _patch_synchronous_param_gather()
     _wait_for_param_gathers_at_exit()
 

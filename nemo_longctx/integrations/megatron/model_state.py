@@ -346,6 +346,13 @@ def fsdp_layout(model_chunks: List[Any]) -> Dict[str, Any]:
                 if b is not None and not b.is_data_distributed:
                     out["fsdp_unsharded_buffers"].append(f"group {i} {name}")
     out["fsdp_mesh"] = sorted(out["fsdp_mesh"])
+    if fsdp:  # cpu_compat_fsdp F6: on gloo every parameter all-gather completes before the caller goes on
+        from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import AllGatherPipeline
+
+        from nemo_longctx.integrations.megatron import cpu_compat
+
+        out["fsdp_gather_sync_required"] = cpu_compat.is_applied()
+        out["fsdp_gather_sync"] = bool(getattr(AllGatherPipeline.all_gather_params, "_nemo_longctx", False))
     return out
 
 
@@ -371,8 +378,12 @@ def check_fsdp_layout(opts: ModelStateOptions, layout: Dict[str, Any]) -> str:
     if shards > 1 and not abs(local * shards - total) <= 0.05 * total:
         raise RuntimeError(f"optim.megatron_fsdp=true over {shards} ranks but this rank holds {local} of {total} "
                            "parameter elements")
+    if layout.get("fsdp_gather_sync_required") and not layout.get("fsdp_gather_sync"):
+        raise RuntimeError("Megatron-FSDP on gloo with asynchronous parameter all-gathers (cpu_compat_fsdp F6 is not "
+                           "applied): a gloo all-gather in flight beside the training thread crashed ranks (issue 20)")
+    gather = ", all-gathers synchronous (gloo)" if layout.get("fsdp_gather_sync") else ""
     return (f" | Megatron-FSDP: {nd} DTensor params on a {'+'.join(layout['fsdp_mesh'])} mesh, this rank holds "
-            f"{local} of {total} elements over {shards} shards")
+            f"{local} of {total} elements over {shards} shards{gather}")
 
 
 def check_optimizer_layout(opts: ModelStateOptions, layout: Dict[str, Any]) -> str:

@@ -102,7 +102,7 @@ def launch_local(nproc: int, argv: Sequence[str], threads_per_process: int, *, w
 
     Each rank's stderr goes to ``<log_dir>/<run id>_*/attempt_0/<local rank>/stderr.log`` (torch's own
     ``DefaultLogsSpecs`` layout; a temporary directory when ``log_dir`` is None) and is copied to this process's stderr
-    as it is written, unprefixed (``_RankStderr``). A rank killed by a signal is reported with the last lines it wrote
+    as it is written, unprefixed (``_rank_stderr_logs``). A rank killed by a signal is reported with the last lines it wrote
     to stderr before it died: a C++ ``std::terminate``/gloo/c10 message, a glibc abort, faulthandler's traceback.
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -115,7 +115,7 @@ def launch_local(nproc: int, argv: Sequence[str], threads_per_process: int, *, w
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"nemo-longctx-{uuid.uuid4().hex[:12]}",
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.5,
-        start_method="spawn", shutdown_timeout=int(shutdown_timeout_s), logs_specs=_RankStderr(log_dir),
+        start_method="spawn", shutdown_timeout=int(shutdown_timeout_s), logs_specs=_rank_stderr_logs(log_dir),
     )
     timed_out = threading.Event()
     timer = None
@@ -162,52 +162,50 @@ def launch_local(nproc: int, argv: Sequence[str], threads_per_process: int, *, w
         config.logs_specs.stop()  # type: ignore[union-attr]
 
 
-class _RankStderr:
+def _rank_stderr_logs(log_dir: Optional[str]):
     """torch's ``DefaultLogsSpecs`` with every rank's stderr redirected to its file, copied to the console unprefixed
     by torch's own ``TailLog`` (torchrun's ``--tee`` would prefix each line with ``[default<N>]:``), so that a rank
-    that dies by a signal can be reported with what it wrote last. Built lazily: torch imports stay in the call."""
+    that dies by a signal can be reported with what it wrote last."""
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing.tail_log import TailLog
 
-    def __new__(cls, log_dir: Optional[str]):
-        from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, Std
-        from torch.distributed.elastic.multiprocessing.tail_log import TailLog
+    class RankStderr(DefaultLogsSpecs):
+        def __init__(self) -> None:
+            super().__init__(log_dir=log_dir, redirects=Std.ERR)
+            self._paths: Dict[int, str] = {}
+            self._tail: Optional[TailLog] = None
 
-        class RankStderr(DefaultLogsSpecs):
-            def __init__(self) -> None:
-                super().__init__(log_dir=log_dir, redirects=Std.ERR)
-                self._paths: Dict[int, str] = {}
-                self._tail: Optional[TailLog] = None
+        def reify(self, envs):  # called by the agent before it starts the ranks
+            dest = super().reify(envs)
+            self._paths = {r: p for r, p in dest.stderrs.items() if p}
+            self.stop()
+            self._tail = TailLog("rank", self._paths, sys.stderr, {r: "" for r in self._paths}).start()
+            return dest
 
-            def reify(self, envs):  # called by the agent before it starts the ranks
-                dest = super().reify(envs)
-                self._paths = {r: p for r, p in dest.stderrs.items() if p}
-                self.stop()
-                self._tail = TailLog("rank", self._paths, sys.stderr, {r: "" for r in self._paths}).start()
-                return dest
+        def stop(self) -> None:
+            """Copy what is left of every rank's stderr to the console and stop following the files."""
+            if self._tail is not None:
+                self._tail.stop()
+                self._tail = None
 
-            def stop(self) -> None:
-                """Copy what is left of every rank's stderr to the console and stop following the files."""
-                if self._tail is not None:
-                    self._tail.stop()
-                    self._tail = None
+        def stderr_path(self, local_rank: int) -> str:
+            return self._paths.get(local_rank, "(not redirected)")
 
-            def stderr_path(self, local_rank: int) -> str:
-                return self._paths.get(local_rank, "(not redirected)")
+        def last_lines(self, local_rank: int, n: int = 12) -> list:
+            try:
+                with open(self._paths[local_rank], "rb") as f:
+                    f.seek(0, os.SEEK_END)
+                    f.seek(max(0, f.tell() - 64 * 1024))
+                    text = f.read().decode(errors="replace")
+            except (KeyError, OSError):
+                return []
+            lines = [ln.rstrip() for ln in text.splitlines() if ln.strip()]
+            fatal = [i for i, ln in enumerate(lines) if ln.startswith("Fatal Python error:")]
+            if fatal:  # faulthandler's dump follows the C++/glibc message: quote both, not only the stack
+                return lines[max(0, fatal[-1] - n // 2):fatal[-1] + 2 * n]
+            return lines[-n:]
 
-            def last_lines(self, local_rank: int, n: int = 12) -> list:
-                try:
-                    with open(self._paths[local_rank], "rb") as f:
-                        f.seek(0, os.SEEK_END)
-                        f.seek(max(0, f.tell() - 64 * 1024))
-                        text = f.read().decode(errors="replace")
-                except (KeyError, OSError):
-                    return []
-                lines = [ln.rstrip() for ln in text.splitlines() if ln.strip()]
-                fatal = [i for i, ln in enumerate(lines) if ln.startswith("Fatal Python error:")]
-                if fatal:  # faulthandler's dump follows the C++/glibc message: quote both, not only the stack
-                    return lines[max(0, fatal[-1] - n // 2):fatal[-1] + 2 * n]
-                return lines[-n:]
-
-        return RankStderr()
+    return RankStderr()
 
 
 def _killed(failure: object) -> bool:
