@@ -154,7 +154,8 @@ def run(cfg: DictConfig) -> int:
         code = launch_local(
             local, [*_ARGV, "hydra.output_subdir=null"], int(threads), wall_timeout_s=cfg.run.timeout_s,
             shutdown_timeout_s=int(cfg.launcher.get("shutdown_timeout_s", 30)),
-            env={"NEMO_LONGCTX_CONFIG_HASH": config_hash(cfg)}, log_dir=os.path.join(str(cfg.output_dir), "rank_logs"),
+            env={"NEMO_LONGCTX_CONFIG_HASH": config_hash(cfg)},
+            log_dir=os.path.join(str(cfg.output_dir), "rank_logs"),
         )
         print(f"nemo-longctx: {'finished' if code == 0 else f'FAILED (exit {code})'} in {time.perf_counter() - t0:.1f} s",
               flush=True)

@@ -26,8 +26,8 @@ F4. Megatron-FSDP's gradient reduce-scatter pre-multiplies by 1/data-parallel-si
 
 F5. With ``overlap_param_gather`` (Megatron-FSDP turns it on for ``optim_grads_params``), the optimizer step ends with
     ``start_param_sync``: all-gathers of the next step's first buckets (asynchronous without F6), awaited by the next
-    forward. After the last step nobody awaits them. NCCL does not care; gloo completes them on its worker threads, and one
-    that completes while Python finalizes (the peer rank a little behind) needs the GIL to release the tensors:
+    forward. After the last step nobody awaits them. NCCL does not care; gloo completes them on its worker threads,
+    and one that completes while Python finalizes (the peer rank a little behind) needs the GIL to release the tensors:
     the thread is unwound and the rank aborts ("FATAL: exception not rethrown", glibc; 3 of 25 runs here).
     ``wait_for_param_gathers()`` waits for them with Megatron-FSDP's own ``synchronize_param_gather()``: the train
     app calls it after a successful fit, before it destroys the process groups, and an ``atexit`` hook (before

@@ -102,8 +102,8 @@ def launch_local(nproc: int, argv: Sequence[str], threads_per_process: int, *, w
 
     Each rank's stderr goes to ``<log_dir>/<run id>_*/attempt_0/<local rank>/stderr.log`` (torch's own
     ``DefaultLogsSpecs`` layout; a temporary directory when ``log_dir`` is None) and is copied to this process's stderr
-    as it is written, unprefixed (``_rank_stderr_logs``). A rank killed by a signal is reported with the last lines it wrote
-    to stderr before it died: a C++ ``std::terminate``/gloo/c10 message, a glibc abort, faulthandler's traceback.
+    as it is written, unprefixed (``_rank_stderr_logs``). A rank killed by a signal is reported with the last lines it
+    wrote to stderr before it died: a C++ ``std::terminate``/gloo/c10 message, a glibc abort, faulthandler's traceback.
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
