@@ -96,7 +96,7 @@ def build(shape: ModelShape, stack: str, *, device, dtype, max_len: int, recompu
         from nemo_longctx.integrations.megatron.memory_options import (
             MemoryOptions, apply_recompute_fields, attach_memory_options)
         from nemo_longctx.integrations.megatron.spec import long_context_layer_spec
-        from nemo_longctx.integrations.megatron.tiled_mlp import tiled_mlp_layer_spec
+        from nemo_longctx.integrations.megatron.tiled_mlp_layer import tiled_mlp_layer_spec
 
         opts = MemoryOptions(recompute=recompute, offload="layer_input", min_bytes=0)
         apply_recompute_fields(cfg, opts)
@@ -104,7 +104,7 @@ def build(shape: ModelShape, stack: str, *, device, dtype, max_len: int, recompu
     model = GPTModel(cfg, spec, vocab_size=shape.vocab_size, max_sequence_length=max_len,
                      position_embedding_type="rope", share_embeddings_and_output_weights=False).to(device)
     if stack == "longctx":
-        from nemo_longctx.integrations.megatron.chunked_loss import use_chunked_loss
+        from nemo_longctx.integrations.megatron.gpt_chunked_loss import use_chunked_loss
 
         use_chunked_loss(model, "auto", chunk_tokens)
         runtime = attach_memory_options(model, opts)
@@ -117,7 +117,7 @@ def build(shape: ModelShape, stack: str, *, device, dtype, max_len: int, recompu
 def step(model, runtime, seq: int, device, vocab: int, track: bool):
     """One forward + backward of ``seq`` tokens; returns the peak of live bytes during it (tracker on CPU, the CUDA
     allocator's peak on CUDA)."""
-    from nemo_longctx.integrations.megatron.chunked_loss import loss_mask_scope
+    from nemo_longctx.integrations.megatron.gpt_chunked_loss import loss_mask_scope
     from nemo_longctx.memory.tracker import ActivationTracker
 
     g = torch.Generator().manual_seed(seq)

@@ -37,10 +37,10 @@ def build_model(shape, cand, seq: int, *, dtype=None):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from nemo_longctx.integrations.megatron.chunked_loss import use_chunked_loss
+    from nemo_longctx.integrations.megatron.gpt_chunked_loss import use_chunked_loss
     from nemo_longctx.integrations.megatron.memory_options import apply_recompute_fields, attach_memory_options
     from nemo_longctx.integrations.megatron.spec import long_context_layer_spec
-    from nemo_longctx.integrations.megatron.tiled_mlp import tiled_mlp_layer_spec
+    from nemo_longctx.integrations.megatron.tiled_mlp_layer import tiled_mlp_layer_spec
 
     opts, algo, cp_kwargs = megatron_options(cand)
     cfg = TransformerConfig(
@@ -77,7 +77,7 @@ def measure(rank: int, world: int, shape, cands: Sequence, seqs: Sequence[int]) 
     from megatron.core import tensor_parallel
 
     from nemo_longctx.integrations.megatron.batch import shard_batch_for_cp
-    from nemo_longctx.integrations.megatron.chunked_loss import loss_mask_scope
+    from nemo_longctx.integrations.megatron.gpt_chunked_loss import loss_mask_scope
     from nemo_longctx.memory.tracker import ActivationTracker
 
     ps.initialize_model_parallel(context_parallel_size=world)

@@ -92,9 +92,9 @@ def _build(cfg, algorithm, kwargs, mem, init, tiled):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from nemo_longctx.integrations.megatron.chunked_loss import use_chunked_loss
+    from nemo_longctx.integrations.megatron.gpt_chunked_loss import use_chunked_loss
     from nemo_longctx.integrations.megatron.spec import long_context_layer_spec
-    from nemo_longctx.integrations.megatron.tiled_mlp import tiled_mlp_layer_spec
+    from nemo_longctx.integrations.megatron.tiled_mlp_layer import tiled_mlp_layer_spec
 
     config = apply_recompute_fields(copy.copy(cfg), opts)
     spec = long_context_layer_spec(get_gpt_layer_local_spec(normalization="RMSNorm"), algorithm, **kwargs)

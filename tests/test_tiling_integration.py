@@ -40,7 +40,7 @@ def _mlp_cases():
     from megatron.core.transformer.spec_utils import build_module
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from nemo_longctx.integrations.megatron.tiled_mlp import TiledMegatronMLP, mlp_modules, tiled_mlp_layer_spec
+    from nemo_longctx.integrations.megatron.tiled_mlp_layer import TiledMegatronMLP, mlp_modules, tiled_mlp_layer_spec
 
     out = []
     for bias, tiles, tile_tokens, s in ((False, 3, 2048, 11), (True, "auto", 4, 13), (True, 13, 2048, 13),
@@ -100,7 +100,7 @@ def _build_gpt(config, tied, vocab, seq, tiled: bool, mlp_tile_tokens: int, loss
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from nemo_longctx.integrations.megatron.chunked_loss import use_chunked_loss
+    from nemo_longctx.integrations.megatron.gpt_chunked_loss import use_chunked_loss
     from nemo_longctx.integrations.nemo.model import LongContextLayerSpec
     from nemo_longctx.integrations.nemo.tiling import TiledMLPLayerSpec
 
@@ -120,7 +120,7 @@ def _train_compare(tp, cp, sp, tied, recompute=None, steps=3, seq=44, vocab=64, 
     from nemo.lightning.megatron_parallel import MaskedTokenLossReduction
 
     from nemo_longctx.integrations.megatron.batch import shard_batch_for_cp
-    from nemo_longctx.integrations.megatron.tiled_mlp import TiledMegatronMLP
+    from nemo_longctx.integrations.megatron.tiled_mlp_layer import TiledMegatronMLP
     from nemo_longctx.integrations.nemo.tiling import LossMaskForwardStep
 
     ps.destroy_model_parallel()
@@ -190,7 +190,7 @@ def _train_compare(tp, cp, sp, tied, recompute=None, steps=3, seq=44, vocab=64, 
 def _error_cases():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from nemo_longctx.integrations.megatron.tiled_mlp import tiled_mlp_layer_spec
+    from nemo_longctx.integrations.megatron.tiled_mlp_layer import tiled_mlp_layer_spec
     from nemo_longctx.integrations.nemo.tiling import SequenceTiling, tiling_problems
 
     errors = {}

@@ -12,7 +12,7 @@ from .hybrid import hybrid_attention, make_cp_groups
 from .ring import local_attention, ring_attention, ring_attention_backward, ring_attention_forward
 from .thd import ThdLayout
 from .ulysses import UlyssesHeadPlan, check_ulysses_inputs, plan_ulysses_heads, ulysses_attention
-from .validation import check_attention_inputs
+from .input_checks import check_attention_inputs
 
 __all__ = [
     "A2ABufferProbe",

@@ -27,7 +27,7 @@ from .comm import group_size_and_rank
 from .kernels import resolve_softmax_scale, select_kernel
 from .ring import ring_attention
 from .ulysses import check_ulysses_inputs, thd_order_for, ulysses_core
-from .validation import check_window
+from .input_checks import check_window
 
 Tensor = torch.Tensor
 

@@ -31,7 +31,7 @@ from .merge import merge_attention_
 from .ring_thd import ring_thd_attention
 from .ring_window import ring_window_attention
 from .thd import thd_layout_or_none
-from .validation import check_attention_inputs, check_window
+from .input_checks import check_attention_inputs, check_window
 
 Tensor = torch.Tensor
 

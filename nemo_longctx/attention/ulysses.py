@@ -47,7 +47,7 @@ from .ring import ring_attention_backward, ring_attention_forward
 from .ring_thd import ring_thd_backward, ring_thd_forward
 from .ring_window import ring_window_backward, ring_window_forward
 from .thd import ThdLayout, thd_layout_or_none
-from .validation import check_attention_inputs, check_window
+from .input_checks import check_attention_inputs, check_window
 
 Tensor = torch.Tensor
 HeadIndex = Union[slice, Tensor]

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from ..attention.comm import group_size_and_rank
 from ..attention.kernels import resolve_softmax_scale, select_kernel
 from ..attention.ring import ring_attention, ring_attention_backward, ring_attention_forward
-from ..attention.validation import check_attention_inputs
+from ..attention.input_checks import check_attention_inputs
 from .offload import is_offloaded, offload_into_active_scope, restore
 
 Tensor = torch.Tensor

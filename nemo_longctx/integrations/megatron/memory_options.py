@@ -281,7 +281,7 @@ def attach_memory_options(model: Any, opts: MemoryOptions, *, record_events: boo
     from nemo_longctx.memory.tracker import scope_modules
 
     from .core_attention import LongContextCoreAttention
-    from .norm_recompute import install_norm_recompute
+    from .norm_recompute_layer import install_norm_recompute
     from .offload_block import LongContextTransformerBlock
 
     validate_memory_options(opts)

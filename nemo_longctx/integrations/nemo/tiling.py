@@ -97,7 +97,7 @@ class TiledMLPLayerSpec:
         return resolve_layer_spec(self.base, config, vp_stage)
 
     def __call__(self, config: Any, vp_stage: Optional[int] = None) -> Any:
-        from nemo_longctx.integrations.megatron.tiled_mlp import tiled_mlp_layer_spec
+        from nemo_longctx.integrations.megatron.tiled_mlp_layer import tiled_mlp_layer_spec
 
         return tiled_mlp_layer_spec(self.base_spec(config, vp_stage), self.mlp_tiles, self.tile_tokens)
 
@@ -113,7 +113,7 @@ class LossMaskForwardStep:
         self.base = base
 
     def __call__(self, model: Any, batch: Dict[str, Any]) -> Any:
-        from nemo_longctx.integrations.megatron.chunked_loss import loss_mask_scope
+        from nemo_longctx.integrations.megatron.gpt_chunked_loss import loss_mask_scope
 
         with loss_mask_scope(batch.get("loss_mask") if isinstance(batch, dict) else None):
             return self.base(model, batch)
@@ -180,7 +180,7 @@ class SequenceTiling(pl.Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
         if not self.active:
             return
-        from nemo_longctx.integrations.megatron.tiled_mlp import TiledMegatronMLP
+        from nemo_longctx.integrations.megatron.tiled_mlp_layer import TiledMegatronMLP
 
         if self.mlp_tiles != "off":
             from megatron.core.transformer.mlp import MLP
@@ -192,7 +192,7 @@ class SequenceTiling(pl.Callback):
                     f"({sorted({type(m).__name__ for m in mlps})}); was the layer spec replaced after setup()?"
                 )
         if self.loss_chunks != "off":
-            from nemo_longctx.integrations.megatron.chunked_loss import use_chunked_loss
+            from nemo_longctx.integrations.megatron.gpt_chunked_loss import use_chunked_loss
 
             self.num_chunked_models = use_chunked_loss(pl_module, self.loss_chunks, int(self.loss_chunk_tokens))
         if trainer.global_rank == 0:
