@@ -45,9 +45,9 @@ def _run(fn, usage: str, **kwargs) -> None:
     import torch
 
     if not torch.cuda.is_available():
-        from nemo_longctx.integrations.megatron import cpu_compat
+        from nemo_longctx.integrations.nemo import compat
 
-        cpu_compat.apply()
+        compat.apply()
     t0 = time.perf_counter()
     try:
         out = fn(**kwargs)

@@ -23,9 +23,11 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from nemo_longctx.memory.model_shapes import shape_from_config
+from nemo_longctx.options import Context, LongContextOptions
 from nemo_longctx.memory.planner import (
     GIB,
     ActivationCoefficients,
+    Candidate,
     CostModel,
     Evaluation,
     Hardware,
@@ -37,24 +39,21 @@ from nemo_longctx.memory.planner import (
     what_is_missing,
 )
 
-# How a candidate maps onto `nemo-longctx train` overrides (the train app's Hydra groups and keys).
+# How a candidate maps onto `nemo-longctx train` overrides: the option model (nemo_longctx.options) emits the option
+# groups' overrides (`LongContextOptions.to_overrides`); these are the train app's other keys the plan sets.
 TRAIN_KEYS = {
     "seq_length": "model.seq_length",
-    "cp_group": "cp",
-    "cp_size": "cp.size",
-    "ulysses_size": "cp.ulysses_size",
     "tp": "trainer.strategy.tensor_model_parallel_size",
     "sequence_parallel": "trainer.strategy.sequence_parallel",
     "precision": "trainer.precision",
-    "distributed_optimizer": "optim.use_distributed_optimizer",
     "devices": "trainer.devices",
     "num_nodes": "trainer.num_nodes",
-    "recompute_group": "recompute",
-    "recompute_modules": "recompute.modules",
-    "offload_group": "offload",
-    "mlp_tiles": "tiling.mlp_tiles",
-    "loss_chunks": "tiling.loss_chunks",
 }
+# the planner's recompute modes -> the recompute group (name, selective modules); "selective" alone would be
+# ambiguous: the config's recompute=selective recomputes recompute.modules (default [core_attn])
+RECOMPUTE_GROUP = {"none": ("none", None), "selective_mlp": ("selective", ("mlp",)),
+                   "selective_attn": ("selective", ("core_attn",)), "full": ("full", None),
+                   "full_keep_attn": ("full_keep_attn", None)}
 
 
 # ------------------------------------------------------------------------------------------------- contract
@@ -70,6 +69,27 @@ def optim_fields(ms: ModelState) -> Dict[str, Any]:
     return out
 
 
+def option_model(cp_algorithm: str, recompute: str, offload: str, ms: ModelState, cp_size: int = 1,
+                 ulysses_size: int = 1, mlp_tiles: int = 1, loss_chunks: int = 1) -> LongContextOptions:
+    """The option model that runs a planner candidate (cp_algorithm "none" = the app's cp=none: ring attention,
+    size 1; tiles/chunks 1 = off)."""
+    name, modules = RECOMPUTE_GROUP[recompute]
+    cp: Dict[str, Any] = {"size": cp_size, "algorithm": "ring" if cp_algorithm == "none" else cp_algorithm}
+    if cp_algorithm == "hybrid":
+        cp["ulysses_size"] = ulysses_size
+    return LongContextOptions.from_dict({
+        "cp": cp, "recompute": {"name": name, **({"modules": list(modules)} if modules else {})},
+        "offload": {"name": offload},
+        "tiling": {"mlp_tiles": mlp_tiles if mlp_tiles > 1 else "off",
+                   "loss_chunks": loss_chunks if loss_chunks > 1 else "off"},
+        "optim": optim_fields(ms)})
+
+
+def candidate_options(c: Candidate) -> LongContextOptions:
+    return option_model(c.cp_algorithm, c.recompute, c.offload, c.model_state, c.cp_size, c.ulysses_size,
+                        c.mlp_tiles, c.loss_chunks)
+
+
 def train_precision(precision: Precision) -> str:
     return "bf16-mixed" if precision.activation_bytes == 2 else "32"
 
@@ -77,23 +97,16 @@ def train_precision(precision: Precision) -> str:
 @functools.lru_cache(maxsize=None)
 def app_problems(cp_algorithm: str, recompute: str, offload: str, ms: ModelState,
                  precision: str = "bf16-mixed", target: str = "gpu") -> tuple:
-    """The train app's own option checks (``memory_option_problems`` and ``model_state_problems``, which its
-    ``config_problems`` runs) for one option combination, on the planner's target: ``gpu`` = GPU nodes running the
-    NGC NeMo image (CUDA and TransformerEngine present), ``cpu`` = CPU-only nodes without TransformerEngine (the
-    CPU-only refusals apply). cp_algorithm "none" = the app's cp=none (ring attention, size 1)."""
-    from nemo_longctx.integrations.megatron.memory_options import memory_option_problems, memory_options
-    from nemo_longctx.integrations.megatron.model_state import model_state_options, model_state_problems
-
-    rc = {"name": recompute}
-    if recompute == "selective":
-        rc["modules"] = ["mlp"]
-    elif recompute == "selective_attn":
-        rc = {"name": "selective", "modules": ["core_attn"]}
-    algo = "ring" if cp_algorithm == "none" else cp_algorithm
-    out = memory_option_problems(memory_options(rc, {"name": offload}), algo)
+    """The train app's own option checks (the option model's ``problems``, and on a CPU target the CPU-only
+    refusals) for one option combination, on the planner's target: ``gpu`` = GPU nodes running the NGC NeMo image
+    (CUDA and TransformerEngine present), ``cpu`` = CPU-only nodes without TransformerEngine."""
     gpu = target == "gpu"
-    out += model_state_problems(model_state_options(optim_fields(ms)), precision=precision, target_cuda=gpu,
-                                te_available=gpu)
+    opts = option_model(cp_algorithm, recompute, offload, ms)
+    out = opts.problems(Context(precision=precision, cuda=gpu, te=gpu))
+    if not gpu:
+        from nemo_longctx.integrations.megatron.cpu_compat import model_state_cpu_problems
+
+        out += model_state_cpu_problems(opts.optim.state, force=True)
     return tuple(out)
 
 
@@ -182,32 +195,15 @@ def search_space(search: Dict[str, Any], precision: Precision, target: str = "gp
 
 # ------------------------------------------------------------------------------------------------- output
 def train_overrides(p: Plan, ev: Evaluation, model: str) -> List[str]:
-    """`nemo-longctx train` overrides that run candidate `ev` (see TRAIN_KEYS)."""
+    """`nemo-longctx train` overrides that run candidate `ev`: the app's keys (TRAIN_KEYS) and the option model's."""
     c, hw, k = ev.candidate, p.hardware, TRAIN_KEYS
-    devices = hw.gpus_on_a_node
     out = [f"model={model}", f"{k['seq_length']}={p.seq_length}"]
-    if c.cp_size > 1:
-        out += [f"{k['cp_group']}={c.cp_algorithm}", f"{k['cp_size']}={c.cp_size}"]
-        if c.cp_algorithm == "hybrid":
-            out.append(f"{k['ulysses_size']}={c.ulysses_size}")
-    else:
-        out.append(f"{k['cp_group']}=none")
     if c.tp > 1:  # the planner assumes Megatron sequence parallelism with TP
         out += [f"{k['tp']}={c.tp}", f"{k['sequence_parallel']}=true"]
-    out += [f"{k['devices']}={devices}", f"{k['num_nodes']}={hw.nodes}"]
+    out += [f"{k['devices']}={hw.gpus_on_a_node}", f"{k['num_nodes']}={hw.nodes}"]
     if p.precision.activation_bytes == 2:
         out.append(f"{k['precision']}=bf16-mixed")
-    out += [f"optim.{f}={str(v).lower() if isinstance(v, bool) else v}" for f, v in optim_fields(c.model_state).items()]
-    if c.recompute == "selective":
-        out += [f"{k['recompute_group']}=selective", f"{k['recompute_modules']}=[mlp]"]
-    elif c.recompute == "selective_attn":
-        out += [f"{k['recompute_group']}=selective", f"{k['recompute_modules']}=[core_attn]"]
-    else:
-        out.append(f"{k['recompute_group']}={c.recompute}")
-    out.append(f"{k['offload_group']}={c.offload}")
-    out.append(f"{k['mlp_tiles']}={c.mlp_tiles if c.mlp_tiles > 1 else 'off'}")
-    out.append(f"{k['loss_chunks']}={c.loss_chunks if c.loss_chunks > 1 else 'off'}")
-    return out
+    return out + candidate_options(c).to_overrides()
 
 
 _COLUMNS = ("cp", "cp_size", "tp", "dp", "recompute", "offload", "tiles", "chunks", "state", "weights", "grads",

@@ -22,6 +22,8 @@ from typing import List, Optional
 import hydra
 from omegaconf import DictConfig
 
+from nemo_longctx.options import LongContextOptions
+
 from nemo_longctx.integrations.nemo.app import (  # noqa: F401  (re-exported: the app's public helpers)
     Built,
     ConfigError,
@@ -29,10 +31,8 @@ from nemo_longctx.integrations.nemo.app import (  # noqa: F401  (re-exported: th
     config_hash,
     config_problems,
     dry_run,
-    feature_callbacks,
-    feature_model_overrides,
     global_batch_size,
-    memory_options_of,
+    options_of,
     parallel_sizes,
     raise_problems,
     world_size_of,
@@ -53,8 +53,9 @@ _ARGV: List[str] = []    # this process's command line after the program name: h
 _EXIT = {"code": 0}      # @hydra.main discards the task function's return value: the exit code travels here
 
 
-def train_rank(cfg: DictConfig, launch: Optional[Launch]) -> int:
-    """This process's part of the run (one rank, or the only process)."""
+def train_rank(cfg: DictConfig, launch: Optional[Launch], options: Optional[LongContextOptions] = None) -> int:
+    """This process's part of the run (one rank, or the only process); ``options``: the run's option model, its
+    config-level problems already reported (``run``)."""
     import torch
 
     threads = cfg.launcher.threads_per_process
@@ -65,14 +66,14 @@ def train_rank(cfg: DictConfig, launch: Optional[Launch]) -> int:
     from nemo_longctx.integrations.nemo.app import fit
 
     pl.seed_everything(int(cfg.seed), verbose=False)
-    built = build(cfg, launch)
+    built = build(cfg, launch, options=options, checked=options is not None)
     if cfg.run.get("kernel_self_test"):
         kernel_self_test(str(cfg.trainer.precision), local_rank=launch.local_rank if launch is not None else 0)
     if built.trainer.global_rank == 0:
         print(
             f"nemo-longctx train: {type(built.model_config).__name__} {built.model_config.num_layers} layers, "
             f"seq {built.model_config.seq_length}, config {config_hash(cfg)[:12]}, "
-            f"cp={cfg.cp.algorithm} x {cfg.cp.size}, world {built.world_size}, {cfg.trainer.max_steps} steps, "
+            f"cp={built.options.cp.describe()}, world {built.world_size}, {cfg.trainer.max_steps} steps, "
             f"metrics -> {os.path.join(str(cfg.output_dir), 'metrics.jsonl')}",
             flush=True,
         )
@@ -126,11 +127,12 @@ def run(cfg: DictConfig) -> int:
     import torch
 
     if not torch.cuda.is_available():
-        from nemo_longctx.integrations.megatron import cpu_compat
+        from nemo_longctx.integrations.nemo import compat
 
-        cpu_compat.apply()  # the one place NeMo/Megatron are adapted to a CPU-only torch (see cpu_compat.py)
+        compat.apply()  # Megatron-core then NeMo adapted to a CPU-only torch (integrations/nemo/compat.py)
     _refuse_multirun()
-    raise_problems(config_problems(cfg))  # every config-level problem at once, before any process starts
+    options = options_of(cfg)  # the run's option model: built once, handed to every step below
+    raise_problems(config_problems(cfg, options))  # every config-level problem at once, before any process starts
     from nemo_longctx.integrations.nemo import pretrained
 
     external = detect_external_launch()
@@ -139,7 +141,7 @@ def run(cfg: DictConfig) -> int:
 
     documents.prepare(cfg, rank=external.rank if external is not None else 0)  # data=documents: tokenize once
     if cfg.run.dry_run:
-        dry_run(cfg)
+        dry_run(cfg, options)
         return 0
     launch = detect_external_launch()
     world = world_size_of(cfg, launch)
@@ -160,7 +162,7 @@ def run(cfg: DictConfig) -> int:
         print(f"nemo-longctx: {'finished' if code == 0 else f'FAILED (exit {code})'} in {time.perf_counter() - t0:.1f} s",
               flush=True)
         return code
-    return train_rank(cfg, launch)
+    return train_rank(cfg, launch, options)
 
 
 @hydra.main(config_path=CONFIG_PATH, config_name=CONFIG_NAME, version_base=None)

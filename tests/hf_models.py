@@ -80,9 +80,9 @@ Case = Tuple[str, str, Dict[str, Any], str]  # (name, NeMo checkpoint dir, model
 
 
 def nemo_logits_worker(rank: int, world: int, cases: List[Case], tokens: torch.Tensor) -> Dict[str, Any]:
-    from nemo_longctx.integrations.megatron import cpu_compat
+    from nemo_longctx.integrations.nemo import compat
 
-    cpu_compat.apply()
+    compat.apply()
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps

@@ -13,13 +13,13 @@ def _worker(rank, world_size):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from nemo_longctx.integrations.megatron import cpu_compat
     from nemo_longctx.integrations.megatron.memory_probe import tiny_gpt_config
     from nemo_longctx.integrations.megatron.spec import long_context_layer_spec
     from nemo_longctx.integrations.megatron.validation import built_attention_problems
+    from nemo_longctx.integrations.nemo import compat
     from nemo_longctx.integrations.nemo.callbacks import VerifyLongContextAttention
 
-    cpu_compat.apply()
+    compat.apply()
     ps.initialize_model_parallel(context_parallel_size=2)
     from megatron.core import tensor_parallel
 

@@ -161,9 +161,9 @@ def _dry_runs():
 
 
 def _worker(rank, world, families):
-    from nemo_longctx.integrations.megatron import cpu_compat
+    from nemo_longctx.integrations.nemo import compat
 
-    cpu_compat.apply()
+    compat.apply()
     from megatron.core import parallel_state as ps
 
     ps.initialize_model_parallel(context_parallel_size=world)

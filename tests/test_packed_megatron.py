@@ -107,9 +107,9 @@ def _packed_sft_batch(tmp):
 
 
 def _worker(rank, world, tmp):
-    from nemo_longctx.integrations.megatron import cpu_compat
+    from nemo_longctx.integrations.nemo import compat
 
-    cpu_compat.apply()
+    compat.apply()
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel

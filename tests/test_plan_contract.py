@@ -72,10 +72,10 @@ def _plan_cfg(model, gpu):
 def _contract(rank, world):
     import torch
 
-    from nemo_longctx.integrations.megatron import cpu_compat
+    from nemo_longctx.integrations.nemo import compat
 
     if not torch.cuda.is_available():
-        cpu_compat.apply()
+        compat.apply()
     from omegaconf import OmegaConf
 
     from nemo_longctx.integrations.megatron.model_state import model_state_options, model_state_problems
@@ -124,7 +124,7 @@ def _contract(rank, world):
     # converse: what the app accepts is searched
     from nemo_longctx.memory.planner import RECOMPUTE, Hardware, candidate_configs
     from nemo_longctx.memory.model_shapes import KNOWN_SHAPES
-    from nemo_longctx.plan import app_problems, search_space
+    from nemo_longctx.plan import RECOMPUTE_GROUP, app_problems, search_space
 
     plan_cfg = _plan_cfg("llama3_8b", "h100")
     shape, _, _, precision, _, _, search = inputs_from_config(plan_cfg)
@@ -136,8 +136,8 @@ def _contract(rank, world):
                "hybrid": ["cp=hybrid", "cp.size=8", "cp.ulysses_size=2"]}
     for algo, rc, off, ms in itertools.product(layouts, RECOMPUTE, ("none", "layer_input"), search["model_states"]):
         ov = ["model=llama3_8b", *layouts[algo], "trainer.devices=8", "trainer.precision=bf16-mixed",
-              "model.seq_length=1048576", f"recompute={rc}", f"offload={off}",
-              *(["recompute.modules=[mlp]"] if rc == "selective" else []),
+              "model.seq_length=1048576", f"recompute={RECOMPUTE_GROUP[rc][0]}", f"offload={off}",
+              *([f"recompute.modules=[{','.join(RECOMPUTE_GROUP[rc][1])}]"] if RECOMPUTE_GROUP[rc][1] else []),
               *[f"optim.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in optim_fields(ms).items()]]
         key = (algo, rc, off, ms)
         if not config_problems(compose(ov)):

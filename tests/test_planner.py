@@ -42,7 +42,7 @@ def test_parameter_counts_match_the_published_sizes():
 @pytest.mark.parametrize("cand", [
     Candidate(),
     Candidate("ring", 8, 1, 1, "full", "layer_input", 8, 16),
-    Candidate("ulysses", 4, 4, 2, "selective", "none", 1, 1),
+    Candidate("ulysses", 4, 4, 2, "selective_mlp", "none", 1, 1),
     Candidate("hybrid", 8, 2, 1, "full_keep_attn", "none", 4, 8),
 ])
 def test_memory_is_monotonic_in_seq_length(cand):

@@ -43,7 +43,7 @@ SHAPES = [
 ]
 RECOMPUTE = {
     "none": {},
-    "selective": dict(recompute_granularity="selective", recompute_modules=["mlp"]),
+    "selective_mlp": dict(recompute_granularity="selective", recompute_modules=["mlp"]),
     "selective_attn": dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
     "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
 }
@@ -137,8 +137,8 @@ def test_measurement_separates_the_settings(measurements):
     by = {(s, rc, seq): b for s, rc, seq, b in measurements[1]}
     for shape in SHAPES:
         for seq in SEQS:
-            assert by[(shape.name, "full", seq)] < 0.5 * by[(shape.name, "selective", seq)]
-            assert by[(shape.name, "selective", seq)] < 0.9 * by[(shape.name, "none", seq)]
+            assert by[(shape.name, "full", seq)] < 0.5 * by[(shape.name, "selective_mlp", seq)]
+            assert by[(shape.name, "selective_mlp", seq)] < 0.9 * by[(shape.name, "none", seq)]
         assert by[(shape.name, "none", SEQS[1])] == pytest.approx(by[(shape.name, "none", SEQS[0])] * SEQS[1] / SEQS[0],
                                                                     rel=0.02)
 
@@ -155,10 +155,10 @@ def test_gpu_preset_differs_only_where_te_fuses():
 
 # ------------------------------------------------------------------------------------------- every option
 OPTIONS_CP2 = [Candidate("ring", 2, 1, 1, rc, off, t, ch) for rc, off, t, ch in (
-    ("none", "none", 1, 1), ("selective", "none", 1, 1), ("full", "none", 1, 1), ("full_keep_attn", "none", 1, 1),
+    ("none", "none", 1, 1), ("selective_mlp", "none", 1, 1), ("full", "none", 1, 1), ("full_keep_attn", "none", 1, 1),
     ("full", "layer_input", 1, 1), ("full_keep_attn", "layer_input", 1, 1), ("none", "none", 2, 1),
     ("none", "none", 1, 2), ("full", "none", 2, 2))]
-OPTIONS_CP2 += [Candidate("ulysses", 2, 2, 1, rc) for rc in ("none", "selective", "full")]
+OPTIONS_CP2 += [Candidate("ulysses", 2, 2, 1, rc) for rc in ("none", "selective_mlp", "full")]
 OPTIONS_CP4 = [Candidate("hybrid", 4, 2, 1, rc) for rc in ("none", "full")]
 
 
@@ -204,7 +204,7 @@ def test_every_option_is_measured_apart(option_measurements):
             for o in OPTIONS_CP2 if o.cp_algorithm == "ring"}
     none, full = ring[("none", "none", 1, 1)], ring[("full", "none", 1, 1)]
     keep = ring[("full_keep_attn", "none", 1, 1)]
-    assert full["device"] < keep["device"] < ring[("selective", "none", 1, 1)]["device"] < none["device"]
+    assert full["device"] < keep["device"] < ring[("selective_mlp", "none", 1, 1)]["device"] < none["device"]
     full_off, keep_off = ring[("full", "layer_input", 1, 1)], ring[("full_keep_attn", "layer_input", 1, 1)]
     assert 0 < full_off["host"] < keep_off["host"]
     assert ring[("none", "none", 2, 1)]["device"] < none["device"]  # tiled MLP saves no intermediate

@@ -55,7 +55,7 @@ def test_structural_filter_matches_the_known_refusals():
     assert not structural_accept("ulysses", "full_keep_attn", "none", ModelState())
     assert not structural_accept("hybrid", "full_keep_attn", "layer_input", ModelState())
     assert structural_accept("ring", "full_keep_attn", "layer_input", ModelState())
-    assert not structural_accept("ring", "selective", "layer_input", ModelState())
+    assert not structural_accept("ring", "selective_mlp", "layer_input", ModelState())
     assert not structural_accept("ring", "full", "none", ModelState("fsdp", 1.0))
     assert not structural_accept("ring", "full", "none", ModelState("ddp", 0.0, True))
     with pytest.raises(ValueError, match="sharding"):

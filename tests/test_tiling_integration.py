@@ -219,9 +219,9 @@ def _error_cases():
 
 
 def _worker(rank: int, world: int):
-    from nemo_longctx.integrations.megatron import cpu_compat
+    from nemo_longctx.integrations.nemo import compat
 
-    cpu_compat.apply()
+    compat.apply()
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 

@@ -69,11 +69,13 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Iterable
 
+from nemo_longctx.options import auto_tiles
+
 from .model_shapes import ModelShape
 
 GIB = float(2**30)
 CP_ALGORITHMS = ("none", "ring", "ulysses", "hybrid")
-RECOMPUTE = ("none", "selective", "full", "full_keep_attn")  # searched; selective = Megatron selective of ["mlp"]
+RECOMPUTE = ("none", "selective_mlp", "full", "full_keep_attn")  # searched; selective = Megatron selective of ["mlp"]
 RECOMPUTE_MODES = RECOMPUTE + ("selective_attn",)  # also predicted: Megatron selective of ["core_attn"]
 OFFLOAD = ("none", "layer_input")
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "float32": 4, "bfloat16": 2, "float16": 2}
@@ -331,7 +333,7 @@ def layer_saved_bytes(shape: ModelShape, c: Candidate, coef: ActivationCoefficie
         attn = (coef.query * shape.q_width + coef.kv * shape.kv_width
                 + coef.qkv_buffer * (shape.q_width + 2 * shape.kv_width))
     ffn_coef = coef.ffn if shape.gated_mlp else coef.ffn_plain
-    ffn = 0.0 if (recompute == "selective" or c.mlp_tiles > 1) else ffn_coef * f
+    ffn = 0.0 if (recompute == "selective_mlp" or c.mlp_tiles > 1) else ffn_coef * f
     if recompute == "selective_attn":  # Megatron's selective core_attn: the checkpoint keeps q, k, v; no LSE
         lse = 0.0
     elems = coef.hidden * h + attn + ffn + coef.rope * d
@@ -427,7 +429,7 @@ def working_sets(shape: ModelShape, c: Candidate, coef: ActivationCoefficients, 
         if tiles > 1:  # the tiled MLP saves nothing; one tile's intermediate and a gradient of it live
             regained -= ffn_coef * f * b / tp * (1 - 1 / tiles) - coef.mlp_tile_grad * f * b / tp / tiles
         sets["recompute"] = regained * tokens + grads_io + mlp_bwd
-    elif c.recompute == "selective" or tiles > 1:
+    elif c.recompute == "selective_mlp" or tiles > 1:
         grad = coef.mlp_tile_grad if tiles > 1 else 0.0
         sets["mlp"] = (ffn_coef + grad) * f * b / tp / tiles * tokens + grads_io + mlp_bwd
     else:
@@ -588,7 +590,7 @@ def relative_cost(shape: ModelShape, seq_length: int, hw: Hardware, c: Candidate
         extra += seq_length * L * (qkv_o + mlp + attn)
     elif c.recompute == "full_keep_attn":
         extra += seq_length * L * (qkv_o + mlp)
-    elif c.recompute == "selective":
+    elif c.recompute == "selective_mlp":
         extra += seq_length * L * mlp
     elif c.recompute == "selective_attn":
         extra += seq_length * L * attn
@@ -658,13 +660,20 @@ def _powers_of_two_dividing(n: int, limit: int) -> list[int]:
     return out
 
 
-def auto_mlp_tiles(tokens_per_gpu: float, tp: int, tile_tokens: int = 16384) -> int:
-    """Tiles so that one tile holds at most `tile_tokens` tokens of the MLP input (sequence parallel: /tp)."""
-    return max(1, math.ceil(tokens_per_gpu / tile_tokens))
+# The planner proposes explicit tile / chunk counts (what it prints is `tiling.mlp_tiles=N`), computed with the one
+# meaning of "auto" (options.auto_tiles: ceil(tokens / tile tokens)) but GPU-scale tile sizes: the config's defaults
+# (2048 / 512 tokens) were measured on CPU.
+PLAN_MLP_TILE_TOKENS = 16384
+PLAN_LOSS_CHUNK_TOKENS = 8192
 
 
-def auto_loss_chunks(tokens_per_gpu: float, chunk_tokens: int = 8192) -> int:
-    return max(1, math.ceil(tokens_per_gpu / chunk_tokens))
+def planned_mlp_tiles(tokens_per_gpu: float, tp: int, tile_tokens: int = PLAN_MLP_TILE_TOKENS) -> int:
+    """Tiles so that one tile holds at most `tile_tokens` tokens of the MLP input."""
+    return auto_tiles(math.ceil(tokens_per_gpu), tile_tokens)
+
+
+def planned_loss_chunks(tokens_per_gpu: float, chunk_tokens: int = PLAN_LOSS_CHUNK_TOKENS) -> int:
+    return auto_tiles(math.ceil(tokens_per_gpu), chunk_tokens)
 
 
 def structural_accept(cp_algorithm: str, recompute: str, offload: str, model_state: ModelState) -> bool:
@@ -714,8 +723,8 @@ def candidate_configs(shape: ModelShape, seq_length: int, hw: Hardware,
                         if 1 < u < cp and (hq // tp) % u == 0:
                             layouts.append(("hybrid", u))
             tokens = seq_length / cp
-            tiles = sorted({1, auto_mlp_tiles(tokens, tp)})
-            chunks = sorted({1, auto_loss_chunks(tokens)})
+            tiles = sorted({1, planned_mlp_tiles(tokens, tp)})
+            chunks = sorted({1, planned_loss_chunks(tokens)})
             for algo, u in layouts:
                 for rc in recompute:
                     for off in offload:

@@ -9,15 +9,13 @@ step 0); ``resolve_tiles`` turns it into a count for a given number of tokens.
 
 from __future__ import annotations
 
-import math
 from typing import Union
 
-TilePolicy = Union[int, str]
+# "auto" and its default tile sizes mean the same everywhere (config, planner, layers): defined once, with the
+# tiling options
+from nemo_longctx.options import DEFAULT_LOSS_CHUNK_TOKENS, DEFAULT_MLP_TILE_TOKENS, auto_tiles  # noqa: F401
 
-# Defaults chosen by measurement on CPU (bench/tiling_memory.py): large enough that per-tile matmuls keep their
-# full speed, small enough that one tile's transient is a small fraction of the full-sequence one at 8K+ tokens.
-DEFAULT_MLP_TILE_TOKENS = 2048
-DEFAULT_LOSS_CHUNK_TOKENS = 512
+TilePolicy = Union[int, str]
 
 
 def check_tiling_policy(policy: TilePolicy, name: str = "tiles") -> None:
@@ -45,7 +43,7 @@ def resolve_tiles(policy: TilePolicy, tokens: int, tile_tokens: int, name: str =
     if policy == "auto":
         if isinstance(tile_tokens, bool) or not isinstance(tile_tokens, int) or tile_tokens <= 0:
             raise ValueError(f"{name}: tile_tokens must be a positive int, got {tile_tokens!r}")
-        return min(max(1, math.ceil(tokens / tile_tokens)), tokens)
+        return auto_tiles(tokens, tile_tokens)
     if policy > tokens:
         raise ValueError(f"{name}={policy} exceeds the {tokens} tokens of the local sequence")
     return policy

@@ -144,8 +144,6 @@ class LongContextCoreAttention(MegatronModule):
                 f"model.context_parallel_size={config.context_parallel_size} but the CP process group has "
                 f"{cp_size} ranks"
             )
-        if self.algorithm.validate is not None:
-            self.algorithm.validate(config, cp_size, tp=config.tensor_model_parallel_size, **self.algorithm_kwargs)
         if self.algorithm.setup is not None:  # once per module, every CP rank in the same layer order
             self.algorithm_kwargs = self.algorithm.setup(self.cp_group if cp_size > 1 else None,
                                                          **self.algorithm_kwargs)

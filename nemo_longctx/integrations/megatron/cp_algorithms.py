@@ -7,11 +7,10 @@ An entry maps a name (the ``cp_algorithm`` ModuleSpec param, the ``cp.algorithm`
       plus, per call, ``cu_seqlens``/``cu_seqlens_padded`` (packed THD sequences, b = 1) and ``window_size``
       (sliding window, flash-attn convention) when the layer has them.
   validate(config, cp_size, tp=1, **kwargs) -> None
-      raises ValueError naming the config field (``cp.*``, ``model.*``); called by ``validation.py`` before the
-      first step and by the core-attention module at construction. ``tp`` = tensor-parallel size (heads are
-      per TP rank), ``kwargs`` = the algorithm's options as configured.
-  check_options(cp_size, **kwargs)       optional; the checks that need no model config (run by the app before it
-      spawns any process, ``check_cp_options``); ``validate`` repeats them.
+      the checks that need the model config (head counts); raises ValueError naming the config field (``cp.*``,
+      ``model.*``); called once, by ``validation.long_context_problems``, when the run is built. ``tp`` =
+      tensor-parallel size (heads are per TP rank), ``kwargs`` = the algorithm's options as configured. The checks
+      that need no model (types, divisors, known options) are ``nemo_longctx.options.CPOptions.problems``.
   setup(group, **kwargs) -> kwargs       optional; run once per core-attention module at construction, on every CP
       rank in the same layer order (collective setup such as sub-groups goes here, never in forward); returns
       the kwargs the attention function is then called with.
@@ -20,7 +19,8 @@ An entry maps a name (the ``cp_algorithm`` ModuleSpec param, the ``cp.algorithm`
 Algorithms: ``ring`` (zigzag P2P ring), ``ulysses`` (all-to-all over the whole CP group, ``head_chunks``),
 ``hybrid`` (Ulysses over ``ulysses_size`` consecutive CP ranks x ring across them, ``head_chunks``).
 To add one: ``register_cp_algorithm(CPAlgorithm(name=..., attention=...))`` in this module (or from the module
-that implements it, imported here), and a ``conf/cp/<name>.yaml``.
+that implements it, imported here), its name and options in ``nemo_longctx.options`` (``CP_ALGORITHMS``,
+``CP_ALGORITHM_KEYS``, ``CP_ALGORITHM_KWARGS``) and a ``conf/cp/<name>.yaml``.
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ from typing import Any, Callable, Dict, FrozenSet, Optional
 
 from nemo_longctx.attention import (
     hybrid_attention, make_cp_groups, plan_ulysses_heads, ring_attention, ulysses_attention)
+from nemo_longctx.options import CPOptions, raise_problems
 
 AttentionFn = Callable[..., Any]
 ValidateFn = Callable[..., None]
 SetupFn = Callable[..., Dict[str, Any]]
-CheckOptionsFn = Callable[..., None]
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,6 @@ class CPAlgorithm:
     name: str
     attention: AttentionFn
     validate: Optional[ValidateFn] = None
-    check_options: Optional[CheckOptionsFn] = None
     setup: Optional[SetupFn] = None
     cp_comm_types: FrozenSet[Optional[str]] = field(default_factory=lambda: frozenset({None, "p2p"}))
 
@@ -64,14 +63,15 @@ def get_cp_algorithm(name: str) -> CPAlgorithm:
         ) from None
 
 
-def check_cp_options(cp_algorithm: str, cp_size: int, kwargs: Dict[str, Any]) -> None:
-    """Config-level checks of ``cp.*`` (no model config needed; ValueError naming the field): the app runs them
-    before it spawns any process. The head-count checks follow at build time (``validate``)."""
-    algo = get_cp_algorithm(cp_algorithm)
-    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
-        raise ValueError(f"cp.size={cp_size!r} must be a positive int")
-    if algo.check_options is not None:
-        algo.check_options(cp_size, **kwargs)
+def check_cp_options(cp_algorithm: str, cp_size: Any, kwargs: Dict[str, Any]) -> None:
+    """Config-level checks of the ``cp`` options given as (algorithm, size, the attention function's kwargs):
+    ``ConfigError`` naming the keys (``nemo_longctx.options.CPOptions.problems``)."""
+    kw = dict(kwargs)
+    given = {"size": cp_size, "algorithm": cp_algorithm}
+    for k in ("ulysses_size", "head_chunks"):
+        if k in kw:
+            given[k] = kw.pop(k)
+    raise_problems(CPOptions.from_dict({**given, "kwargs": kw}).problems())
 
 
 def _ring(q, k, v, *, group, causal, softmax_scale, kernel: Optional[str] = None, cu_seqlens=None,
@@ -86,15 +86,6 @@ register_cp_algorithm(CPAlgorithm(name="ring", attention=_ring))
 
 
 # ------------------------------------------------------------------------------------------------ ulysses / hybrid
-ULYSSES_OPTIONS = ("head_chunks", "kernel", "regather_in_backward")
-
-
-def _check_options(name: str, kwargs: Dict[str, Any], allowed) -> None:
-    unknown = sorted(set(kwargs) - set(allowed))
-    if unknown:
-        raise ValueError(f"cp.algorithm={name!r} got unknown options {unknown} (cp.kwargs; known: {sorted(allowed)})")
-
-
 def _check_heads(name: str, config: Any, tp: int, ulysses_size: int, size_field: str, head_chunks: Any) -> None:
     """Head counts per TP rank vs the Ulysses degree (error names ``size_field``) and ``cp.head_chunks``."""
     hq, hkv = config.num_attention_heads, config.num_query_groups or config.num_attention_heads
@@ -112,18 +103,7 @@ def _check_heads(name: str, config: Any, tp: int, ulysses_size: int, size_field:
         raise ValueError(f"cp.head_chunks={head_chunks!r}: {e} ({where}, ulysses_size={ulysses_size})") from None
 
 
-def _check_head_chunks(head_chunks: Any) -> None:
-    if isinstance(head_chunks, bool) or not isinstance(head_chunks, int) or head_chunks < 1:
-        raise ValueError(f"cp.head_chunks={head_chunks!r} must be a positive int")
-
-
-def _ulysses_options(cp_size: int, head_chunks: Any = 1, **kwargs: Any) -> None:
-    _check_options("ulysses", {"head_chunks": head_chunks, **kwargs}, ULYSSES_OPTIONS)
-    _check_head_chunks(head_chunks)
-
-
 def _validate_ulysses(config: Any, cp_size: int, tp: int = 1, head_chunks: Any = 1, **kwargs: Any) -> None:
-    _ulysses_options(cp_size, head_chunks, **kwargs)
     _check_heads("ulysses", config, tp, cp_size, "cp.size", head_chunks)
 
 
@@ -131,32 +111,15 @@ def _ulysses(q, k, v, *, group, causal, softmax_scale, head_chunks: int = 1, **o
     return ulysses_attention(q, k, v, group, causal, softmax_scale, head_chunks, **options)
 
 
-def _check_ulysses_size(cp_size: int, ulysses_size: Any) -> None:
-    valid = isinstance(ulysses_size, int) and not isinstance(ulysses_size, bool) and ulysses_size >= 1
-    if not valid or cp_size % ulysses_size:
-        raise ValueError(
-            f"cp.ulysses_size={ulysses_size!r} must be a positive divisor of cp.size={cp_size} (cp=hybrid: Ulysses "
-            "over cp.ulysses_size consecutive CP ranks, ring over cp.size / cp.ulysses_size of those groups)"
-        )
-
-
-def _hybrid_options(cp_size: int, ulysses_size: Any = None, head_chunks: Any = 1, **kwargs: Any) -> None:
-    _check_options("hybrid", {"head_chunks": head_chunks, **kwargs}, ULYSSES_OPTIONS)
-    _check_ulysses_size(cp_size, ulysses_size)
-    _check_head_chunks(head_chunks)
-
-
 def _validate_hybrid(config: Any, cp_size: int, tp: int = 1, ulysses_size: Any = None, head_chunks: Any = 1,
                      **kwargs: Any) -> None:
-    _hybrid_options(cp_size, ulysses_size, head_chunks, **kwargs)
     _check_heads("hybrid", config, tp, ulysses_size, "cp.ulysses_size", head_chunks)
 
 
 def _setup_hybrid(group, ulysses_size: int, **options: Any) -> Dict[str, Any]:
     """Replace ``ulysses_size`` by this rank's (ulysses_group, ring_group); ``make_cp_groups`` caches them per CP
     group, so every layer after the first reuses the same groups (no collective after the first call)."""
-    if group is None:  # CP size 1
-        _check_ulysses_size(1, ulysses_size)
+    if group is None:  # CP size 1 (cp.ulysses_size divides it: checked with the options)
         return {"ulysses_group": None, "ring_group": None, **options}
     ulysses_group, ring_group = make_cp_groups(group, ulysses_size)
     return {"ulysses_group": ulysses_group, "ring_group": ring_group, **options}
@@ -168,7 +131,7 @@ def _hybrid(q, k, v, *, group, causal, softmax_scale, ulysses_group, ring_group,
 
 # cp_comm_type: Megatron/TE's names for the same schemes ("a2a" = Ulysses, "a2a+p2p" = hierarchical) are accepted
 register_cp_algorithm(CPAlgorithm(name="ulysses", attention=_ulysses, validate=_validate_ulysses,
-                                  check_options=_ulysses_options, cp_comm_types=frozenset({None, "a2a"})))
+                                  cp_comm_types=frozenset({None, "a2a"})))
 register_cp_algorithm(CPAlgorithm(name="hybrid", attention=_hybrid, validate=_validate_hybrid,
-                                  check_options=_hybrid_options, setup=_setup_hybrid,
+                                  setup=_setup_hybrid,
                                   cp_comm_types=frozenset({None, "a2a+p2p"})))

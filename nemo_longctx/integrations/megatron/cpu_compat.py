@@ -1,7 +1,12 @@
-"""Run Megatron-core 0.15 / NeMo 2.7 on a CPU-only torch build (gloo). The ONLY module that patches third-party code.
+"""Run Megatron-core 0.15 on a CPU-only torch build (gloo). With ``cpu_compat_fsdp.py`` (Megatron-FSDP's fixes), the
+only code of the framework-neutral layer that patches third-party code (Megatron-core and torch.cuda, never NeMo).
 
-``apply()`` is called by the integration before NeMo/Megatron objects are built. It does nothing when CUDA is
-available, is idempotent, and every patch below says what it fixes (numbers refer to design.md's list):
+``apply()`` is called before Megatron objects are built: directly by code that runs Megatron-core only, through
+``integrations.nemo.compat.apply()`` (which calls it first, then applies NeMo's fixes) by code that runs NeMo. It does
+nothing when CUDA is available, is idempotent, and every patch below says what it fixes (numbers refer to design.md's
+list). NeMo's fixes keep their numbers and live in ``integrations/nemo/compat.py``: the NeMo part of 4
+(``megatron_init._set_random_seed``), 7 (a note, nothing patched), 8 (``nemo.lightning.io.pl``) and 13
+(``nemo.lightning.io.state.apply_transforms``).
 
 1. ``torch.cuda.Stream/Event/stream/current_stream/synchronize`` are used unconditionally (DDP buffers, NeMo's
    strategy, Megatron's schedules): replaced by no-op stand-ins.
@@ -12,16 +17,14 @@ available, is idempotent, and every patch below says what it fixes (numbers refe
    CUDA type name, for Megatron's ``assert grad.type() == 'torch.cuda.FloatTensor'`` (clip_grads, optimizers).
 4. Megatron's ``CudaRNGStatesTracker.add/fork`` and ``tensor_parallel.random._get/_set_cuda_rng_state``: use the
    CPU default generator (``torch.default_generator.manual_seed``, not ``torch.manual_seed``, which calls
-   ``torch.cuda.manual_seed_all``); NeMo's ``megatron_init._set_random_seed`` also seeds the tracker on CPU.
+   ``torch.cuda.manual_seed_all``). (NeMo part -- ``megatron_init._set_random_seed`` also seeds the tracker on
+   CPU -- in ``integrations/nemo/compat.py``.)
 5. ``rope_utils.get_pos_emb_on_this_cp_rank`` builds its index with ``pin_memory=True).cuda()``: replaced (in
    every module that imported it by name) by a device-agnostic copy of the same computation.
 6. ``CheckpointWithoutOutput(fp8=False)`` sets ``self.fp8 = True`` (``fp8 is not None``) and then needs TE:
    ``self.fp8`` is set from the truth value of ``fp8``.
-7. NeMo's ``gpt_data_step`` moves batches with ``.cuda()`` (handled by 3; our own data step does not use it) and
-   ``MockDataModule`` drops ``create_attention_mask`` (not used: our synthetic data module replaces it).
-8. NeMo's ``MegatronCheckpointIO.load_checkpoint`` ends with ``_fix_tensors_device``, which asserts
-   ``torch.cuda.is_initialized()`` to move loaded tensors to the current GPU: on CPU the loaded tensors are already
-   where they belong, so it returns the checkpoint unchanged (resume from a distributed checkpoint).
+7. NeMo's (data step and mock data; nothing patched): see ``integrations/nemo/compat.py``.
+8. NeMo's (checkpoint load device): moved to ``integrations/nemo/compat.py``.
 9. Megatron's ``HybridDeviceOptimizer`` (``optim.optimizer_cpu_offload``) splits parameters by ``param.is_cuda``: on
    CPU every parameter would count as already offloaded, no host copy would exist and its step would fail looking
    one up. While it sorts its parameters, the CPU stands in for the device (as in fix 2): model parameters answer
@@ -39,12 +42,7 @@ available, is idempotent, and every patch below says what it fixes (numbers refe
 12. Zero-centred LayerNorm (``layernorm_zero_centered_gamma``, Nemotron): ``WrappedTorchNorm`` (the norm without
     TE/Apex) asserts it off. It builds ``ZeroCenteredLayerNorm`` instead: torch's LayerNorm with the weight stored as
     gamma - 1 (initialized to 0) and applied as 1 + weight -- TE's definition of the option.
-13. NeMo's HF converters (``io.apply_transforms`` in ``HFLlamaImporter``/``HFQwen2Importer`` and their exporters) name
-    the pre-attention/pre-MLP norms as TransformerEngine's fused layers do (``linear_qkv.layer_norm_weight``,
-    ``linear_fc1.layer_norm_weight``). Without TE the local spec keeps them as ``input_layernorm``/``pre_mlp_layernorm``
-    (Megatron maps those names only for distributed checkpoints): the importer silently left the norms at their init
-    and the exporter failed (IndexError). For a Megatron model with local norms, the converter's keys on the
-    Megatron side are renamed to the local names before NeMo's ``apply_transforms`` runs.
+13. NeMo's (HF converters' norm keys without TE): moved to ``integrations/nemo/compat.py``.
 14. ``OptimizerConfig.__post_init__`` (precision-aware optimizer) asks ``is_te_min_version("2.1.0")`` to decide
     ``store_param_remainders``; without TransformerEngine ``get_te_version()`` is None and the comparison raises
     TypeError, even with ``optimizer_cpu_offload`` (which returns before the TE FusedAdam check and runs the
@@ -224,22 +222,6 @@ def _patch_rng_tracker() -> None:
             self.states_[name] = torch.get_rng_state()
             torch.set_rng_state(orig)
 
-    try:  # NeMo seeds Megatron's tracker only `if torch.cuda.device_count() > 0`: seed it on CPU too (fix 4)
-        from nemo.lightning import megatron_init
-    except ImportError:  # Megatron without NeMo
-        megatron_init = None
-    if megatron_init is not None and not getattr(megatron_init._set_random_seed, "_nemo_longctx", False):
-        original_seed = megatron_init._set_random_seed
-
-        def _set_random_seed(seed_):
-            original_seed(seed_)
-            from megatron.core.parallel_state import get_pipeline_model_parallel_rank
-
-            mrandom.model_parallel_cuda_manual_seed(seed_ + 100 * get_pipeline_model_parallel_rank())
-
-        _set_random_seed._nemo_longctx = True
-        megatron_init._set_random_seed = _set_random_seed
-
     mrandom._get_cuda_rng_state = get_state
     mrandom._set_cuda_rng_state = set_state
     mrandom.CudaRNGStatesTracker.add = add
@@ -287,17 +269,6 @@ def _patch_checkpoint_without_output() -> None:
 
     __init__._nemo_longctx = True  # type: ignore[attr-defined]
     mrandom.CheckpointWithoutOutput.__init__ = __init__
-
-
-# --------------------------------------------------------------------------------------------------------------
-# 8: checkpoint load moves tensors to "the current CUDA device"
-def _patch_checkpoint_load_device() -> None:
-    from nemo.lightning.io import pl as nemo_io_pl
-
-    def _fix_tensors_device(ckpt: Dict) -> Dict:
-        return ckpt  # fix 8: CPU tensors stay on the CPU
-
-    nemo_io_pl._fix_tensors_device = _fix_tensors_device
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -358,10 +329,11 @@ def _patch_optimizer_config_te_version() -> None:
 
 # --------------------------------------------------------------------------------------------------------------
 # refusals: model-state options that cannot run without CUDA (checked by the app's validation pass)
-def model_state_cpu_problems(opts: Any, force: bool = False, checkpointing: bool = False) -> list:
+def model_state_cpu_problems(opts: Any, force: bool = False, checkpointing: bool = False,
+                             checkpoint_key: str = "checkpoint interval") -> list:
     """Problems (each naming its ``optim.*`` field) of model-state options that cannot run on a CPU-only build;
     empty when CUDA is available (unless ``force``). ``opts``: ``model_state.ModelStateOptions``; ``checkpointing``:
-    checkpoint.every_n_steps > 0."""
+    a checkpoint interval > 0 is set (``checkpoint_key``: the front end's name for it)."""
     if not (force or needed()):
         return []
     out = []
@@ -371,10 +343,10 @@ def model_state_cpu_problems(opts: Any, force: bool = False, checkpointing: bool
         # per-parameter ``step``: dp_reshardable saving asserts on it ((torch.Size([]), 0, n)); the fully_reshardable
         # format saves it, but resuming asserts in DistributedOptimizer.state_dict (one ``step`` over the still
         # empty state, a branch taken before its HybridDeviceOptimizer case)
-        out.append("optim.use_distributed_optimizer=true with checkpoint.every_n_steps > 0: without "
+        out.append(f"optim.use_distributed_optimizer=true with {checkpoint_key} > 0: without "
                    "TransformerEngine/Apex Megatron's distributed optimizer runs torch AdamW, whose per-parameter "
                    "'step' state its checkpoint formats do not handle (saving or resuming fails) (CPU only; set "
-                   "checkpoint.every_n_steps=0)")
+                   f"{checkpoint_key}=0)")
     if getattr(opts, "use_precision_aware_optimizer", False) is True and not getattr(opts, "optimizer_cpu_offload",
                                                                                    False):
         # TE's FusedAdam (master_weight_dtype / exp_avg_dtype / use_decoupled_grad) is a CUDA kernel
@@ -455,70 +427,9 @@ def _patch_zero_centered_norm() -> None:
     WrappedTorchNorm.__new__ = staticmethod(__new__)
 
 
-# --------------------------------------------------------------------------------------------------------------
-# 13: NeMo's HF converters name the norms as TE's fused layers; the local spec keeps them separate
-_TE_TO_LOCAL_NORMS = (
-    (".self_attention.linear_qkv.layer_norm_weight", ".input_layernorm.weight"),
-    (".self_attention.linear_qkv.layer_norm_bias", ".input_layernorm.bias"),
-    (".mlp.linear_fc1.layer_norm_weight", ".pre_mlp_layernorm.weight"),
-    (".mlp.linear_fc1.layer_norm_bias", ".pre_mlp_layernorm.bias"),
-)
-
-
-def _has_local_norms(model: Any) -> bool:
-    """A Megatron model (or a NeMo model wrapping one) built with separate norm modules (no TE fused layers)."""
-    from megatron.core.transformer.module import MegatronModule
-
-    inner = model.module if isinstance(getattr(model, "module", None), MegatronModule) else model
-    if not isinstance(inner, MegatronModule):
-        return False
-    keys = list(inner.state_dict().keys())
-    return any(k.endswith(".input_layernorm.weight") for k in keys) and not any(".layer_norm_weight" in k for k in keys)
-
-
-def _to_local_norm_key(key: Any) -> Any:
-    if isinstance(key, (tuple, list)):
-        return type(key)(_to_local_norm_key(k) for k in key)
-    if isinstance(key, dict):
-        return {n: _to_local_norm_key(k) for n, k in key.items()}
-    if isinstance(key, str):
-        for te, local in _TE_TO_LOCAL_NORMS:
-            if key.endswith(te):
-                return key[: -len(te)] + local
-    return key
-
-
-def _patch_hf_converter_norm_keys() -> None:
-    from nemo.lightning import io as nemo_io
-    from nemo.lightning.io import state as nemo_state
-
-    original = nemo_state.apply_transforms
-    if getattr(original, "_nemo_longctx", False):
-        return
-
-    def apply_transforms(source: Any, target: Any, mapping: Dict, transforms: Any = None, *args: Any, **kwargs: Any):
-        src_local, tgt_local = _has_local_norms(source), _has_local_norms(target)
-        if src_local or tgt_local:  # fix 13: the Megatron side's norm keys in the local spec's names
-            mapping = {(_to_local_norm_key(k) if src_local else k): (_to_local_norm_key(v) if tgt_local else v)
-                       for k, v in mapping.items()}
-            renamed = []
-            for t in transforms or []:
-                t = copy.copy(t)
-                if src_local and hasattr(t, "source_key"):
-                    t.source_key = _to_local_norm_key(t.source_key)
-                if tgt_local and hasattr(t, "target_key"):
-                    t.target_key = _to_local_norm_key(t.target_key)
-                renamed.append(t)
-            transforms = renamed if transforms is not None else None
-        return original(source, target, mapping, transforms, *args, **kwargs)
-
-    apply_transforms._nemo_longctx = True  # type: ignore[attr-defined]
-    nemo_state.apply_transforms = apply_transforms
-    nemo_io.apply_transforms = apply_transforms  # the connectors call it as ``io.apply_transforms``
-
-
 def apply(force: bool = False) -> bool:
-    """Apply all patches once when CUDA is unavailable (or ``force``). Returns True if patches are active."""
+    """Apply the Megatron-core patches once when CUDA is unavailable (or ``force``). Returns True if patches are active.
+    Code that runs NeMo calls ``integrations.nemo.compat.apply()`` instead (this, then NeMo's fixes)."""
     global _APPLIED, _MODE
     if _APPLIED:
         return True
@@ -528,9 +439,7 @@ def apply(force: bool = False) -> bool:
     _patch_rng_tracker()
     _patch_rope()
     _patch_checkpoint_without_output()
-    _patch_checkpoint_load_device()
     _patch_rope_fusion_without_te()
-    _patch_hf_converter_norm_keys()
     _patch_hybrid_device_optimizer()
     _patch_moe_router_without_te()
     _patch_zero_centered_norm()
@@ -541,5 +450,5 @@ def apply(force: bool = False) -> bool:
     _MODE = _CudaToCpuMode()
     _MODE.__enter__()  # fix 3: stays active for the life of the process
     _APPLIED = True
-    log.info("nemo_longctx.cpu_compat: CPU patches for Megatron-core/NeMo applied")
+    log.info("nemo_longctx.integrations.megatron.cpu_compat: CPU patches for Megatron-core applied")
     return True

@@ -1,27 +1,12 @@
-"""Recompute and activation-offload options for Megatron GPT models (the ``recompute`` / ``offload`` config groups).
+"""Recompute and activation-offload options on a Megatron GPT model (the ``recompute`` / ``offload`` groups).
 
-``MemoryOptions`` holds both groups. ``memory_option_problems(opts, cp_algorithm, model_config=None)`` lists every
-invalid setting with the config field named as the Hydra app spells it (``recompute.modules``, ``offload=...``);
-without a model config only the config-level checks run (cheap: used before processes are spawned).
-``apply_recompute_fields(model_config, opts)`` writes Megatron's own fields (``recompute_granularity``,
-``recompute_method``, ``recompute_num_layers``, ``recompute_modules``); it must run before the model is built.
-``attach_memory_options(model, opts)`` wires a built model (see ``MemoryRuntime``):
-
-recompute
-  none            nothing recomputed
-  selective       Megatron's selective recompute of ``modules`` (core_attn | mlp | layernorm); layernorm runs
-                  nemo_longctx's norm recompute (``norm_recompute.py``: works under the tracker's and offload's
-                  saved-tensor hooks) instead of Megatron's CheckpointWithoutOutput
-  full            Megatron's full-layer recompute (``method`` uniform | block, ``num_layers``)
-  full_keep_attn  full recompute whose core attention keeps (out, lse) from the forward: the recompute in backward
-                  does not run attention forward again (with ring CP: one ring pass less per layer and step).
-                  One ``KeptAttentionCache`` per model; ring attention only (cp.algorithm=ring, or cp=none).
-offload
-  none            nothing offloaded
-  layer_input     under full / full_keep_attn recompute: each checkpointed layer's input goes to host memory after
-                  its forward and comes back (prefetched ``prefetch_depth`` layers ahead) in backward
-  modules         the tensors saved by the named submodules of every layer (above ``min_bytes``) go to host
-                  memory; not with full recompute (nothing is saved inside a fully recomputed layer)
+The options themselves (``MemoryOptions``: choices, keys, their config-level problems) are defined once in
+``nemo_longctx.options``. This module maps them onto Megatron:
+``memory_model_problems(opts, model_config, pp)``  the problems that need the model config (checked once, at build);
+``apply_recompute_fields(model_config, opts)``      Megatron's own fields (``recompute_granularity``,
+                                                    ``recompute_method``, ``recompute_num_layers``,
+                                                    ``recompute_modules``); before the model is built;
+``attach_memory_options(model, opts)``              wires a built model (see ``MemoryRuntime``).
 
 Decoder blocks of fully recomputed models become ``LongContextTransformerBlock`` (an instance-level class change
 to a TransformerBlock subclass; Megatron itself is not patched).
@@ -32,86 +17,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-RECOMPUTE_MODES = ("none", "selective", "full", "full_keep_attn")
-RECOMPUTE_METHODS = ("uniform", "block")
-# recompute_modules of megatron-core 0.15.3 that apply to dense GPT layers (moe, moe_act, shared_experts and
-# mla_up_proj need MoE / MLA layers, which nemo_longctx's core attention does not support)
-SELECTIVE_MODULES = ("core_attn", "mlp", "layernorm")
-OFFLOAD_MODES = ("none", "layer_input", "modules")
-# offload.modules names -> submodule path inside a Megatron TransformerLayer
-OFFLOAD_MODULE_PATHS = {
-    "self_attention": "self_attention",
-    "core_attn": "self_attention.core_attention",
-    "linear_qkv": "self_attention.linear_qkv",
-    "linear_proj": "self_attention.linear_proj",
-    "mlp": "mlp",
-    "linear_fc1": "mlp.linear_fc1",
-    "linear_fc2": "mlp.linear_fc2",
-    "input_layernorm": "input_layernorm",
-    "pre_mlp_layernorm": "pre_mlp_layernorm",
-}
-# offloading these modules saves nothing when the selective recompute module re-runs them
-_RECOMPUTED_BY = {
-    "core_attn": {"core_attn"},
-    "mlp": {"mlp", "linear_fc1", "linear_fc2"},
-    "layernorm": {"input_layernorm", "pre_mlp_layernorm"},
-}
-KEEP_ATTN_ALGORITHMS = ("ring",)
-# fields each option of the two config groups may set (besides `name`)
-_GROUP_FIELDS = {
-    "recompute": {"selective": ("modules",), "full": ("method", "num_layers"),
-                  "full_keep_attn": ("method", "num_layers")},
-    "offload": {"layer_input": ("prefetch_depth", "min_bytes"), "modules": ("modules", "prefetch_depth", "min_bytes")},
-}
-
-
-@dataclass(frozen=True)
-class MemoryOptions:
-    recompute: str = "none"
-    recompute_modules: Tuple[str, ...] = ("core_attn",)
-    recompute_method: str = "uniform"
-    recompute_num_layers: int = 1
-    offload: str = "none"
-    offload_modules: Tuple[str, ...] = ()
-    prefetch_depth: int = 1
-    min_bytes: int = 2**20
-
-    @property
-    def full(self) -> bool:
-        return self.recompute in ("full", "full_keep_attn")
-
-    @property
-    def trivial(self) -> bool:
-        return self.recompute == "none" and self.offload == "none"
-
-    def describe(self) -> str:
-        r = self.recompute
-        if r == "selective":
-            r += f"[{','.join(self.recompute_modules)}]"
-        elif self.full:
-            r += f"({self.recompute_method},{self.recompute_num_layers})"
-        o = self.offload + (f"[{','.join(self.offload_modules)}]" if self.offload == "modules" else "")
-        return f"recompute={r} offload={o}"
-
-
-def memory_options(recompute: Optional[Dict[str, Any]] = None,
-                   offload: Optional[Dict[str, Any]] = None) -> MemoryOptions:
-    """MemoryOptions from the two config groups as plain dicts (``name`` + the group's fields); None = none."""
-    r, o = dict(recompute or {}), dict(offload or {})
-    r.pop("callbacks", None), r.pop("model_overrides", None), o.pop("callbacks", None), o.pop("model_overrides", None)
-    kw: Dict[str, Any] = {"recompute": str(r.pop("name", "none")), "offload": str(o.pop("name", "none"))}
-    for src, group, names in ((r, "recompute", {"modules": "recompute_modules", "method": "recompute_method",
-                                                "num_layers": "recompute_num_layers"}),
-                              (o, "offload", {"modules": "offload_modules", "prefetch_depth": "prefetch_depth",
-                                              "min_bytes": "min_bytes"})):
-        allowed = _GROUP_FIELDS[group].get(kw[group], ())
-        unknown = sorted(f for f in src if f not in allowed)
-        if unknown:
-            raise ValueError(f"{group}: unknown field(s) {unknown} for {group}={kw[group]} "
-                             f"(its fields: {list(allowed) or 'none'})")
-        for f, v in src.items():
-            kw[names[f]] = tuple(v) if f == "modules" and isinstance(v, (list, tuple)) else v
-    return MemoryOptions(**kw)
+from nemo_longctx.options import (  # noqa: F401  (re-exported: the names the Megatron mapping is written in)
+    KEEP_ATTN_ALGORITHMS,
+    OFFLOAD_MODULE_PATHS,
+    Context,
+    MemoryOptions,
+    raise_problems,
+)
 
 
 def _cuda_available() -> bool:
@@ -120,66 +32,17 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def memory_option_problems(opts: MemoryOptions, cp_algorithm: str = "ring", model_config: Any = None,
-                           pp: int = 1) -> List[str]:
-    """Every problem with ``opts`` (empty list = valid); model-dependent checks only with ``model_config``."""
+def memory_model_problems(opts: MemoryOptions, model_config: Any, pp: int = 1,
+                          keys: Optional[Context] = None) -> List[str]:
+    """The problems of ``opts`` that need the model config (valid options assumed: ``opts.problems()`` first)."""
+    ctx = keys or Context()
     p: List[str] = []
     r, o = opts.recompute, opts.offload
-    if r not in RECOMPUTE_MODES:
-        p.append(f"recompute={r!r} is not known (choose one of {', '.join(RECOMPUTE_MODES)})")
-    if o not in OFFLOAD_MODES:
-        p.append(f"offload={o!r} is not known (choose one of {', '.join(OFFLOAD_MODES)})")
-    if r == "selective":
-        mods = opts.recompute_modules
-        if isinstance(mods, str) or not isinstance(mods, (list, tuple)) or not mods:
-            p.append(f"recompute.modules={mods!r} must be a non-empty list of {list(SELECTIVE_MODULES)}")
-        else:
-            bad = [m for m in mods if m not in SELECTIVE_MODULES]
-            if bad:
-                p.append(f"recompute.modules: unknown module(s) {bad} (megatron-core supports "
-                         f"{list(SELECTIVE_MODULES)} for dense GPT layers)")
-    if opts.full:
-        if opts.recompute_method not in RECOMPUTE_METHODS:
-            p.append(f"recompute.method={opts.recompute_method!r} must be one of {list(RECOMPUTE_METHODS)}")
-        n = opts.recompute_num_layers
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            p.append(f"recompute.num_layers={n!r} must be an int >= 1")
-    if r == "full_keep_attn" and cp_algorithm not in KEEP_ATTN_ALGORITHMS:
-        p.append(f"recompute=full_keep_attn keeps ring attention's output and LSE: it needs cp.algorithm=ring (cp=ring "
-                 f"or cp=none), got cp.algorithm={cp_algorithm!r}")
-    if o == "layer_input" and not opts.full:
-        p.append(f"offload=layer_input requires recompute=full or full_keep_attn (got recompute={r})")
-    if o == "modules":
-        mods = opts.offload_modules
-        if isinstance(mods, str) or not isinstance(mods, (list, tuple)) or not mods:
-            p.append(f"offload.modules={mods!r} must be a non-empty list of {sorted(OFFLOAD_MODULE_PATHS)}")
-        else:
-            bad = [m for m in mods if m not in OFFLOAD_MODULE_PATHS]
-            if bad:
-                p.append(f"offload.modules: unknown module(s) {bad} (choose from {sorted(OFFLOAD_MODULE_PATHS)})")
-            if opts.full:
-                p.append(f"offload=modules cannot be combined with recompute={r}: a fully recomputed layer saves "
-                         "nothing inside its modules; use offload=layer_input")
-            if r == "selective":
-                for rm in opts.recompute_modules or ():
-                    clash = sorted(_RECOMPUTED_BY.get(rm, set()) & set(mods))
-                    if clash:
-                        p.append(f"offload.modules {clash} are recomputed by recompute.modules [{rm}] (they save "
-                                 "nothing to offload): drop them from one of the two lists")
-    if o in ("layer_input", "modules"):
-        d = opts.prefetch_depth
-        if not isinstance(d, int) or isinstance(d, bool) or d < 0:
-            p.append(f"offload.prefetch_depth={d!r} must be an int >= 0")
-        b = opts.min_bytes
-        if not isinstance(b, int) or isinstance(b, bool) or b < 0:
-            p.append(f"offload.min_bytes={b!r} must be an int >= 0")
-    if model_config is None:
-        return p
     layers = int(model_config.num_layers) // max(1, pp)
-    if opts.full and isinstance(opts.recompute_num_layers, int) and opts.recompute_num_layers > layers:
+    if opts.full and opts.recompute_num_layers > layers:
         p.append(f"recompute.num_layers={opts.recompute_num_layers} exceeds the {layers} layers per pipeline stage "
-                 "(model.num_layers / trainer.strategy.pipeline_model_parallel_size)")
-    if (r == "selective" and "mlp" in (opts.recompute_modules or ()) and getattr(model_config, "add_bias_linear", False)
+                 f"({ctx.key('num_layers')} / {ctx.key('pp')})")
+    if (r == "selective" and "mlp" in opts.recompute_modules and getattr(model_config, "add_bias_linear", False)
             and not _cuda_available()):
         p.append("recompute.modules=[mlp] with model.add_bias_linear=true recurses without end in Megatron's "
                  "CheckpointFunction backward on CPU: set model.add_bias_linear=false or recompute another module")
@@ -193,9 +56,11 @@ def memory_option_problems(opts: MemoryOptions, cp_algorithm: str = "ring", mode
 
 def validate_memory_options(opts: MemoryOptions, cp_algorithm: str = "ring", model_config: Any = None,
                             pp: int = 1) -> None:
-    problems = memory_option_problems(opts, cp_algorithm, model_config, pp)
-    if problems:
-        raise ValueError("invalid recompute/offload configuration:\n  - " + "\n  - ".join(problems))
+    """Raise ``ConfigError`` with every problem of ``opts`` (and, given a model config, those against it)."""
+    problems = opts.problems(cp_algorithm)
+    if not problems and model_config is not None:
+        problems = memory_model_problems(opts, model_config, pp)
+    raise_problems(problems)
 
 
 def recompute_fields(opts: MemoryOptions) -> Dict[str, Any]:
@@ -284,7 +149,6 @@ def attach_memory_options(model: Any, opts: MemoryOptions, *, record_events: boo
     from .norm_recompute_layer import install_norm_recompute
     from .offload_block import LongContextTransformerBlock
 
-    validate_memory_options(opts)
     blocks = transformer_blocks(model)
     if not blocks:
         raise ValueError("attach_memory_options: the model has no Megatron TransformerBlock")

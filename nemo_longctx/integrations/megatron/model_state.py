@@ -1,204 +1,52 @@
-"""Model-state options (the app's ``optim`` config group): how weights, gradients and optimizer states are kept.
+"""Model-state options (the ``optim`` group) on Megatron: how weights, gradients and optimizer states are kept.
 
-``model_state_options(optim)``   ``ModelStateOptions`` from the ``optim`` group (a plain dict);
+The options (``ModelStateOptions``, defined with every rule that needs no model in ``nemo_longctx.options``) map onto:
+``optimizer_config(opts, ...)``   Megatron's ``OptimizerConfig``;
+``ddp_config(opts)``              Megatron's ``DistributedDataParallelConfig`` for Megatron-FSDP (None otherwise);
+``checkpoint_settings(opts)``     the distributed-checkpoint format settings the options need;
 ``model_state_problems(opts, precision=..., pp=..., checkpointing=...)``
-                                  every invalid setting, each naming its ``optim.*`` field (no Megatron import: the
-                                  planner filters its search space with it); CPU-only refusals come from
-                                  ``cpu_compat.model_state_cpu_problems`` (one place for what cannot run without CUDA);
-``optimizer_config(opts, o, precision)``  Megatron's ``OptimizerConfig``;
-``ddp_config(opts)`` / ``strategy_kwargs(opts)``  NeMo's ``MegatronStrategy(ddp=..., fsdp="megatron", ...)``.
+                                  the option rules plus the refusals of what cannot run on a CPU-only build
+                                  (``cpu_compat.model_state_cpu_problems``: one place for them);
+``optimizer_layout`` / ``check_optimizer_layout``  what Megatron built, checked against the options at fit start.
 
-Options (all Megatron-core 0.15.3 / NeMo 2.7 machinery, used the way NeMo's recipes use it):
-  use_distributed_optimizer      ZeRO-1: fp32 master weights + Adam moments sharded over data-parallel x CP
-  megatron_fsdp                  ZeRO-3 (Megatron-FSDP, ``MegatronStrategy(fsdp="megatron")`` with
-                                 ``DistributedDataParallelConfig(use_megatron_fsdp=True,
-                                 data_parallel_sharding_strategy="optim_grads_params")``)
-  optimizer_cpu_offload          ``HybridDeviceOptimizer``: the Adam step of ``optimizer_offload_fraction`` of the
-                                 (sharded) parameters runs on the host with host copies of master weights, grads
-                                 and moments
-  use_precision_aware_optimizer  TE's FusedAdam keeps moments in ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` and master
-                                 weights in ``main_params_dtype``; ``main_grads_dtype=bf16`` reduces gradients in
-                                 bf16 (``MegatronMixedPrecision(grad_reduce_in_fp32=False)``). With
-                                 ``optimizer_cpu_offload`` Megatron runs it in ``HybridDeviceOptimizer`` instead (no
-                                 TE FusedAdam: fp32 master copies and fp32 moments, only the main-grads dtype and the
-                                 dropped device fp32 main params differ from plain offload); trainable on CPU
+Everything is Megatron-core 0.15.3 machinery, used the way NeMo's and Megatron-Bridge's recipes use it.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
-DTYPES = ("fp32", "bf16", "fp16")
-MAIN_PARAMS_DTYPES = ("fp32", "fp16")  # megatron: --main-params-dtype choices
-MAIN_GRADS_DTYPES = ("fp32", "bf16")  # megatron: --main-grads-dtype choices
-OPTIMIZERS = ("adam", "sgd")
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-_FIELDS = ("optimizer", "use_distributed_optimizer", "megatron_fsdp", "optimizer_cpu_offload",
-           "optimizer_offload_fraction", "use_precision_aware_optimizer", "main_grads_dtype", "main_params_dtype",
-           "exp_avg_dtype", "exp_avg_sq_dtype")
-# the learning-rate / schedule keys of the group (not model-state options)
-_OTHER_KEYS = ("lr", "min_lr", "warmup_steps", "weight_decay", "clip_grad", "adam_beta2")
+from nemo_longctx.options import Context, ModelStateOptions, OptimOptions
 
 
-@dataclass(frozen=True)
-class ModelStateOptions:
-    optimizer: str = "adam"
-    use_distributed_optimizer: bool = False
-    megatron_fsdp: bool = False
-    optimizer_cpu_offload: bool = False
-    optimizer_offload_fraction: float = 1.0
-    use_precision_aware_optimizer: bool = False
-    main_grads_dtype: str = "fp32"
-    main_params_dtype: str = "fp32"
-    exp_avg_dtype: str = "fp32"
-    exp_avg_sq_dtype: str = "fp32"
-
-    def describe(self) -> str:
-        parts = ["megatron_fsdp" if self.megatron_fsdp else
-                 ("distributed_optimizer" if self.use_distributed_optimizer else "ddp")]
-        if self.optimizer_cpu_offload:
-            parts.append(f"optimizer_cpu_offload({self.optimizer_offload_fraction:g})")
-        if self.use_precision_aware_optimizer:
-            parts.append(f"precision_aware(grads={self.main_grads_dtype},params={self.main_params_dtype},"
-                         f"m={self.exp_avg_dtype},v={self.exp_avg_sq_dtype})")
-        return " + ".join(parts)
-
-    def as_overrides(self) -> Dict[str, Any]:
-        """``optim.<field>`` -> value for every field that differs from the default."""
-        d = ModelStateOptions()
-        return {f"optim.{k}": v for k, v in asdict(self).items() if getattr(d, k) != v}
-
-
-def model_state_options(optim: Optional[Dict[str, Any]] = None) -> ModelStateOptions:
-    """``ModelStateOptions`` from the ``optim`` group as a plain dict; unknown keys are an error naming them."""
-    o = dict(optim or {})
-    unknown = sorted(k for k in o if k not in _FIELDS and k not in _OTHER_KEYS)
-    if unknown:
-        raise ValueError(f"optim: unknown key(s) {unknown} (known: {sorted(_FIELDS + _OTHER_KEYS)})")
-    return ModelStateOptions(**{k: o[k] for k in _FIELDS if k in o})
-
-
-def _is_bool(v: Any) -> bool:
-    return isinstance(v, bool)
+def model_state_options(optim: Optional[Mapping[str, Any]] = None) -> ModelStateOptions:
+    """``ModelStateOptions`` of the ``optim`` group (a plain dict); ``OptimOptions.problems`` reports its keys."""
+    return OptimOptions.from_dict(optim).state
 
 
 def model_state_problems(opts: ModelStateOptions, precision: str = "bf16-mixed", pp: int = 1,
                          checkpointing: bool = False, te_available: Optional[bool] = None,
-                         target_cuda: Optional[bool] = None) -> List[str]:
-    """Every problem with ``opts`` (empty = valid), each naming its ``optim.*`` field; the CPU-only refusals of
+                         target_cuda: Optional[bool] = None, keys: Optional[Dict[str, str]] = None) -> List[str]:
+    """Every problem with ``opts`` (empty = valid), each naming its ``optim.*`` key; the CPU-only refusals of
     ``cpu_compat`` are added when the target has no CUDA. ``te_available`` / ``target_cuda``: None = this process
-    (the app); the planner passes True for both (it plans for GPU nodes running the NGC NeMo image)."""
-    p: List[str] = []
-    o = opts
-    for f in ("use_distributed_optimizer", "megatron_fsdp", "optimizer_cpu_offload", "use_precision_aware_optimizer"):
-        if not _is_bool(getattr(o, f)):
-            p.append(f"optim.{f}={getattr(o, f)!r} must be true or false")
-    if o.optimizer not in OPTIMIZERS:
-        p.append(f"optim.optimizer={o.optimizer!r} must be one of {list(OPTIMIZERS)}")
-    frac = o.optimizer_offload_fraction
-    if _is_bool(frac) or not isinstance(frac, (int, float)) or not 0.0 <= float(frac) <= 1.0:
-        p.append(f"optim.optimizer_offload_fraction={frac!r} must be a number in [0, 1]")
-    for f, allowed in (("main_grads_dtype", MAIN_GRADS_DTYPES), ("main_params_dtype", MAIN_PARAMS_DTYPES),
-                       ("exp_avg_dtype", DTYPES), ("exp_avg_sq_dtype", DTYPES)):
-        v = getattr(o, f)
-        if v not in allowed:
-            p.append(f"optim.{f}={v!r} must be one of {list(allowed)}")
-        elif v != "fp32" and o.use_precision_aware_optimizer is False:
-            p.append(f"optim.{f}={v} needs optim.use_precision_aware_optimizer=true (Megatron keeps {f} in fp32 "
-                     "otherwise)")
-    if o.megatron_fsdp is True:
-        if o.use_distributed_optimizer is not True:
-            p.append("optim.megatron_fsdp=true needs optim.use_distributed_optimizer=true (Megatron-FSDP shards the "
-                     "optimizer states through the distributed optimizer)")
-        if pp > 1:
-            p.append(f"optim.megatron_fsdp=true with trainer.strategy.pipeline_model_parallel_size={pp}: "
-                     "nemo_longctx runs Megatron-FSDP without pipeline parallelism only")
-        if checkpointing:
-            # tried on CPU (gloo, bf16-mixed): NeMo's fsdp_dtensor save fails in megatron-core 0.15.3's SwiGLU split
-            # of linear_fc1 (fsdp_dtensor_checkpoint.handle_swiglu_in_state_dict): a rank whose shard of fc1 is
-            # empty has no Adam state for it (torch AdamW, the optimizer without TE/Apex, creates state only for
-            # parameters with a grad), so the other rank makes more make_fsdp_dtensor calls, their all_gather_object
-            # chunk-metadata collectives pair up wrongly and validate_uneven_dtensor asserts ("DTensor chunk metadata
-            # is invalid", offsets (1024, 0) for a 512-row half; the missing state is inferred from the calls: the
-            # rank holding fc1 made 5 make_fsdp_dtensor calls, the empty one 4). With fp32 weights (no
-            # Float16Module) it fails earlier in NeMo's _get_fsdp_dtensor_state_dict (get_parameter("module.<key>")
-            # on the GPTModel).
-            p.append("optim.megatron_fsdp=true with checkpoint.every_n_steps > 0: Megatron-FSDP saves in the "
-                     "fsdp_dtensor format, which nemo_longctx's checkpoint/resume path does not support yet "
-                     "(set checkpoint.every_n_steps=0)")
-        if o.optimizer_cpu_offload is True:
-            # unverified, not known broken: with Megatron-FSDP the distributed optimizer skips its shard set-up and
-            # HybridDeviceOptimizer would get Megatron-FSDP's DTensor parameters directly; Megatron-FSDP cannot run
-            # on CPU, so no test here could check it
-            p.append("optim.megatron_fsdp=true with optim.optimizer_cpu_offload=true: not verified (Megatron-FSDP "
-                     "hands HybridDeviceOptimizer its DTensor parameters directly, which no test here can run); use "
-                     "optim.use_distributed_optimizer=true without megatron_fsdp for optimizer CPU offload")
-    if o.optimizer_cpu_offload is True:
-        if o.use_distributed_optimizer is not True:
-            p.append("optim.optimizer_cpu_offload=true needs optim.use_distributed_optimizer=true (nemo_longctx "
-                     "offloads the distributed optimizer's shard)")
-        if o.optimizer != "adam":
-            p.append(f"optim.optimizer_cpu_offload=true supports optim.optimizer=adam here, got {o.optimizer!r}")
-        if not (str(precision).startswith("bf16") or str(precision).startswith("16")):
-            p.append(f"optim.optimizer_cpu_offload=true needs trainer.precision=bf16-mixed or 16-mixed (got "
-                     f"{precision}): with fp32 weights Megatron's distributed optimizer hands HybridDeviceOptimizer "
-                     "views of the parameters, which torch.optim refuses (non-leaf tensors)")
-    if o.use_precision_aware_optimizer is True:
-        if o.optimizer != "adam":
-            p.append(f"optim.use_precision_aware_optimizer=true needs optim.optimizer=adam, got {o.optimizer!r}")
-        if o.use_distributed_optimizer is not True:
-            p.append("optim.use_precision_aware_optimizer=true needs optim.use_distributed_optimizer=true")
-        if o.optimizer_cpu_offload is True:
-            # Megatron builds HybridDeviceOptimizer(param_update_in_fp32=True) without the dtype arguments: fp32
-            # master copies of the bf16 shards and torch AdamW's fp32 moments (its device part, fraction < 1, too)
-            for f in ("exp_avg_dtype", "exp_avg_sq_dtype", "main_params_dtype"):
-                if getattr(o, f) != "fp32":
-                    p.append(f"optim.{f}={getattr(o, f)} with optim.optimizer_cpu_offload=true: Megatron's "
-                             "HybridDeviceOptimizer keeps fp32 master weights and fp32 Adam moments (it ignores "
-                             f"{f}); set it to fp32")
-        te = _te_available() if te_available is None else te_available
-        if not te and o.optimizer_cpu_offload is not True:
-            # with optimizer_cpu_offload the precision-aware step is HybridDeviceOptimizer's: no TE FusedAdam
-            p.append("optim.use_precision_aware_optimizer=true needs TransformerEngine's FusedAdam (it keeps the "
-                     "low-precision states) unless optim.optimizer_cpu_offload=true: transformer_engine is not "
-                     "installed")
-        elif not te and _cuda_target(target_cuda):
-            # OptimizerConfig.__post_init__ compares TE's version (None without TE: TypeError); cpu_compat fix 14
-            # answers it on CPU-only builds, nothing does on a CUDA build without TE
-            p.append("optim.use_precision_aware_optimizer=true on a CUDA build needs TransformerEngine installed "
-                     "(Megatron's OptimizerConfig reads its version), even with optim.optimizer_cpu_offload=true")
-        if o.main_grads_dtype != "fp32" and not str(precision).startswith("bf16"):
-            p.append(f"optim.main_grads_dtype={o.main_grads_dtype} needs trainer.precision=bf16-mixed "
-                     f"(got {precision})")
-    from nemo_longctx.integrations.megatron.cpu_compat import model_state_cpu_problems
+    (the app); the planner passes True for both (it plans for GPU nodes running the NGC NeMo image).
+    ``keys``: the front end's names of precision / pp / checkpointing (``options.Context.keys``)."""
+    from nemo_longctx.integrations.megatron.cpu_compat import model_state_cpu_problems, needed
 
-    if target_cuda is None or not target_cuda:
-        p += model_state_cpu_problems(opts, force=target_cuda is False, checkpointing=checkpointing)
+    te = _te_available() if te_available is None else te_available
+    cuda = (not needed()) if target_cuda is None else bool(target_cuda)
+    ctx = Context(precision=str(precision), pp=pp, checkpointing=checkpointing, cuda=cuda, te=te, keys=keys or {})
+    p = opts.problems(ctx)
+    if not target_cuda:
+        p += model_state_cpu_problems(opts, force=target_cuda is False, checkpointing=checkpointing,
+                                      checkpoint_key=ctx.key("checkpointing"))
     return p
-
-
-def _cuda_target(target_cuda: Optional[bool]) -> bool:
-    """The target has CUDA: ``target_cuda``, or this process when None."""
-    if target_cuda is not None:
-        return bool(target_cuda)
-    from nemo_longctx.integrations.megatron.cpu_compat import needed
-
-    return not needed()
 
 
 def _te_available() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("transformer_engine") is not None
-
-
-def validate_model_state(opts: ModelStateOptions, **kw: Any) -> None:
-    problems = model_state_problems(opts, **kw)
-    if problems:
-        from nemo_longctx.integrations.nemo.app import ConfigError
-
-        raise ConfigError(problems)
 
 
 # ---------------------------------------------------------------------------------------------- Megatron objects
@@ -230,22 +78,26 @@ def grad_reduce_in_fp32(opts: ModelStateOptions) -> bool:
     return opts.main_grads_dtype == "fp32"
 
 
-def strategy_kwargs(opts: ModelStateOptions) -> Dict[str, Any]:
-    """``MegatronStrategy`` arguments: Megatron-FSDP the way NeMo's recipes enable it, else NeMo's default DDP."""
+def ddp_config(opts: ModelStateOptions) -> Any:
+    """Megatron-FSDP's ``DistributedDataParallelConfig`` (ZeRO-3: optimizer states, grads and params sharded), the
+    way NeMo's and Megatron-Bridge's recipes enable it; None without Megatron-FSDP (the framework's default DDP)."""
     if not opts.megatron_fsdp:
-        if opts.optimizer_cpu_offload:
-            # HybridDeviceOptimizer's per-parameter state holds torch AdamW's scalar ``step``, which Megatron's
-            # default dp_reshardable optimizer format asserts against (AssertionError (torch.Size([]), 0, n) at the
-            # first save); its fully_reshardable format handles ``step`` (NeMo's own switch)
-            return {"ckpt_optim_fully_reshardable": True}
-        return {}
+        return None
     from megatron.core.distributed import DistributedDataParallelConfig
 
-    ddp = DistributedDataParallelConfig(
+    return DistributedDataParallelConfig(
         check_for_nan_in_grad=True, use_distributed_optimizer=True, use_megatron_fsdp=True,
         data_parallel_sharding_strategy="optim_grads_params",
     )
-    return {"ddp": ddp, "fsdp": "megatron", "save_ckpt_format": "fsdp_dtensor"}
+
+
+def checkpoint_settings(opts: ModelStateOptions) -> Dict[str, Any]:
+    """What the options need of the distributed checkpoint: ``format`` (Megatron-FSDP saves ``fsdp_dtensor``, the
+    rest ``torch_dist``) and ``optim_fully_reshardable`` (optimizer CPU offload: HybridDeviceOptimizer's
+    per-parameter state holds torch AdamW's scalar ``step``, which Megatron's default dp_reshardable optimizer format
+    asserts against at the first save; its fully_reshardable format handles it)."""
+    return {"format": "fsdp_dtensor" if opts.megatron_fsdp else "torch_dist",
+            "optim_fully_reshardable": bool(opts.optimizer_cpu_offload and not opts.megatron_fsdp)}
 
 
 def allow_offload_optimizer_classes_in_checkpoints() -> None:

@@ -1,9 +1,16 @@
-"""Config checks for long-context runs, done once before the first step. Messages name the config field as the
-Hydra app spells it (``model.*`` = fields of the GPT/Llama config, ``cp.*``, ``trainer.*``)."""
+"""The checks that need the model config, done once when a run is built (before the first step).
+
+``model_problems(config, options, world_size, tp, pp, keys)`` every one of them for a ``LongContextOptions``: the
+attention (``long_context_problems``), recompute/offload (``memory_options.memory_model_problems``) and tiling
+against the model's sequence length. The option checks that need no model ran before (``options.problems``).
+Messages name ``model.*`` (fields of the GPT/Llama config), ``cp.*`` and the front end's own keys for the
+parallel layout (``options.Context.keys``; Megatron's field names by default)."""
 
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
+
+from nemo_longctx.options import Context, LongContextOptions
 
 from .cp_algorithms import get_cp_algorithm
 
@@ -16,18 +23,14 @@ def long_context_problems(
     tp: int = 1,
     pp: int = 1,
     cp_kwargs: Optional[Dict[str, Any]] = None,
+    keys: Optional[Context] = None,
 ) -> List[str]:
     """All problems found (empty list = valid). ``config`` is a Megatron TransformerConfig / NeMo GPTConfig;
-    ``cp_kwargs`` the algorithm's options (``cp.kwargs``: e.g. ulysses_size, head_chunks)."""
+    ``cp_kwargs`` the algorithm's options (``CPOptions.attention_kwargs``: e.g. ulysses_size, head_chunks);
+    ``keys``: the front end's key names (``Context``)."""
+    k = keys or Context()
     problems = []
-    try:
-        algo = get_cp_algorithm(cp_algorithm)
-    except ValueError as e:
-        problems.append(str(e))
-        algo = None
-    if cp_size < 1:
-        problems.append(f"cp.size={cp_size} must be >= 1")
-        return problems
+    algo = get_cp_algorithm(cp_algorithm)
     seq = getattr(config, "seq_length", None)
     if seq is not None and seq % (2 * cp_size) != 0:
         problems.append(
@@ -39,13 +42,12 @@ def long_context_problems(
     if heads % tp != 0 or groups % tp != 0:
         problems.append(
             f"model.num_attention_heads={heads} and model.num_query_groups={groups} must be divisible by "
-            f"trainer.strategy.tensor_model_parallel_size={tp}"
+            f"{k.key('tp')}={tp}"
         )
     if world_size is not None and world_size % (cp_size * tp * pp) != 0:
         problems.append(
-            f"cp.size={cp_size} x trainer.strategy.tensor_model_parallel_size={tp} x "
-            f"trainer.strategy.pipeline_model_parallel_size={pp} = {cp_size * tp * pp} does not divide the world size "
-            f"{world_size} (trainer.devices x trainer.num_nodes)"
+            f"cp.size={cp_size} x {k.key('tp')}={tp} x {k.key('pp')}={pp} = {cp_size * tp * pp} does not divide "
+            f"the world size {world_size} ({k.key('world_size')})"
         )
     if getattr(config, "attention_dropout", 0.0):
         problems.append(
@@ -79,7 +81,7 @@ def long_context_problems(
             "model.attention_backend=local makes NeMo replace every layer's core_attention with Megatron's own "
             "(DotProductAttention, no CP): use auto"
         )
-    if algo is not None and algo.validate is not None:
+    if algo.validate is not None:
         try:
             algo.validate(config, cp_size, tp=tp, **dict(cp_kwargs or {}))
         except ValueError as e:
@@ -87,12 +89,19 @@ def long_context_problems(
     return problems
 
 
-def validate_long_context(config: Any, cp_size: int, cp_algorithm: str, world_size: Optional[int] = None,
-                          tp: int = 1, pp: int = 1, cp_kwargs: Optional[Dict[str, Any]] = None) -> None:
-    """Raise ValueError listing every problem (one per line) naming the config fields."""
-    problems = long_context_problems(config, cp_size, cp_algorithm, world_size, tp, pp, cp_kwargs)
-    if problems:
-        raise ValueError("invalid long-context configuration:\n  - " + "\n  - ".join(problems))
+def model_problems(config: Any, options: LongContextOptions, world_size: Optional[int] = None, tp: int = 1,
+                   pp: int = 1, keys: Optional[Context] = None) -> List[str]:
+    """Every problem of ``options`` against the model config ``config`` (valid options assumed)."""
+    from .memory_options import memory_model_problems
+
+    k = keys or Context()
+    cp = options.cp
+    p = long_context_problems(config, cp.size, cp.algorithm, world_size, tp, pp, cp.attention_kwargs, k)
+    p += memory_model_problems(options.memory, config, pp, k)
+    if options.tiling.active:  # against the model's own sequence length (init_from: the checkpoint's config)
+        p += options.tiling.problems(int(config.seq_length), cp.size, tp, bool(getattr(config, "sequence_parallel",
+                                                                                        False)), k)
+    return p
 
 
 def built_attention_problems(model: Any, cp_size: int, cp_algorithm: str, pp: int = 1) -> List[str]:

@@ -1,65 +1,63 @@
 """The train app's NeMo side: config -> validated NeMo objects (nothing is launched or trained here).
 
-``config_problems(cfg)``   every config-level problem at once (no model needed; run before any process starts);
-``build(cfg, launch)``     the run's NeMo objects: the model config with our core attention (``enable_long_context``),
-                           ``LongContextStrategy``, ``nl.Trainer``, the data module, ``nl.MegatronOptimizerModule``,
-                           ``nl.NeMoLogger`` (TensorBoard + ``nl.ModelCheckpoint``) and ``nl.AutoResume``; the
-                           model-level checks run here, once, and report every problem together;
+``options_of(cfg)``        the run's ``LongContextOptions`` (nemo_longctx.options), built once from the config;
+``config_problems(cfg, options)``  every config-level problem at once (no model needed; run in the launching process
+                           before any rank starts): the option model's, and the app's own keys (``APP_OPTIONS``);
+``build(cfg, launch, options=...)``  the run's NeMo objects: the model config with our core attention
+                           (``enable_long_context``), ``LongContextStrategy``, ``nl.Trainer``, the data module,
+                           ``nl.MegatronOptimizerModule``, ``nl.NeMoLogger`` (TensorBoard + ``nl.ModelCheckpoint``) and
+                           ``nl.AutoResume``; the checks against the model config run here, once, all together;
 ``fit(built)``             ``llm.train`` -- NeMo's own entry point: logger set-up, auto-resume, fit;
 ``dry_run(cfg)``           build + validate in one process and prove every layer's core attention is ours.
-
-Feature groups (``recompute``, ``offload``, ``tiling``, ...) plug in one way: ``<group>.callbacks`` (Lightning
-callbacks, ``_target_``) and ``<group>.model_overrides`` (model-config fields).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from dataclasses import dataclass, replace
+from typing import Any, Dict, List, Optional
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from nemo_longctx.integrations.nemo.launch import Launch
+from nemo_longctx.integrations.nemo.config_keys import APP_OPTIONS, NEMO_KEYS, RESUME_MODES
 from nemo_longctx.integrations.nemo.documents import documents_problems
+from nemo_longctx.integrations.nemo.launch import Launch
 from nemo_longctx.integrations.nemo.pretrained import init_from_of, init_from_problems
-
-FEATURE_GROUPS = ("recompute", "offload", "tiling")
-RESUME_MODES = ("auto", "never")
-
-
-class ConfigError(ValueError):
-    """Every problem of a configuration, one per line, each naming its config field."""
-
-    def __init__(self, problems: List[str]) -> None:
-        self.problems = list(problems)
-        super().__init__("invalid configuration:\n  - " + "\n  - ".join(self.problems))
-
-
-def _collect(problems: List[str], check: Callable[[], Any]) -> Any:
-    """Run one check; a ValueError (its message names the field) becomes a problem instead of stopping the pass."""
-    try:
-        return check()
-    except ConfigError as e:
-        problems.extend(e.problems)
-    except ValueError as e:
-        problems.append(str(e))
-    return None
-
-
-def raise_problems(problems: List[str]) -> None:
-    if len(problems) == 1:
-        raise ValueError(problems[0])
-    if problems:
-        raise ConfigError(problems)
+from nemo_longctx.options import (  # noqa: F401  (ConfigError, raise_problems: the app's error type, re-exported)
+    ConfigError,
+    Context,
+    LongContextOptions,
+    raise_problems,
+)
 
 
 # ------------------------------------------------------------------------------------------------ config helpers
+def options_of(cfg: DictConfig) -> LongContextOptions:
+    """The run's option model, from the config's groups (``nemo_longctx.options``); never raises on a value."""
+    groups = ("cp", "recompute", "offload", "tiling", "optim", "memory", "log", "run")
+    return LongContextOptions.from_dict({g: OmegaConf.to_container(cfg[g], resolve=True) for g in groups
+                                         if cfg.get(g) is not None})
+
+
+def context_of(cfg: DictConfig) -> Context:
+    """What the option checks need from the app's other keys (their values as typed: checked as APP_OPTIONS)."""
+    s = cfg.trainer.strategy
+    every = (cfg.get("checkpoint") or {}).get("every_n_steps", 0)
+    return Context(seq_length=cfg.model.get("seq_length"), tp=s.tensor_model_parallel_size,
+                   pp=s.pipeline_model_parallel_size, sequence_parallel=s.sequence_parallel,
+                   precision=str(cfg.trainer.precision), checkpointing=isinstance(every, int) and every > 0,
+                   keys=NEMO_KEYS)
+
+
+def _value(cfg: DictConfig, key: str) -> Any:
+    return OmegaConf.select(cfg, key, default=None)
+
+
 def parallel_sizes(cfg: DictConfig) -> Dict[str, int]:
     s = cfg.trainer.strategy
-    return {"cp": int(cfg.cp.size), "tp": int(s.tensor_model_parallel_size), "pp": int(s.pipeline_model_parallel_size)}
+    return {"cp": cfg.cp.size, "tp": s.tensor_model_parallel_size, "pp": s.pipeline_model_parallel_size}
 
 
 def world_size_of(cfg: DictConfig, launch: Optional[Launch] = None) -> int:
@@ -82,11 +80,6 @@ def global_batch_size(cfg: DictConfig, world_size: int) -> int:
     return gbs
 
 
-def cp_algorithm_kwargs(cfg: DictConfig) -> Dict[str, Any]:
-    node = cfg.cp.get("kwargs")
-    return OmegaConf.to_container(node, resolve=True) if node else {}
-
-
 def config_hash(cfg: DictConfig) -> str:
     """sha256 of the resolved config (keys sorted): every rank must train exactly the same configuration."""
     text = OmegaConf.to_yaml(cfg, resolve=True, sort_keys=True)
@@ -98,110 +91,32 @@ def checkpoint_dir(cfg: DictConfig) -> str:
     return str(node.get("dir") or os.path.join(str(cfg.output_dir), "checkpoints"))
 
 
-def feature_callbacks(cfg: DictConfig) -> List[Any]:
-    """Lightning callbacks declared by the optional feature groups (``<group>.callbacks: [{_target_: ...}]``)."""
-    out = []
-    for group in FEATURE_GROUPS:
-        node = cfg.get(group)
-        if node is not None and node.get("callbacks"):
-            out.extend(_instantiate_callback(c) for c in node.callbacks)
-    return out
-
-
-def _instantiate_callback(node: Any) -> Any:
-    """``hydra.utils.instantiate``, re-raising a callback's own ValueError (its config check names the field)
-    instead of Hydra's InstantiationException wrapper."""
-    from hydra.errors import InstantiationException
-
-    try:
-        return hydra.utils.instantiate(node, _convert_="all")
-    except InstantiationException as e:
-        if isinstance(e.__cause__, ValueError):
-            raise e.__cause__ from None
-        raise
-
-
-def memory_options_of(cfg: DictConfig) -> Any:
-    """``MemoryOptions`` of the ``recompute`` and ``offload`` groups (absent groups: none)."""
-    from nemo_longctx.integrations.megatron.memory_options import memory_options
-
-    def group(name: str) -> Optional[Dict[str, Any]]:
-        node = cfg.get(name)
-        return OmegaConf.to_container(node, resolve=True) if node is not None else None
-
-    return memory_options(group("recompute"), group("offload"))
-
-
-def model_state_of(cfg: DictConfig) -> Any:
-    """``ModelStateOptions`` of the ``optim`` group (weights / grads / optimizer-state layout)."""
-    from nemo_longctx.integrations.megatron.model_state import model_state_options
-
-    return model_state_options(OmegaConf.to_container(cfg.optim, resolve=True))
-
-
-def model_state_problems_of(cfg: DictConfig) -> List[str]:
-    """The ``optim`` group's problems (each naming its field) against the rest of the config."""
-    from nemo_longctx.integrations.megatron.model_state import model_state_problems
-
-    every = int((cfg.get("checkpoint") or {}).get("every_n_steps", 0) or 0)
-    return model_state_problems(model_state_of(cfg), precision=str(cfg.trainer.precision),
-                                pp=int(cfg.trainer.strategy.pipeline_model_parallel_size), checkpointing=every > 0)
-
-
-def feature_model_overrides(cfg: DictConfig) -> Dict[str, Any]:
-    """Model-config fields set by the optional feature groups (``<group>.model_overrides: {field: value}``)."""
-    out: Dict[str, Any] = {}
-    for group in FEATURE_GROUPS:
-        node = cfg.get(group)
-        if node is not None and node.get("model_overrides"):
-            out.update(OmegaConf.to_container(node.model_overrides, resolve=True))
-    return out
-
-
 # ------------------------------------------------------------------------------------------------ validation
-def _checkpoint_problems(cfg: DictConfig) -> List[str]:
-    c = cfg.get("checkpoint")
-    if c is None:
-        return []
-    out = []
-    every, keep, resume = c.get("every_n_steps", 0), c.get("keep", 1), c.get("resume", "auto")
-    if isinstance(every, bool) or not isinstance(every, int) or every < 0:
-        out.append(f"checkpoint.every_n_steps={every!r} must be an int >= 0 (0 = never save)")
-    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-        out.append(f"checkpoint.keep={keep!r} must be an int >= 1")
-    if resume is None or str(resume) == "":
-        out.append("checkpoint.resume must be auto, never or a checkpoint path (got nothing)")
-    elif str(resume) not in RESUME_MODES and not os.path.isdir(str(resume)):
-        out.append(f"checkpoint.resume={str(resume)!r} is neither auto/never nor an existing checkpoint directory")
-    return out
+def app_key_problems(cfg: DictConfig) -> List[str]:
+    """The app's own keys (``APP_OPTIONS``), each checked by the option model's one checker."""
+    present = {o.key: _value(cfg, o.key) for o in APP_OPTIONS if OmegaConf.select(cfg, o.key, default=KeyError)
+               is not KeyError}
+    p = [m for o in APP_OPTIONS if o.key in present for m in [o.problem(present[o.key])] if m]
+    resume = present.get("checkpoint.resume")
+    if isinstance(resume, str) and resume and resume not in RESUME_MODES and not os.path.isdir(resume):
+        p.append(f"checkpoint.resume={resume!r} is neither auto/never nor an existing checkpoint directory")
+    return p
 
 
-def _launcher_and_trainer_problems(cfg: DictConfig) -> List[str]:
-    out = []
-    backend = str(cfg.launcher.get("backend", "auto"))
-    if backend not in ("auto", "gloo", "nccl"):
-        out.append(f"launcher.backend={backend!r} must be auto, gloo or nccl")
-    timeout = cfg.launcher.get("timeout_s")
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
-        out.append(f"launcher.timeout_s={timeout!r} must be a positive number of seconds (or null)")
-    vci = cfg.trainer.get("val_check_interval")
-    if vci is not None and (isinstance(vci, bool) or not isinstance(vci, int) or vci < 1):
-        out.append(f"trainer.val_check_interval={vci!r} must be an int >= 1 (steps) or null (no validation)")
-    return out
+def config_problems(cfg: DictConfig, options: Optional[LongContextOptions] = None) -> List[str]:
+    """Every config-level problem (no model config needed), each naming its key."""
+    from nemo_longctx.integrations.megatron.cpu_compat import model_state_cpu_problems
 
+    from nemo_longctx.integrations.megatron.cpu_compat import needed
 
-def config_problems(cfg: DictConfig) -> List[str]:
-    """Every config-level problem (no model config needed), each naming its field."""
-    from nemo_longctx.integrations.megatron.cp_algorithms import check_cp_options
-    from nemo_longctx.integrations.megatron.memory_options import validate_memory_options
-    from nemo_longctx.integrations.nemo.tiling import tiling_of
-
-    problems: List[str] = []
-    _collect(problems, lambda: validate_memory_options(memory_options_of(cfg), str(cfg.cp.algorithm)))
-    _collect(problems, lambda: tiling_of(cfg))
-    problems += _collect(problems, lambda: model_state_problems_of(cfg)) or []
-    _collect(problems, lambda: check_cp_options(str(cfg.cp.algorithm), int(cfg.cp.size), cp_algorithm_kwargs(cfg)))
-    problems += _checkpoint_problems(cfg) + _launcher_and_trainer_problems(cfg)
+    options = options or options_of(cfg)
+    problems = app_key_problems(cfg)
+    ctx = context_of(cfg) if not problems else Context(keys=NEMO_KEYS)
+    ctx = replace(ctx, cuda=not needed(), te=te_available())
+    problems += options.problems(ctx)
+    if not problems:  # what cannot run on a CPU-only build (empty with CUDA)
+        problems += model_state_cpu_problems(options.optim.state, checkpointing=ctx.checkpointing,
+                                             checkpoint_key=NEMO_KEYS["checkpointing"])
     problems += init_from_problems(cfg)  # init_from: the path and the model fields the command line overrides
     problems += documents_problems(cfg)  # data=documents: sources and tokenizer
     return problems
@@ -219,6 +134,7 @@ class Built:
     global_batch_size: int
     log: Any = None      # nl.NeMoLogger
     resume: Any = None   # nl.AutoResume or None
+    options: Any = None  # the run's LongContextOptions
 
 
 def te_available() -> bool:
@@ -227,7 +143,7 @@ def te_available() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
-def build_model_config(cfg: DictConfig) -> Any:
+def build_model_config(cfg: DictConfig, options: LongContextOptions) -> Any:
     from nemo_longctx.integrations.nemo.model import enable_long_context
 
     kwargs = {}
@@ -244,17 +160,13 @@ def build_model_config(cfg: DictConfig) -> Any:
             cpu_kernel_flags_off(config)  # fused kernels of the checkpoint's config that need CUDA/TE/Apex
     else:
         config = hydra.utils.instantiate(cfg.model, _convert_="all", **kwargs)
-    for field, value in feature_model_overrides(cfg).items():
-        if not hasattr(config, field):
-            raise ValueError(f"model_overrides: {type(config).__name__} has no field {field!r}")
-        setattr(config, field, value)
     if packed_data(cfg):
         # Packed documents: the CP ranks hold different numbers of real tokens (each document padded to 2*cp), and
         # Megatron otherwise averages each rank's own token mean; per-token loss (Megatron divides the summed
         # gradients by the tokens of the whole batch) weighs every real token the same, as at cp=none. NeMo
         # requires the same for packed fine-tuning under CP.
         config.calculate_per_token_loss = True
-    return enable_long_context(config, str(cfg.cp.algorithm), **cp_algorithm_kwargs(cfg))
+    return enable_long_context(config, options.cp.algorithm, **options.cp.attention_kwargs)
 
 
 def packed_data(cfg: DictConfig) -> bool:
@@ -309,15 +221,15 @@ def build_data(cfg: DictConfig, model_config: Any, gbs: int) -> Any:
     raise ValueError(f"data.kind={kind!r} is not known (synthetic | indexed | documents | packed_sft)")
 
 
-def build_optimizer(cfg: DictConfig, precision: str) -> Any:
+def build_optimizer(cfg: DictConfig, options: LongContextOptions, precision: str) -> Any:
     from megatron.core.optimizer import OptimizerConfig
     from nemo import lightning as nl
     from nemo.lightning.pytorch.optim import CosineAnnealingScheduler
 
     from nemo_longctx.integrations.megatron.model_state import optimizer_config
 
-    o = cfg.optim
-    opt_config = optimizer_config(model_state_of(cfg), lr=float(o.lr), weight_decay=float(o.weight_decay),
+    o = options.optim
+    opt_config = optimizer_config(o.state, lr=float(o.lr), weight_decay=float(o.weight_decay),
                                   clip_grad=float(o.clip_grad), adam_beta2=float(o.adam_beta2), precision=precision)
     assert isinstance(opt_config, OptimizerConfig)
     sched = CosineAnnealingScheduler(
@@ -326,7 +238,7 @@ def build_optimizer(cfg: DictConfig, precision: str) -> Any:
     return nl.MegatronOptimizerModule(config=opt_config, lr_scheduler=sched)
 
 
-def build_checkpointing(cfg: DictConfig) -> tuple:
+def build_checkpointing(cfg: DictConfig, tensorboard: bool = True) -> tuple:
     """(``nl.NeMoLogger``, ``nl.AutoResume`` or None, ``nl.ModelCheckpoint`` or None) of the ``checkpoint`` group.
 
     NeMo's own log files go to ``<output_dir>/logs`` (NeMoLogger moves a previous run's files into ``run_N`` there),
@@ -349,8 +261,7 @@ def build_checkpointing(cfg: DictConfig) -> tuple:
             always_save_context=True, save_context_on_train_end=True,
             verbose=False,
         )
-    tb = TensorBoardLogger(save_dir=out, name="tensorboard", version="") if cfg.get("log", {}).get(
-        "tensorboard", True) else None
+    tb = TensorBoardLogger(save_dir=out, name="tensorboard", version="") if tensorboard else None
     log = nl.NeMoLogger(explicit_log_dir=os.path.join(out, "logs"), ckpt=ckpt, tensorboard=tb, update_logger_directory=False)
     mode = str(c.get("resume", "auto"))
     resume = None
@@ -386,15 +297,19 @@ def _auto_resume_class() -> type:
     return AutoResume
 
 
-def build(cfg: DictConfig, launch: Optional[Launch] = None, extra_callbacks: Optional[List[Any]] = None) -> Built:
-    """Build and validate every NeMo object of the run; nothing is launched or trained. All problems found --
-    config-level and against the model config -- are raised together (``ConfigError``; a single one as ValueError)."""
+def build(cfg: DictConfig, launch: Optional[Launch] = None, extra_callbacks: Optional[List[Any]] = None,
+          options: Optional[LongContextOptions] = None, checked: bool = False) -> Built:
+    """Build and validate every NeMo object of the run; nothing is launched or trained. ``options``: the run's
+    option model (built from ``cfg`` when not given); ``checked``: its config-level problems were already reported
+    (by the launching process) and are not checked again. Every problem found -- config-level and against the model
+    config -- is raised together (``ConfigError``)."""
     import torch
     from lightning.pytorch.plugins.environments import TorchElasticEnvironment
     from nemo import lightning as nl
     from nemo.collections import llm
 
-    from nemo_longctx.integrations.megatron.memory_options import validate_memory_options
+    from nemo_longctx.integrations.megatron.model_state import checkpoint_settings, ddp_config, grad_reduce_in_fp32
+    from nemo_longctx.integrations.megatron.validation import model_problems
     from nemo_longctx.integrations.nemo.callbacks import (
         ConfigConsensus,
         FaultInjection,
@@ -403,39 +318,43 @@ def build(cfg: DictConfig, launch: Optional[Launch] = None, extra_callbacks: Opt
         VerifyLongContextAttention,
     )
     from nemo_longctx.integrations.nemo.memory_callbacks import ActivationMemoryMetrics, MemoryOptionsCallback
+    from nemo_longctx.integrations.nemo.model_state_callback import ModelStateCheck
     from nemo_longctx.integrations.nemo.strategy import LongContextStrategy
+    from nemo_longctx.integrations.nemo.tiling import SequenceTiling
 
-    problems = config_problems(cfg)
+    options = options or options_of(cfg)
+    problems = [] if checked else config_problems(cfg, options)
+    raise_problems(problems)  # the model checks below assume valid options
     world = world_size_of(cfg, launch)
     p = parallel_sizes(cfg)
-    model_config = _collect(problems, lambda: build_model_config(cfg))
-    memory = memory_options_of(cfg) if not problems else None
+    cp = options.cp
+    model_config = _collect(problems, lambda: build_model_config(cfg, options))
     gbs = _collect(problems, lambda: global_batch_size(cfg, world))
-    if model_config is not None and memory is not None:
-        _collect(problems, lambda: validate_memory_options(memory, str(cfg.cp.algorithm), model_config, p["pp"]))
+    if model_config is not None:
+        problems += model_problems(model_config, options, world, p["tp"], p["pp"], Context(keys=NEMO_KEYS))
+    raise_problems(problems)
+
     backend = str(cfg.launcher.get("backend", "auto"))
-    timeout = cfg.launcher.get("timeout_s")
-    model_state = model_state_of(cfg) if not problems else None
-    state_kwargs = {"save_ckpt_format": "torch_dist"}
-    if model_state is not None:
-        from nemo_longctx.integrations.megatron.model_state import strategy_kwargs
+    state = options.optim.state
+    ckpt_settings = checkpoint_settings(state)
+    state_kwargs: Dict[str, Any] = {"save_ckpt_format": ckpt_settings["format"]}
+    if state.megatron_fsdp:  # Megatron-FSDP the way NeMo's recipes enable it
+        state_kwargs.update(ddp=ddp_config(state), fsdp="megatron")
+    if ckpt_settings["optim_fully_reshardable"]:
+        state_kwargs["ckpt_optim_fully_reshardable"] = True
+    if state.optimizer_cpu_offload:
+        from nemo_longctx.integrations.megatron.model_state import allow_offload_optimizer_classes_in_checkpoints
 
-        state_kwargs.update(strategy_kwargs(model_state))  # Megatron-FSDP: ddp config, fsdp="megatron"
-        if model_state.optimizer_cpu_offload:
-            from nemo_longctx.integrations.megatron.model_state import allow_offload_optimizer_classes_in_checkpoints
-
-            allow_offload_optimizer_classes_in_checkpoints()  # resume: its param groups hold optimizer classes
+        allow_offload_optimizer_classes_in_checkpoints()  # resume: its param groups hold optimizer classes
     strategy = LongContextStrategy(
-        tensor_model_parallel_size=p["tp"], pipeline_model_parallel_size=p["pp"], context_parallel_size=p["cp"],
-        sequence_parallel=bool(cfg.trainer.strategy.sequence_parallel), cp_algorithm=str(cfg.cp.algorithm),
-        cp_algorithm_kwargs=cp_algorithm_kwargs(cfg), collective_timeout_s=timeout,
+        tensor_model_parallel_size=p["tp"], pipeline_model_parallel_size=p["pp"], context_parallel_size=cp.size,
+        sequence_parallel=bool(cfg.trainer.strategy.sequence_parallel), cp_algorithm=cp.algorithm,
+        cp_algorithm_kwargs=cp.attention_kwargs, collective_timeout_s=cfg.launcher.get("timeout_s"),
         process_group_backend=None if backend == "auto" else backend,
         ckpt_load_strictness=None, **state_kwargs,
         ckpt_async_save=bool((cfg.get("checkpoint") or {}).get("async_save", False)),
     )
-    if model_config is not None:
-        _collect(problems, lambda: strategy.validate_model(model_config, world_size=world))
-    raise_problems(problems)
+    strategy.validated_config = model_config  # checked above: connect() does not check it again
 
     precision = str(cfg.trainer.precision)
     model_cls, tokenizer = llm.GPTModel, None
@@ -444,43 +363,38 @@ def build(cfg: DictConfig, launch: Optional[Launch] = None, extra_callbacks: Opt
         from nemo_longctx.integrations.nemo.pretrained import checkpoint_path
 
         model_cls, _, tokenizer = pretrained_model(checkpoint_path(cfg))
-    model = model_cls(model_config, optim=build_optimizer(cfg, precision), tokenizer=tokenizer)
+    model = model_cls(model_config, optim=build_optimizer(cfg, options, precision), tokenizer=tokenizer)
     data = build_data(cfg, model_config, gbs)
-    log, resume, ckpt = build_checkpointing(cfg)
+    log, resume, ckpt = build_checkpointing(cfg, tensorboard=options.metrics.tensorboard)
 
     accelerator = cfg.trainer.accelerator
     if accelerator == "auto":
         accelerator = "gpu" if torch.cuda.is_available() else "cpu"
     devices = launch.local_world_size if launch is not None else int(cfg.trainer.devices)
     num_nodes = launch.num_nodes if launch is not None else int(cfg.trainer.num_nodes)
-    from nemo_longctx.integrations.megatron.model_state import grad_reduce_in_fp32
-
-    plugins: List[Any] = [nl.MegatronMixedPrecision(precision=precision,
-                                                    grad_reduce_in_fp32=grad_reduce_in_fp32(model_state))]
+    plugins: List[Any] = [nl.MegatronMixedPrecision(precision=precision, grad_reduce_in_fp32=grad_reduce_in_fp32(state))]
     if launch is not None:
         plugins.append(TorchElasticEnvironment())
     tokens_per_step = gbs * int(model_config.seq_length)
-    mem_cfg = cfg.get("memory") or {}
-    mem_metrics = ActivationMemoryMetrics(
-        count_peak=bool(mem_cfg.get("track_peak", False)),
-        track_activations=bool(mem_cfg.get("track", True)),
-    )  # before StepMetrics: its step-end hook closes the tracker that StepMetrics then reads
+    metrics = options.metrics
+    mem_metrics = ActivationMemoryMetrics(count_peak=metrics.track_peak, track_activations=metrics.track)
+    # ^ before StepMetrics: its step-end hook closes the tracker that StepMetrics then reads
     callbacks: List[Any] = [
         ConfigConsensus(config_hash(cfg), os.environ.get("NEMO_LONGCTX_CONFIG_HASH")),
         mem_metrics,
-        StepMetrics(str(cfg.output_dir), tokens_per_step, int(cfg.run.print_every), extra=mem_metrics),
-        VerifyLongContextAttention(p["cp"], str(cfg.cp.algorithm), p["pp"]),
+        StepMetrics(str(cfg.output_dir), tokens_per_step, metrics.print_every, extra=mem_metrics),
+        VerifyLongContextAttention(cp.size, cp.algorithm, p["pp"]),
     ]
-    if not memory.trivial:
-        callbacks.append(MemoryOptionsCallback(memory, str(cfg.cp.algorithm)))
-    from nemo_longctx.integrations.nemo.model_state_callback import ModelStateCheck
-
-    callbacks.append(ModelStateCheck(model_state, output_dir=str(cfg.output_dir)))
+    if not options.memory.trivial:
+        callbacks.append(MemoryOptionsCallback(options.memory))
+    if options.tiling.active:
+        callbacks.append(SequenceTiling(options.tiling))
+    callbacks.append(ModelStateCheck(state, output_dir=str(cfg.output_dir)))
     if cfg.run.save_final_params:
         callbacks.append(SaveFinalParameters(os.path.join(str(cfg.output_dir), "final_params.pt")))
     if cfg.run.get("fault"):
         callbacks.append(FaultInjection.parse(str(cfg.run.fault)))
-    callbacks += feature_callbacks(cfg) + list(extra_callbacks or [])
+    callbacks += list(extra_callbacks or [])
     if ckpt is not None:
         callbacks.append(ckpt)
     vci = cfg.trainer.get("val_check_interval")
@@ -493,7 +407,18 @@ def build(cfg: DictConfig, launch: Optional[Launch] = None, extra_callbacks: Opt
         num_sanity_val_steps=0,
     )
     _keep_checkpoint_context_loadable(trainer)
-    return Built(model_config, model, strategy, trainer, data, world, gbs, log, resume)
+    return Built(model_config, model, strategy, trainer, data, world, gbs, log, resume, options)
+
+
+def _collect(problems: List[str], check: Any) -> Any:
+    """Run one builder; a ValueError (its message names the key) becomes a problem instead of stopping the pass."""
+    try:
+        return check()
+    except ConfigError as e:
+        problems.extend(e.problems)
+    except ValueError as e:
+        problems.append(str(e))
+    return None
 
 
 def _keep_checkpoint_context_loadable(trainer: Any) -> None:
@@ -520,16 +445,16 @@ def fit(built: Built) -> None:
     llm.train(built.model, built.data, built.trainer, log=built.log, resume=built.resume)
 
 
-def dry_run(cfg: DictConfig) -> Dict[str, Any]:
+def dry_run(cfg: DictConfig, options: Optional[LongContextOptions] = None) -> Dict[str, Any]:
     """Build + validate the real NeMo objects, resolve every layer's core_attention from the layer/block spec,
     print a summary; no process group, no training. Returns the summary dict."""
     from megatron.core.transformer.transformer_block import _get_block_submodules
 
     from nemo_longctx.integrations.megatron.core_attention import LongContextCoreAttention
     from nemo_longctx.integrations.megatron.spec import core_attention_modules, layer_specs_of
-    from nemo_longctx.integrations.nemo.tiling import tiling_of
 
-    built = build(cfg)
+    built = build(cfg, options=options, checked=options is not None)
+    options = built.options
     config = built.model_config
     built.strategy.connect(built.model)  # the real attach path: parallel sizes -> config, extension, validation
     layer_spec = config.transformer_layer_spec(config)
@@ -546,7 +471,7 @@ def dry_run(cfg: DictConfig) -> Dict[str, Any]:
         "hidden_size": config.hidden_size,
         "heads": f"{config.num_attention_heads}q/{config.num_query_groups}kv",
         "seq_length": config.seq_length,
-        "cp": f"{cfg.cp.algorithm} x {p['cp']}",
+        "cp": options.cp.describe(),
         "tp": p["tp"], "pp": p["pp"], "dp": built.world_size // (p["cp"] * p["tp"] * p["pp"]),
         "world_size": built.world_size,
         "tokens_per_cp_rank": config.seq_length // p["cp"],
@@ -560,9 +485,9 @@ def dry_run(cfg: DictConfig) -> Dict[str, Any]:
         "data": type(built.data).__name__,
         "init_from": (f"{init_from_of(cfg)} ({type(built.model).__name__}, weights restored by NeMo's RestoreConfig)"
                       if init_from_of(cfg) else "none (random initialisation)"),
-        "memory": memory_options_of(cfg).describe(),
-        "model_state": model_state_of(cfg).describe(),
-        "tiling": tiling_of(cfg),
+        "memory": options.memory.describe(),
+        "model_state": options.optim.state.describe(),
+        "tiling": options.tiling.describe(config.seq_length, p["cp"], p["tp"], bool(config.sequence_parallel)),
         "checkpoint": (f"every {c.get('every_n_steps')} steps -> {checkpoint_dir(cfg)} (keep {c.get('keep')}), "
                        f"resume={c.get('resume')}") if c.get("every_n_steps") else f"none, resume={c.get('resume')}",
         "config_hash": config_hash(cfg)[:16],

@@ -25,6 +25,8 @@ from typing import Any, Iterator, List, Optional, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
+from nemo_longctx.options import raise_problems
+
 PREFIX_NAME = "documents_text_document"
 DONE = "done.json"
 
@@ -191,6 +193,5 @@ def prepare(cfg: DictConfig, rank: int = 0, timeout_s: float = 3600) -> Optional
 
 
 def _check_split(cfg: DictConfig, out: Path) -> None:
-    from nemo_longctx.integrations.nemo.app import raise_problems
 
     raise_problems(split_problems(cfg, int(json.loads((out / DONE).read_text())["documents"])))

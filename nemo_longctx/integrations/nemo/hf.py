@@ -28,6 +28,8 @@ from dataclasses import fields as dataclass_fields
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+from nemo_longctx.options import raise_problems
+
 # HF architecture -> NeMo model class (module, name); NeMo registers the "hf" importer/exporter on these classes
 FAMILIES = {
     "LlamaForCausalLM": ("nemo.collections.llm.gpt.model.llama", "LlamaModel", "Llama3Config8B"),
@@ -193,7 +195,6 @@ def import_hf(source: Any, output: Any) -> Path:
     """Import a local HF model directory into a NeMo 2 checkpoint at ``output`` (see the module docstring)."""
     from nemo.collections import llm
 
-    from nemo_longctx.integrations.nemo.app import raise_problems
 
     source, output = Path(str(source)).resolve(), Path(str(output)).resolve()
     raise_problems(hf_source_problems(source) + output_problems(output))
@@ -257,7 +258,6 @@ def export_hf(checkpoint: Any, output: Any) -> Path:
     """Export a NeMo checkpoint (imported or trained from one) to a HF model directory at ``output``."""
     from nemo.collections import llm
 
-    from nemo_longctx.integrations.nemo.app import raise_problems
 
     output = Path(str(output)).resolve()
     ckpt, problems = export_problems(checkpoint, output)
@@ -293,7 +293,6 @@ def apply_model_overrides(config: Any, overrides: Dict[str, Any]) -> Any:
     plain Llama config). Raises ConfigError/ValueError naming every refused field."""
     from nemo.collections.llm.gpt.model.llama import Llama31Config, LlamaConfig
 
-    from nemo_longctx.integrations.nemo.app import raise_problems
     from nemo_longctx.integrations.nemo.model import set_with_io
 
     problems = unsafe_override_problems(list(overrides))

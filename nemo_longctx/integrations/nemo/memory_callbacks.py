@@ -1,9 +1,8 @@
 """Lightning callbacks of the ``recompute`` / ``offload`` config groups and the per-step activation-memory metrics.
 
-``MemoryOptionsCallback(options, cp_algorithm)``:
-  setup()        validates against the model config (ValueError naming the config fields) and writes Megatron's
-                 recompute fields onto it (runs after the strategy attached our core attention, before the model
-                 is built);
+``MemoryOptionsCallback(options)`` (options checked when the run was built):
+  setup()        writes Megatron's recompute fields onto the model config (runs after the strategy attached our
+                 core attention, before the model is built);
   on_fit_start   wires the built model (``attach_memory_options``: full-recompute block subclass, kept attention
                  cache, offload engine);
   on_train_batch_end  checks that nothing kept or offloaded outlived the step's backward.
@@ -22,25 +21,17 @@ from typing import Any, Dict, Optional
 import lightning.pytorch as pl
 import torch
 
-from nemo_longctx.integrations.megatron.memory_options import (
-    MemoryOptions,
-    apply_recompute_fields,
-    attach_memory_options,
-    validate_memory_options,
-)
+from nemo_longctx.integrations.megatron.memory_options import apply_recompute_fields, attach_memory_options
+from nemo_longctx.options import MemoryOptions
 
 
 class MemoryOptionsCallback(pl.Callback):
-    def __init__(self, options: MemoryOptions, cp_algorithm: str = "ring") -> None:
+    def __init__(self, options: MemoryOptions) -> None:
         self.options = options
-        self.cp_algorithm = cp_algorithm
         self.runtime = None
 
     def setup(self, trainer: pl.Trainer, pl_module: Any, stage: str) -> None:
-        config = pl_module.config
-        pp = int(getattr(config, "pipeline_model_parallel_size", 1) or 1)
-        validate_memory_options(self.options, self.cp_algorithm, config, pp)
-        apply_recompute_fields(config, self.options)
+        apply_recompute_fields(pl_module.config, self.options)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
         if self.runtime is None:

@@ -45,6 +45,9 @@ def enable_long_context(config: Any, cp_algorithm: str = "ring", **algorithm_kwa
     """Extend ``config`` in place (and return it) so every layer uses nemo_longctx core attention."""
     base = config.transformer_layer_spec
     if isinstance(base, LongContextLayerSpec):
+        if (base.cp_algorithm, base.algorithm_kwargs) == (cp_algorithm, dict(algorithm_kwargs)) and (
+                config.data_step_fn is long_context_data_step and config.forward_step_fn is long_context_forward_step):
+            return config  # already extended exactly so
         base = base.base
     set_with_io(config, "transformer_layer_spec", LongContextLayerSpec(base, cp_algorithm, algorithm_kwargs))
     set_with_io(config, "data_step_fn", long_context_data_step)
@@ -60,6 +63,3 @@ def set_with_io(obj: Any, attr: str, value: Any) -> None:
     if hasattr(obj, "__io__"):
         setattr(obj.__io__, attr, deepcopy(value.__io__) if hasattr(value, "__io__") else value)
 
-
-def is_long_context(config: Any) -> bool:
-    return isinstance(getattr(config, "transformer_layer_spec", None), LongContextLayerSpec)

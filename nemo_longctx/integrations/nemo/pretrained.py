@@ -26,6 +26,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from omegaconf import DictConfig, OmegaConf
 
 from nemo_longctx.integrations.nemo import hf
+from nemo_longctx.options import raise_problems
 
 IMPORTED_SUBDIR = "pretrained"
 
@@ -126,7 +127,6 @@ def pretrained_model_config(cfg: DictConfig) -> Tuple[Any, type, Any]:
     model_cls, config, tokenizer = hf.pretrained_model(path)
     overrides, problems = command_line_model_overrides(cfg)
     if problems:
-        from nemo_longctx.integrations.nemo.app import raise_problems
 
         raise_problems(problems + hf.unsafe_override_problems(list(overrides)))
     config = hf.apply_model_overrides(config, overrides)

@@ -11,16 +11,18 @@ raising ValueError that names the config fields.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 from datetime import timedelta
 from typing import Any, Dict, Optional
 
 import torch
 from nemo import lightning as nl
 
-from nemo_longctx.integrations.megatron.validation import validate_long_context
+from nemo_longctx.integrations.megatron.validation import long_context_problems
+from nemo_longctx.options import Context, raise_problems
 
+from .config_keys import NEMO_KEYS
+
+from .compat import megatron_groups_timeout
 from .model import enable_long_context
 
 
@@ -29,6 +31,7 @@ class LongContextStrategy(nl.MegatronStrategy):
                  collective_timeout_s: Optional[float] = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.cp_algorithm = cp_algorithm
+        self.validated_config = None  # a model config already checked (the app checks it when it builds the run)
         self.cp_algorithm_kwargs = dict(cp_algorithm_kwargs or {})
         self.collective_timeout_s = collective_timeout_s
 
@@ -44,7 +47,7 @@ class LongContextStrategy(nl.MegatronStrategy):
                 c10d._set_pg_timeout(timeout, group)
 
     def setup_environment(self) -> None:
-        with _megatron_groups_timeout(self.collective_timeout_s):
+        with megatron_groups_timeout(self.collective_timeout_s):  # compat.py: NeMo passes no timeout
             super().setup_environment()  # the world group, then Megatron's groups (NeMo's init_model_parallel)
         self.apply_collective_timeout()  # the world group's collectives (created by NeMo without a timeout)
 
@@ -59,44 +62,18 @@ class LongContextStrategy(nl.MegatronStrategy):
         return len(devices) * max(1, int(getattr(self, "num_nodes", 1) or 1))
 
     def validate_model(self, config: Any, world_size: Optional[int] = None) -> None:
-        validate_long_context(
-            config,
-            cp_size=self.context_parallel_size,
-            cp_algorithm=self.cp_algorithm,
-            world_size=world_size if world_size is not None else self.expected_world_size(),
-            tp=self.tensor_model_parallel_size,
-            pp=self.pipeline_model_parallel_size,
-            cp_kwargs=self.cp_algorithm_kwargs,
-        )
+        """Raise ``ConfigError`` naming every problem of the model config against this strategy's layout."""
+        raise_problems(long_context_problems(
+            config, self.context_parallel_size, self.cp_algorithm,
+            world_size if world_size is not None else self.expected_world_size(), self.tensor_model_parallel_size,
+            self.pipeline_model_parallel_size, self.cp_algorithm_kwargs, Context(keys=NEMO_KEYS)))
+        self.validated_config = config
 
     def connect(self, model: Any) -> None:
         super().connect(model)  # copies the parallel sizes onto model.config
         config = getattr(model, "config", None)
         if config is None:
             raise ValueError("LongContextStrategy needs a model with a Megatron config (llm.GPTModel and friends)")
-        enable_long_context(config, self.cp_algorithm, **self.cp_algorithm_kwargs)
-        self.validate_model(config)
-
-
-@contextlib.contextmanager
-def _megatron_groups_timeout(timeout_s: Optional[float]):
-    """Make NeMo's ``init_model_parallel`` create Megatron's groups with ``timeout_s``.
-
-    NeMo 2.7 calls ``parallel_state.initialize_model_parallel`` without ``distributed_timeout_minutes`` (Megatron's
-    default: 30 minutes). A group's timeout must be set when it is created: gloo's point-to-point receives (the ring's
-    K/V exchange) keep the timeout of their creation, ``_set_pg_timeout`` later only reaches collectives. So for the
-    duration of NeMo's set-up only, the function NeMo looks up gets that argument bound; it is restored afterwards.
-    """
-    if timeout_s is None:
-        yield
-        return
-    from megatron.core import parallel_state
-
-    original = parallel_state.initialize_model_parallel
-    parallel_state.initialize_model_parallel = functools.partial(
-        original, distributed_timeout_minutes=float(timeout_s) / 60.0
-    )
-    try:
-        yield
-    finally:
-        parallel_state.initialize_model_parallel = original
+        enable_long_context(config, self.cp_algorithm, **self.cp_algorithm_kwargs)  # a no-op on an extended config
+        if config is not self.validated_config:  # used without the app (Python API): checked here, once
+            self.validate_model(config)

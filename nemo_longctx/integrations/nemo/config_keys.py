@@ -1,0 +1,53 @@
+"""The NeMo 2 app's own config keys (trainer, checkpoint, launcher, run), typed and checked by the option model's
+one checker (``nemo_longctx.options.Option``), and the app's names for the values the option checks need."""
+
+from __future__ import annotations
+
+from nemo_longctx.options import Option
+
+RESUME_MODES = ("auto", "never")
+# the app's names of the values the option checks need (messages name them)
+NEMO_KEYS = {"seq_length": "model.seq_length", "tp": "trainer.strategy.tensor_model_parallel_size",
+             "pp": "trainer.strategy.pipeline_model_parallel_size", "sequence_parallel":
+             "trainer.strategy.sequence_parallel", "precision": "trainer.precision",
+             "checkpointing": "checkpoint.every_n_steps", "world_size": "trainer.devices x trainer.num_nodes",
+             "num_layers": "model.num_layers"}
+PRECISIONS = ("32", 32, "bf16-mixed", "16-mixed")
+# the app's own keys (trainer, checkpoint, launcher, run): typed and checked like the option model's
+APP_OPTIONS = (
+    Option("trainer.accelerator", "choice", "auto", "auto (cuda if available, else cpu) | cpu | gpu",
+           choices=("auto", "cpu", "gpu")),
+    Option("trainer.devices", "int", 2, "processes per node", low=1),
+    Option("trainer.num_nodes", "int", 1, "nodes", low=1),
+    Option("trainer.max_steps", "int", 30, "optimizer steps", low=1),
+    Option("trainer.precision", "choice", "32", "32 | bf16-mixed | 16-mixed", choices=PRECISIONS),
+    Option("trainer.micro_batch_size", "int", 1, "sequences per micro batch", low=1),
+    Option("trainer.global_batch_size", "int", None, "null: micro_batch_size x data-parallel size", low=1,
+           nullable=True),
+    Option("trainer.strategy.tensor_model_parallel_size", "int", 1, "tensor-parallel size", low=1),
+    Option("trainer.strategy.pipeline_model_parallel_size", "int", 1, "pipeline-parallel size", low=1),
+    Option("trainer.strategy.sequence_parallel", "bool", False, "Megatron sequence parallelism (with TP)"),
+    Option("trainer.val_check_interval", "int", None, "validate every N training steps (null: no validation)",
+           low=1, nullable=True),
+    Option("trainer.limit_val_batches", "int", 2, "validation batches per validation run", low=1),
+    Option("checkpoint.every_n_steps", "int", 0, "save every N steps and at the end (0 = never save)", low=0),
+    Option("checkpoint.dir", "str", None, "null: <output_dir>/checkpoints", nullable=True),
+    Option("checkpoint.resume", "str", "auto", "auto | never | a checkpoint directory"),
+    Option("checkpoint.keep", "int", 2, "most recent checkpoints kept", low=1),
+    Option("checkpoint.async_save", "bool", False, "NeMo's asynchronous save (GPU runs)"),
+    Option("launcher.backend", "choice", "auto", "auto (nccl with CUDA, gloo without) | gloo | nccl",
+           choices=("auto", "gloo", "nccl")),
+    Option("launcher.threads_per_process", "int", None, "null: CPU cores / local processes", low=1, nullable=True),
+    Option("launcher.timeout_s", "number", 1800, "collective timeout of every process group (null: Megatron's)",
+           above=0, nullable=True),
+    Option("launcher.shutdown_timeout_s", "number", 30, "local launch: seconds between SIGTERM and SIGKILL",
+           above=0),
+    Option("run.dry_run", "bool", False, "build and validate the real NeMo objects, print a summary, do not train"),
+    Option("run.save_final_params", "bool", False, "write <output_dir>/final_params.pt after training"),
+    Option("run.timeout_s", "number", None, "local launch only: stop all ranks after this many seconds (exit 124)",
+           above=0, nullable=True),
+    Option("run.kernel_self_test", "bool", False, "check the attention kernel against float64 before training"),
+    Option("run.fault", "str", None, "failure drills for tests: KIND@STEP:RANK", nullable=True),
+    Option("output_dir", "str", "outputs/train", "run directory (metrics, logs, checkpoints)"),
+    Option("seed", "int", 1234, "random seed", low=0),
+)
