@@ -865,12 +865,13 @@ class LongContextOptions:
         return replace(self, optim=replace(self.optim, state=replace(self.optim.state, **changes)))
 
 
-def options_table() -> str:
-    """A Markdown table of every key (README)."""
-    rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
-    for o in LongContextOptions.options():
+def options_table(options: Optional[Sequence[Option]] = None) -> str:
+    """A Markdown table of ``options`` (default: every key of the option model), for the README."""
+    rows = ["| key | value | default | meaning |", "|---|---|---|---|"]
+    for o in (LongContextOptions.options() if options is None else options):
         default = "null" if o.default is None else (str(o.default).lower() if isinstance(o.default, bool)
                                                     else list(o.default) if isinstance(o.default, tuple)
                                                     else o.default)
-        rows.append(f"| `{o.key}` | {o.expectation()} | `{default}` | {o.help} |")
+        cell = (o.expectation() + (f" (with {', '.join(o.requires)})" if o.requires else "")).replace("|", "\\|")
+        rows.append(f"| `{o.key}` | {cell} | `{default}` | {o.help.replace('|', chr(92) + '|')} |")
     return "\n".join(rows)

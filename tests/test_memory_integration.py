@@ -210,13 +210,14 @@ def _options(overrides):
     from hydra.core.global_hydra import GlobalHydra
 
     from nemo_longctx.integrations.megatron.memory_options import validate_memory_options
-    from nemo_longctx.train import memory_options_of
+    from nemo_longctx.train import options_of
 
     GlobalHydra.instance().clear()
     with initialize_config_module(config_module="nemo_longctx.conf", version_base=None):
         cfg = compose("train", overrides=overrides)
-    opts = memory_options_of(cfg)
-    validate_memory_options(opts, str(cfg.cp.algorithm))
+    options = options_of(cfg)
+    opts = options.memory
+    validate_memory_options(opts, options.cp.algorithm)
     return opts
 
 

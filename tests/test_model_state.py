@@ -212,8 +212,8 @@ def test_cpu_only_refusals():
 def test_megatron_fsdp_is_wired_the_way_nemo_recipes_do_it():
     """The strategy the app builds for optim=fsdp is NeMo's MegatronStrategy with fsdp="megatron" and Megatron-FSDP's
     DDP config (ZeRO-3 sharding), and the optimizer config shards too (trained above: fsdp, fsdp_rc)."""
-    from nemo_longctx.integrations.megatron.model_state import model_state_options, optimizer_config, strategy_kwargs
-    from nemo_longctx.integrations.nemo.strategy import LongContextStrategy
+    from nemo_longctx.integrations.megatron.model_state import model_state_options, optimizer_config
+    from nemo_longctx.integrations.nemo.strategy import LongContextStrategy, strategy_kwargs
 
     opts = model_state_options(dict(_compose(["optim=fsdp"]).optim))
     s = LongContextStrategy(context_parallel_size=2, **strategy_kwargs(opts))

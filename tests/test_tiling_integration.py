@@ -191,7 +191,14 @@ def _error_cases():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from nemo_longctx.integrations.megatron.tiled_mlp_layer import tiled_mlp_layer_spec
-    from nemo_longctx.integrations.nemo.tiling import SequenceTiling, tiling_problems
+    from nemo_longctx.options import TilingOptions, raise_problems
+
+    def tiling_problems(mlp_tiles, loss_chunks, **context):
+        return TilingOptions.from_dict({"mlp_tiles": mlp_tiles, "loss_chunks": loss_chunks}).problems(**context)
+
+    def SequenceTiling(**kw):  # the option checks the app runs before it builds the tiling callback
+        context = {k: kw.pop(k) for k in ("seq_length", "cp_size", "tp", "sequence_parallel") if k in kw}
+        raise_problems(TilingOptions.from_dict(kw).problems(**context))
 
     errors = {}
 
@@ -205,7 +212,7 @@ def _error_cases():
     expect("tiles_zero", lambda: SequenceTiling(mlp_tiles=0, seq_length=4096, cp_size=2))
     expect("chunks_negative", lambda: SequenceTiling(loss_chunks=-2, seq_length=4096, cp_size=2))
     expect("chunks_too_many", lambda: SequenceTiling(loss_chunks=4096, seq_length=4096, cp_size=2))
-    expect("tiles_too_many_sp", lambda: SequenceTiling(mlp_tiles=1500, seq_length=4096, cp_size=2, tp_size=2,
+    expect("tiles_too_many_sp", lambda: SequenceTiling(mlp_tiles=1500, seq_length=4096, cp_size=2, tp=2,
                                                        sequence_parallel=True))
     expect("word", lambda: SequenceTiling(mlp_tiles="many"))
     expect("tile_tokens", lambda: SequenceTiling(mlp_tiles="auto", mlp_tile_tokens=0))
@@ -322,8 +329,12 @@ def _compose(overrides):
 
 
 def test_app_refuses_bad_tiling_before_spawning():
-    from nemo_longctx.integrations.nemo.tiling import tiling_of
-    from nemo_longctx.train import run
+    from nemo_longctx.train import config_problems, options_of, raise_problems, run
+
+    def tiling_of(cfg):  # the app's check, then the line the dry run prints
+        options = options_of(cfg)
+        raise_problems(config_problems(cfg, options))
+        return options.tiling.describe(cfg.model.seq_length, cfg.cp.size)
 
     with pytest.raises(ValueError, match=r"tiling\.loss_chunks=4096 exceeds the 2048 tokens per rank"):
         run(_compose(["tiling.loss_chunks=4096"]))  # raises in the parent: nothing spawned, nothing built

@@ -114,7 +114,7 @@ def config_problems(cfg: DictConfig, options: Optional[LongContextOptions] = Non
     ctx = context_of(cfg) if not problems else Context(keys=NEMO_KEYS)
     ctx = replace(ctx, cuda=not needed(), te=te_available())
     problems += options.problems(ctx)
-    if not problems:  # what cannot run on a CPU-only build (empty with CUDA)
+    if not options.optim.state.problems():  # what cannot run on a CPU-only build (empty with CUDA)
         problems += model_state_cpu_problems(options.optim.state, checkpointing=ctx.checkpointing,
                                              checkpoint_key=NEMO_KEYS["checkpointing"])
     problems += init_from_problems(cfg)  # init_from: the path and the model fields the command line overrides
@@ -308,7 +308,7 @@ def build(cfg: DictConfig, launch: Optional[Launch] = None, extra_callbacks: Opt
     from nemo import lightning as nl
     from nemo.collections import llm
 
-    from nemo_longctx.integrations.megatron.model_state import checkpoint_settings, ddp_config, grad_reduce_in_fp32
+    from nemo_longctx.integrations.megatron.model_state import grad_reduce_in_fp32
     from nemo_longctx.integrations.megatron.validation import model_problems
     from nemo_longctx.integrations.nemo.callbacks import (
         ConfigConsensus,
@@ -319,7 +319,7 @@ def build(cfg: DictConfig, launch: Optional[Launch] = None, extra_callbacks: Opt
     )
     from nemo_longctx.integrations.nemo.memory_callbacks import ActivationMemoryMetrics, MemoryOptionsCallback
     from nemo_longctx.integrations.nemo.model_state_callback import ModelStateCheck
-    from nemo_longctx.integrations.nemo.strategy import LongContextStrategy
+    from nemo_longctx.integrations.nemo.strategy import LongContextStrategy, strategy_kwargs
     from nemo_longctx.integrations.nemo.tiling import SequenceTiling
 
     options = options or options_of(cfg)
@@ -336,12 +336,7 @@ def build(cfg: DictConfig, launch: Optional[Launch] = None, extra_callbacks: Opt
 
     backend = str(cfg.launcher.get("backend", "auto"))
     state = options.optim.state
-    ckpt_settings = checkpoint_settings(state)
-    state_kwargs: Dict[str, Any] = {"save_ckpt_format": ckpt_settings["format"]}
-    if state.megatron_fsdp:  # Megatron-FSDP the way NeMo's recipes enable it
-        state_kwargs.update(ddp=ddp_config(state), fsdp="megatron")
-    if ckpt_settings["optim_fully_reshardable"]:
-        state_kwargs["ckpt_optim_fully_reshardable"] = True
+    state_kwargs = {"save_ckpt_format": "torch_dist", **strategy_kwargs(state)}
     if state.optimizer_cpu_offload:
         from nemo_longctx.integrations.megatron.model_state import allow_offload_optimizer_classes_in_checkpoints
 

@@ -49,5 +49,7 @@ APP_OPTIONS = (
     Option("run.kernel_self_test", "bool", False, "check the attention kernel against float64 before training"),
     Option("run.fault", "str", None, "failure drills for tests: KIND@STEP:RANK", nullable=True),
     Option("output_dir", "str", "outputs/train", "run directory (metrics, logs, checkpoints)"),
+    Option("init_from", "str", None, "a pretrained checkpoint (NeMo or Hugging Face directory) to start from",
+           nullable=True),
     Option("seed", "int", 1234, "random seed", low=0),
 )

@@ -18,12 +18,27 @@ import torch
 from nemo import lightning as nl
 
 from nemo_longctx.integrations.megatron.validation import long_context_problems
-from nemo_longctx.options import Context, raise_problems
+from nemo_longctx.options import Context, ModelStateOptions, raise_problems
 
 from .config_keys import NEMO_KEYS
 
 from .compat import megatron_groups_timeout
 from .model import enable_long_context
+
+
+def strategy_kwargs(state: ModelStateOptions) -> Dict[str, Any]:
+    """``MegatronStrategy`` arguments for the model-state options: Megatron-FSDP the way NeMo's recipes enable it
+    (``ddp=<Megatron-FSDP DDP config>, fsdp="megatron"``, fsdp_dtensor checkpoints), else NeMo's default DDP; the
+    fully reshardable optimizer checkpoint format with optimizer CPU offload."""
+    from nemo_longctx.integrations.megatron.model_state import checkpoint_settings, ddp_config
+
+    ckpt = checkpoint_settings(state)
+    out: Dict[str, Any] = {}
+    if state.megatron_fsdp:
+        out.update(ddp=ddp_config(state), fsdp="megatron", save_ckpt_format=ckpt["format"])
+    if ckpt["optim_fully_reshardable"]:
+        out["ckpt_optim_fully_reshardable"] = True
+    return out
 
 
 class LongContextStrategy(nl.MegatronStrategy):
