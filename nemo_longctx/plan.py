@@ -23,18 +23,21 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from nemo_longctx.memory.model_shapes import shape_from_config
-from nemo_longctx.options import Context, LongContextOptions
-from nemo_longctx.memory.planner import (
+from nemo_longctx.options import Context
+from nemo_longctx.memory.planner import (  # noqa: F401  (RECOMPUTE_GROUP, option_model: the contract's names)
     GIB,
+    RECOMPUTE_GROUP,
     ActivationCoefficients,
-    Candidate,
     CostModel,
     Evaluation,
     Hardware,
     ModelState,
     Plan,
     Precision,
+    candidate_options,
     memory_curve,
+    optim_fields,
+    option_model,
     plan as make_plan,
     what_is_missing,
 )
@@ -49,47 +52,6 @@ TRAIN_KEYS = {
     "devices": "trainer.devices",
     "num_nodes": "trainer.num_nodes",
 }
-# the planner's recompute modes -> the recompute group (name, selective modules); "selective" alone would be
-# ambiguous: the config's recompute=selective recomputes recompute.modules (default [core_attn])
-RECOMPUTE_GROUP = {"none": ("none", None), "selective_mlp": ("selective", ("mlp",)),
-                   "selective_attn": ("selective", ("core_attn",)), "full": ("full", None),
-                   "full_keep_attn": ("full_keep_attn", None)}
-
-
-# ------------------------------------------------------------------------------------------------- contract
-def optim_fields(ms: ModelState) -> Dict[str, Any]:
-    """The train app's ``optim.*`` values that run model state ``ms`` (conf/optim/default.yaml keys)."""
-    out: Dict[str, Any] = {"use_distributed_optimizer": ms.sharding != "ddp", "megatron_fsdp": ms.sharding == "fsdp"}
-    if ms.optimizer_offload:
-        out.update(optimizer_cpu_offload=True, optimizer_offload_fraction=float(ms.optimizer_offload))
-    if ms.precision_aware:
-        out.update(use_precision_aware_optimizer=True, main_grads_dtype="bf16")
-        if not ms.optimizer_offload:  # the host optimizer (torch AdamW) keeps fp32 moments
-            out.update(exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16")
-    return out
-
-
-def option_model(cp_algorithm: str, recompute: str, offload: str, ms: ModelState, cp_size: int = 1,
-                 ulysses_size: int = 1, mlp_tiles: int = 1, loss_chunks: int = 1) -> LongContextOptions:
-    """The option model that runs a planner candidate (cp_algorithm "none" = the app's cp=none: ring attention,
-    size 1; tiles/chunks 1 = off)."""
-    name, modules = RECOMPUTE_GROUP[recompute]
-    cp: Dict[str, Any] = {"size": cp_size, "algorithm": "ring" if cp_algorithm == "none" else cp_algorithm}
-    if cp_algorithm == "hybrid":
-        cp["ulysses_size"] = ulysses_size
-    return LongContextOptions.from_dict({
-        "cp": cp, "recompute": {"name": name, **({"modules": list(modules)} if modules else {})},
-        "offload": {"name": offload},
-        "tiling": {"mlp_tiles": mlp_tiles if mlp_tiles > 1 else "off",
-                   "loss_chunks": loss_chunks if loss_chunks > 1 else "off"},
-        "optim": optim_fields(ms)})
-
-
-def candidate_options(c: Candidate) -> LongContextOptions:
-    return option_model(c.cp_algorithm, c.recompute, c.offload, c.model_state, c.cp_size, c.ulysses_size,
-                        c.mlp_tiles, c.loss_chunks)
-
-
 def train_precision(precision: Precision) -> str:
     return "bf16-mixed" if precision.activation_bytes == 2 else "32"
 

@@ -69,7 +69,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Iterable
 
-from nemo_longctx.options import auto_tiles
+from nemo_longctx.options import Context, LongContextOptions, auto_tiles
 
 from .model_shapes import ModelShape
 
@@ -676,19 +676,52 @@ def planned_loss_chunks(tokens_per_gpu: float, chunk_tokens: int = PLAN_LOSS_CHU
     return auto_tiles(math.ceil(tokens_per_gpu), chunk_tokens)
 
 
-def structural_accept(cp_algorithm: str, recompute: str, offload: str, model_state: ModelState) -> bool:
-    """The planner's own option filter when no `accept` is given (library use without the app): layer_input offload
-    needs full recompute (either kind), full_keep_attn needs ring attention (or no CP), the optimizer offload and
-    the precision-aware optimizer need the distributed optimizer, Megatron-FSDP takes no optimizer offload. The plan
-    app replaces it with the train app's own validation (`nemo_longctx.plan.app_accepts`); a test checks both agree."""
-    if offload == "layer_input" and recompute not in ("full", "full_keep_attn"):
-        return False
-    if recompute == "full_keep_attn" and cp_algorithm not in ("ring", "none"):
-        return False
-    ms = model_state
-    if ms.sharding == "ddp" and (ms.optimizer_offload or ms.precision_aware):
-        return False
-    return not (ms.sharding == "fsdp" and ms.optimizer_offload)
+# the planner's recompute modes -> the recompute group (name, selective modules); "selective" alone would be
+# ambiguous: the config's recompute=selective recomputes recompute.modules (default [core_attn])
+RECOMPUTE_GROUP = {"none": ("none", None), "selective_mlp": ("selective", ("mlp",)),
+                   "selective_attn": ("selective", ("core_attn",)), "full": ("full", None),
+                   "full_keep_attn": ("full_keep_attn", None)}
+
+
+def optim_fields(ms: ModelState) -> dict:
+    """The ``optim`` group's values that run model state ``ms`` (conf/optim/default.yaml keys)."""
+    out = {"use_distributed_optimizer": ms.sharding != "ddp", "megatron_fsdp": ms.sharding == "fsdp"}
+    if ms.optimizer_offload:
+        out.update(optimizer_cpu_offload=True, optimizer_offload_fraction=float(ms.optimizer_offload))
+    if ms.precision_aware:
+        out.update(use_precision_aware_optimizer=True, main_grads_dtype="bf16")
+        if not ms.optimizer_offload:  # the host optimizer (torch AdamW) keeps fp32 moments
+            out.update(exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16")
+    return out
+
+
+def option_model(cp_algorithm: str, recompute: str, offload: str, ms: ModelState, cp_size: int = 1,
+                 ulysses_size: int = 1, mlp_tiles: int = 1, loss_chunks: int = 1) -> LongContextOptions:
+    """The option model (nemo_longctx.options) that runs a planner candidate: cp_algorithm "none" = cp=none (ring
+    attention, size 1); tiles / chunks 1 = off."""
+    name, modules = RECOMPUTE_GROUP[recompute]
+    cp = {"size": cp_size, "algorithm": "ring" if cp_algorithm == "none" else cp_algorithm}
+    if cp_algorithm == "hybrid":
+        cp["ulysses_size"] = ulysses_size
+    return LongContextOptions.from_dict({
+        "cp": cp, "recompute": {"name": name, **({"modules": list(modules)} if modules else {})},
+        "offload": {"name": offload},
+        "tiling": {"mlp_tiles": mlp_tiles if mlp_tiles > 1 else "off",
+                   "loss_chunks": loss_chunks if loss_chunks > 1 else "off"},
+        "optim": optim_fields(ms)})
+
+
+def candidate_options(c: Candidate) -> LongContextOptions:
+    return option_model(c.cp_algorithm, c.recompute, c.offload, c.model_state, c.cp_size, c.ulysses_size,
+                        c.mlp_tiles, c.loss_chunks)
+
+
+def structural_accept(cp_algorithm: str, recompute: str, offload: str, model_state: ModelState,
+                      precision: str = "bf16-mixed") -> bool:
+    """The planner's option filter when no `accept` is given: the option model's own rules (no copy of them here)
+    for a GPU target with TransformerEngine (the plan app adds the CPU target's refusals: `plan.app_accepts`)."""
+    opts = option_model(cp_algorithm, recompute, offload, model_state)
+    return not opts.problems(Context(precision=precision, cuda=True, te=True))
 
 
 def candidate_configs(shape: ModelShape, seq_length: int, hw: Hardware,

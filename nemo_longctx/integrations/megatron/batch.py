@@ -52,7 +52,7 @@ def _trim(cu: Any, argmin: Any, name: str) -> List[int]:
 
     if cu.dim() == 2:
         if cu.shape[0] != 1:
-            raise ValueError(f"packed sequences need micro batch size 1 (trainer.micro_batch_size): batch[{name!r}] "
+            raise ValueError(f"packed sequences need micro batch size 1: batch[{name!r}] "
                              f"has shape {tuple(cu.shape)}")
         cu = cu[0]
     vals = [int(x) for x in cu.tolist()]
@@ -110,7 +110,7 @@ def shard_packed_batch_for_cp(batch: Dict[str, Any], cp_size: int, cp_rank: int)
     # a middle pipeline stage gets no token keys (all None): only the layout (PackedSeqParams) is built
     ref = next((batch[k] for k in TOKEN_KEYS if batch.get(k) is not None), None)
     if ref is not None and (ref.dim() != 2 or ref.shape[0] != 1):
-        raise ValueError(f"packed sequences need micro batch size 1 (trainer.micro_batch_size): tokens have shape "
+        raise ValueError(f"packed sequences need micro batch size 1: tokens have shape "
                          f"{tuple(ref.shape)}")
     if ref is not None and starts and starts[-1] + lengths[-1] > ref.shape[1]:
         raise ValueError(f"batch['cu_seqlens'] covers {starts[-1] + lengths[-1]} positions but the packed sequence "

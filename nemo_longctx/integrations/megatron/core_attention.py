@@ -205,7 +205,7 @@ class LongContextCoreAttention(MegatronModule):
             if query.dim() == 3:  # [t, h, d] -> [t, 1, h, d] (views)
                 query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
             if query.shape[1] != 1:
-                raise ValueError(f"packed sequences need micro batch size 1 (trainer.micro_batch_size), got query "
+                raise ValueError(f"packed sequences need micro batch size 1, got query "
                                  f"{tuple(query.shape)}")
         sq, b, hq, _ = query.shape
         if (query.shape[-1], key.shape[-1], value.shape[-1]) != (self.k_channels, self.k_channels, self.v_channels):

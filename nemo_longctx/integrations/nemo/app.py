@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from nemo_longctx.integrations.nemo.config_keys import APP_OPTIONS, NEMO_KEYS, RESUME_MODES
+from nemo_longctx.integrations.nemo.config_keys import APP_OPTIONS, NEMO_KEYS, RESUME_MODES, parse_fault
 from nemo_longctx.integrations.nemo.documents import documents_problems
 from nemo_longctx.integrations.nemo.launch import Launch
 from nemo_longctx.integrations.nemo.pretrained import init_from_of, init_from_problems
@@ -97,6 +97,12 @@ def app_key_problems(cfg: DictConfig) -> List[str]:
     present = {o.key: _value(cfg, o.key) for o in APP_OPTIONS if OmegaConf.select(cfg, o.key, default=KeyError)
                is not KeyError}
     p = [m for o in APP_OPTIONS if o.key in present for m in [o.problem(present[o.key])] if m]
+    fault = present.get("run.fault")
+    if isinstance(fault, str) and fault:
+        try:
+            parse_fault(fault)
+        except ConfigError as e:
+            p += e.problems
     resume = present.get("checkpoint.resume")
     if isinstance(resume, str) and resume and resume not in RESUME_MODES and not os.path.isdir(resume):
         p.append(f"checkpoint.resume={resume!r} is neither auto/never nor an existing checkpoint directory")

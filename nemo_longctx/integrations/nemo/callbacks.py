@@ -21,6 +21,8 @@ import time
 from typing import Any, Optional
 
 import lightning.pytorch as pl
+
+from nemo_longctx.integrations.nemo.config_keys import FAULT_KINDS, parse_fault
 import torch
 
 
@@ -189,21 +191,15 @@ class FaultInjection(pl.Callback):
     raises (``raise``), kills itself with SIGKILL (``kill``) or hangs (``hang``). Used by the tests of the launcher,
     the collective timeout and resume after a failure."""
 
-    KINDS = ("raise", "kill", "hang", "abort")
+    KINDS = FAULT_KINDS
 
     def __init__(self, kind: str, step: int, rank: int) -> None:
-        if kind not in self.KINDS:
-            raise ValueError(f"run.fault kind {kind!r} must be one of {self.KINDS}")
         self.kind, self.step, self.rank = kind, int(step), int(rank)
 
     @classmethod
     def parse(cls, spec: str) -> "FaultInjection":
-        try:
-            kind, rest = spec.split("@")
-            step, rank = rest.split(":")
-            return cls(kind, int(step), int(rank))
-        except ValueError as e:
-            raise ValueError(f"run.fault={spec!r} must look like KIND@STEP:RANK, e.g. raise@2:1 ({e})") from None
+        """From ``run.fault`` (checked with the config: ``config_keys.parse_fault``)."""
+        return cls(*parse_fault(spec))
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if trainer.global_step + 1 != self.step or trainer.global_rank != self.rank:

@@ -3,7 +3,9 @@ one checker (``nemo_longctx.options.Option``), and the app's names for the value
 
 from __future__ import annotations
 
-from nemo_longctx.options import Option
+from typing import Tuple
+
+from nemo_longctx.options import ConfigError, Option
 
 RESUME_MODES = ("auto", "never")
 # the app's names of the values the option checks need (messages name them)
@@ -53,3 +55,18 @@ APP_OPTIONS = (
            nullable=True),
     Option("seed", "int", 1234, "random seed", low=0),
 )
+
+
+FAULT_KINDS = ("raise", "kill", "hang", "abort")
+
+
+def parse_fault(spec: str) -> Tuple[str, int, int]:
+    """``run.fault=KIND@STEP:RANK`` -> (kind, step, rank); ``ConfigError`` naming the key otherwise."""
+    try:
+        kind, rest = spec.split("@")
+        step, rank = (int(x) for x in rest.split(":"))
+    except ValueError as e:
+        raise ConfigError([f"run.fault={spec!r} must look like KIND@STEP:RANK, e.g. raise@2:1 ({e})"]) from None
+    if kind not in FAULT_KINDS or step < 1 or rank < 0:
+        raise ConfigError([f"run.fault={spec!r}: KIND must be one of {list(FAULT_KINDS)}, STEP >= 1, RANK >= 0"])
+    return kind, step, rank
