@@ -11,6 +11,8 @@ import sys
 import time
 from typing import Dict, List, Optional
 
+from nemo_longctx.options import ConfigError
+
 IMPORT_USAGE = """usage: nemo-longctx import source=<local Hugging Face model dir> output=<new NeMo checkpoint dir>
 
 Converts a Llama (3.x) or Qwen2/2.5 Hugging Face checkpoint with NeMo's own importer (llm.import_ckpt). Then:
@@ -60,8 +62,7 @@ def _run(fn, usage: str, **kwargs) -> None:
 def _early_problems(problems: List[str]) -> None:
     """Report input problems found without importing NeMo (fast), exit 2."""
     if problems:
-        text = problems[0] if len(problems) == 1 else "invalid configuration:\n  - " + "\n  - ".join(problems)
-        print(f"nemo-longctx: {text}", file=sys.stderr)
+        print(f"nemo-longctx: {ConfigError(problems)}", file=sys.stderr)
         sys.exit(2)
 
 

@@ -102,7 +102,7 @@ def _build_gpt(config, tied, vocab, seq, tiled: bool, mlp_tile_tokens: int, loss
 
     from nemo_longctx.integrations.megatron.gpt_chunked_loss import use_chunked_loss
     from nemo_longctx.integrations.nemo.model import LongContextLayerSpec
-    from nemo_longctx.integrations.nemo.tiling import TiledMLPLayerSpec
+    from nemo_longctx.integrations.nemo.sequence_tiling import TiledMLPLayerSpec
 
     spec = LongContextLayerSpec(get_gpt_layer_local_spec(normalization="RMSNorm"), "ring")
     if tiled:
@@ -121,7 +121,7 @@ def _train_compare(tp, cp, sp, tied, recompute=None, steps=3, seq=44, vocab=64, 
 
     from nemo_longctx.integrations.megatron.batch import shard_batch_for_cp
     from nemo_longctx.integrations.megatron.tiled_mlp_layer import TiledMegatronMLP
-    from nemo_longctx.integrations.nemo.tiling import LossMaskForwardStep
+    from nemo_longctx.integrations.nemo.sequence_tiling import LossMaskForwardStep
 
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)

@@ -326,7 +326,7 @@ def build(cfg: DictConfig, launch: Optional[Launch] = None, extra_callbacks: Opt
     from nemo_longctx.integrations.nemo.memory_callbacks import ActivationMemoryMetrics, MemoryOptionsCallback
     from nemo_longctx.integrations.nemo.model_state_callback import ModelStateCheck
     from nemo_longctx.integrations.nemo.strategy import LongContextStrategy, strategy_kwargs
-    from nemo_longctx.integrations.nemo.tiling import SequenceTiling
+    from nemo_longctx.integrations.nemo.sequence_tiling import SequenceTiling
 
     options = options or options_of(cfg)
     problems = [] if checked else config_problems(cfg, options)
