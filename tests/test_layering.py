@@ -1,0 +1,332 @@
+"""The layering of design.md, checked from the source with ``ast`` (nothing of the package is imported; < 1 s).
+
+Layers, arrows only pointing down::
+
+    apps          nemo_longctx.train, .plan, .cli, .convert, .__main__, .selftest(.*)
+    front ends    nemo_longctx.integrations.nemo.*, nemo_longctx.integrations.bridge.*
+    neutral       nemo_longctx.integrations.megatron.*   (megatron-core and torch; never nemo/lightning/hydra/bridge)
+    memory        nemo_longctx.memory.*                  (plain torch; may use attention)
+    attention     nemo_longctx.attention.*               (plain torch)
+    leaves        nemo_longctx (``__init__``), nemo_longctx.options (standard library only), nemo_longctx.conf (the
+                  Hydra config package: data), nemo_longctx.integrations (the namespace ``__init__``)
+
+Every import counts: module level and inside functions, ``import x``, ``from x import y``, relative imports resolved
+to absolute names, and ``importlib.import_module("<literal>")``. ``from pkg import name`` is an import of the
+submodule ``pkg.name`` when that is a module of this package and ``pkg``'s ``__init__`` does not bind ``name``
+itself, otherwise of ``pkg`` (its ``__init__``). Imports under ``if TYPE_CHECKING:`` count as well.
+Importing ``a.b.c`` also runs the ``__init__`` of ``a`` and ``a.b``; those implicit parent-package edges are not
+counted (a package's own modules importing each other through it would otherwise all be cycles).
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import sys
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Set, Tuple
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = "nemo_longctx"
+PKG_DIR = ROOT / PKG
+
+APPS = ("train", "plan", "cli", "convert", "__main__", "selftest")
+FRONT_ENDS = ("integrations.nemo", "integrations.bridge")
+LEAVES = {PKG, f"{PKG}.options", f"{PKG}.conf", f"{PKG}.integrations"}
+
+# rank of each layer: an import may only go to the same or a lower rank (leaves: anyone may import them)
+RANKS = {"apps": 4, "front end": 3, "integrations.megatron": 2, "memory": 1, "attention": 0}
+
+NOT_IN_NEUTRAL = ("nemo", "lightning", "pytorch_lightning", "hydra", "omegaconf", "megatron.bridge", "nemo_run")
+NOT_IN_PLAIN_TORCH = ("megatron", "nemo", "lightning", "pytorch_lightning", "hydra", "omegaconf", "nemo_run",
+                      "transformer_engine", "flash_attn", "apex")
+# Optional kernels that attention/ and memory/ may import lazily (inside a function, never at module level), each
+# (module doing it, what it imports): flash-attn's interface, probed by the kernel dispatcher and reported as
+# "absent"/"broken" when it does not import. Nothing imports TransformerEngine there today.
+LAZY_OPTIONAL_KERNELS = {
+    (f"{PKG}.attention.kernels", "flash_attn.flash_attn_interface"),
+}
+# third-party packages attention/ and memory/ may import at all ("torch only"; plus the optional kernels above)
+PLAIN_TORCH_THIRD_PARTY = ("torch",)
+
+
+@dataclass(frozen=True)
+class Import:
+    src: str  # importing module
+    target: str  # absolute name of the imported module
+    file: str  # path relative to the repository
+    line: int
+    function_level: bool  # inside a def (lazy)
+
+    def where(self) -> str:
+        return f"{self.file}:{self.line} ({self.src} imports {self.target})"
+
+
+def _module_files() -> Dict[str, Path]:
+    """Module name -> file for every .py under nemo_longctx/ (symlinks followed: ``conf`` links to ../conf)."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(PKG_DIR, followlinks=True):
+        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+        for fn in sorted(filenames):
+            if not fn.endswith(".py"):
+                continue
+            path = Path(dirpath) / fn
+            parts = [PKG, *path.relative_to(PKG_DIR).with_suffix("").parts]
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = path
+    return out
+
+
+MODULES = _module_files()
+PACKAGES = {name for name, path in MODULES.items() if path.name == "__init__.py"}
+
+
+def _bound_at_top(path: Path) -> Set[str]:
+    """Names a module binds at its top level (what ``from pkg import name`` finds on the package first)."""
+    names: Set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            names.update(a.asname or a.name for a in node.names)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                names.update(n.id for n in ast.walk(t) if isinstance(n, ast.Name))
+    return names
+
+
+INIT_NAMES = {name: _bound_at_top(MODULES[name]) for name in PACKAGES}
+
+
+def _resolve_relative(src: str, level: int, module: Optional[str]) -> str:
+    base = src.split(".") if src in PACKAGES else src.split(".")[:-1]
+    if level > 1:
+        base = base[: len(base) - (level - 1)]
+    return ".".join(base + ([module] if module else []))
+
+
+def _own(name: str) -> bool:
+    return name == PKG or name.startswith(PKG + ".")
+
+
+def _imports_of(src: str, path: Path) -> List[Import]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    rel = str(path.relative_to(ROOT))
+    out: List[Import] = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            lazy = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if isinstance(child, ast.Import):
+                for alias in child.names:
+                    out.append(Import(src, alias.name, rel, child.lineno, in_function))
+            elif isinstance(child, ast.ImportFrom):
+                base = _resolve_relative(src, child.level, child.module) if child.level else child.module
+                for alias in child.names:
+                    sub = f"{base}.{alias.name}"
+                    # ``from pkg import name``: pkg's __init__ when it binds the name (e.g. a re-export), else the
+                    # submodule pkg.name when that is one of ours
+                    binds = alias.name in INIT_NAMES.get(base, ())
+                    target = sub if (_own(base) and sub in MODULES and not binds) else base
+                    out.append(Import(src, target, rel, child.lineno, in_function))
+            elif (isinstance(child, ast.Call) and child.args and isinstance(child.args[0], ast.Constant)
+                  and isinstance(child.args[0].value, str) and _is_import_module(child.func)):
+                out.append(Import(src, child.args[0].value, rel, child.lineno, in_function))
+            visit(child, lazy)
+
+    visit(tree, False)
+    return out
+
+
+def _is_import_module(func: ast.AST) -> bool:
+    if isinstance(func, ast.Attribute):
+        return func.attr == "import_module" and isinstance(func.value, ast.Name) and func.value.id == "importlib"
+    return isinstance(func, ast.Name) and func.id in ("import_module", "__import__")
+
+
+IMPORTS: List[Import] = sorted({imp for name, path in MODULES.items() for imp in _imports_of(name, path)},
+                              key=lambda i: (i.file, i.line, i.target))
+
+
+def _under(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def _matches(target: str, names: Tuple[str, ...]) -> Optional[str]:
+    return next((n for n in names if _under(target, n)), None)
+
+
+def _layer(module: str) -> Optional[str]:
+    if module in LEAVES:
+        return "leaf"
+    rest = module[len(PKG) + 1:]
+    if any(_under(rest, a) for a in APPS):
+        return "apps"
+    if any(_under(rest, f) for f in FRONT_ENDS):
+        return "front end"
+    for layer in ("integrations.megatron", "memory", "attention"):
+        if _under(rest, layer):
+            return layer
+    return None
+
+
+def _report(title: str, bad: List[Import]) -> str:
+    return f"{title} ({len(bad)}):\n  " + "\n  ".join(i.where() for i in sorted(bad, key=lambda i: (i.file, i.line)))
+
+
+def _from(*layers: str) -> List[Import]:
+    return [i for i in IMPORTS if _layer(i.src) in layers]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+def test_the_walk_sees_the_package():
+    for name in (f"{PKG}.train", f"{PKG}.integrations.megatron.cpu_compat", f"{PKG}.attention.ring",
+                 f"{PKG}.memory.planner", f"{PKG}.integrations.nemo.strategy"):
+        assert name in MODULES, name
+    assert len(IMPORTS) > 200
+    # relative imports resolved: attention/ring.py's ``from .input_checks import ...``
+    assert any(i.src == f"{PKG}.attention.ring" and i.target == f"{PKG}.attention.input_checks" for i in IMPORTS)
+
+
+def test_every_module_has_a_layer():
+    unplaced = sorted(m for m in MODULES if _layer(m) is None)
+    assert not unplaced, f"modules in no layer of design.md (give them one here and in design.md): {unplaced}"
+
+
+def test_megatron_integration_is_framework_neutral():
+    bad = [i for i in _from("integrations.megatron") if _matches(i.target, NOT_IN_NEUTRAL)]
+    assert not bad, _report("integrations/megatron imports " + "/".join(NOT_IN_NEUTRAL), bad)
+
+
+def test_megatron_integration_imports_no_front_end_and_no_app():
+    bad = [i for i in _from("integrations.megatron") if _own(i.target) and _layer(i.target) in ("front end", "apps")]
+    assert not bad, _report("integrations/megatron imports a front end (integrations.nemo/bridge) or an app", bad)
+
+
+def test_attention_and_memory_import_no_framework():
+    bad = [i for i in _from("memory", "attention") if _matches(i.target, NOT_IN_PLAIN_TORCH)
+           and not (i.function_level and (i.src, i.target) in LAZY_OPTIONAL_KERNELS)]
+    assert not bad, _report("attention/memory import a framework (or an optional kernel not lazily / not listed in "
+                            "LAZY_OPTIONAL_KERNELS)", bad)
+
+
+def test_attention_and_memory_import_torch_only():
+    stdlib = sys.stdlib_module_names | {"__future__"}
+    bad = [i for i in _from("memory", "attention") if not _own(i.target)
+           and i.target.split(".")[0] not in stdlib and not _matches(i.target, PLAIN_TORCH_THIRD_PARTY)
+           and not (i.function_level and (i.src, i.target) in LAZY_OPTIONAL_KERNELS)]
+    assert not bad, _report("attention/memory import third-party packages other than torch", bad)
+
+
+def test_attention_and_memory_import_no_integration_and_no_app():
+    bad = [i for i in _from("memory", "attention") if _own(i.target)
+           and (_under(i.target, f"{PKG}.integrations") or _layer(i.target) == "apps")]
+    assert not bad, _report("attention/memory import nemo_longctx.integrations or an app", bad)
+
+
+def test_options_module_is_standard_library_only():
+    name = f"{PKG}.options"
+    if name not in MODULES:
+        pytest.skip("nemo_longctx/options.py does not exist yet")
+    stdlib = sys.stdlib_module_names | {"__future__"}
+    bad = [i for i in IMPORTS if i.src == name and i.target.split(".")[0] not in stdlib]
+    assert not bad, _report("nemo_longctx/options.py imports beyond the standard library", bad)
+
+
+def test_no_upward_imports():
+    bad = []
+    for i in IMPORTS:
+        if not _own(i.target) or i.target in LEAVES:
+            continue
+        src, dst = _layer(i.src), _layer(i.target)
+        if src in RANKS and dst in RANKS and RANKS[dst] > RANKS[src]:
+            bad.append(i)
+    assert not bad, _report("imports pointing up the layers (apps > integrations.nemo/bridge > integrations.megatron "
+                            "> memory > attention)", bad)
+
+
+def test_own_imports_name_existing_modules():
+    """An internal import naming no module of the package (stale after a rename) would escape every check above."""
+    bad = [i for i in IMPORTS if _own(i.target) and i.target not in MODULES]
+    assert not bad, _report("imports of nemo_longctx modules that do not exist", bad)
+
+
+def _cycles(edges: Dict[str, Set[str]]) -> List[List[str]]:
+    """Strongly connected components with more than one module (or a module importing itself), Tarjan."""
+    index: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: List[str] = []
+    on_stack: Set[str] = set()
+    out: List[List[str]] = []
+
+    def strong(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1 or v in edges.get(v, ()):
+                out.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            strong(v)
+    return out
+
+
+def _one_cycle(start: str, edges: Dict[str, Set[str]], members: Set[str]) -> List[str]:
+    """A shortest path start -> ... -> start inside one strongly connected component (breadth first)."""
+    parent: Dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in sorted(edges.get(v, ())):
+                if w not in members or w in parent:
+                    continue
+                parent[w] = v
+                if w == start:
+                    path = [start]
+                    while path[-1] != start or len(path) == 1:
+                        path.append(parent[path[-1]])
+                    return path[::-1]
+                nxt.append(w)
+        frontier = nxt
+    return [start]
+
+
+def test_no_import_cycles():
+    edges: Dict[str, Set[str]] = defaultdict(set)
+    where: Dict[Tuple[str, str], List[Import]] = defaultdict(list)
+    for i in IMPORTS:
+        if _own(i.target) and i.target in MODULES:
+            edges[i.src].add(i.target)
+            where[(i.src, i.target)].append(i)
+    cycles = _cycles(edges)
+    lines = []
+    for comp in cycles:
+        members = set(comp)
+        lines.append(f"cycle among {comp}, e.g. {' -> '.join(_one_cycle(comp[0], edges, members))}:")
+        for (a, b), imps in sorted(where.items()):
+            if a in members and b in members:
+                lines.extend(f"    {i.where()}" for i in imps)
+    assert not cycles, f"import cycles between nemo_longctx modules ({len(cycles)}):\n  " + "\n  ".join(lines)
