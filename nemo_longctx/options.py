@@ -14,7 +14,8 @@ Groups (the config groups of ``conf/``; each key below is declared once, as an `
   tiling    sequence-tiled MLP and chunked output layer + loss: ``TilingOptions``
   optim     optimizer and model-state layout (distributed optimizer, Megatron-FSDP, optimizer CPU offload,
             precision-aware optimizer): ``OptimOptions`` (its ``state``: ``ModelStateOptions``)
-  metrics   what each step measures and logs (``memory.*``, ``log.tensorboard``, ``run.print_every``): ``MetricsOptions``
+  metrics   what each step measures and logs (``memory.*``, ``log.tensorboard``, ``run.print_every``):
+            ``MetricsOptions``
 
 Parsing never raises on a value: ``from_dict`` keeps what it was given, ``problems()`` reports it. Types are strict:
 ``cp.size=2.5``, ``cp.size=true`` and ``cp.size=abc`` are errors naming ``cp.size`` (no ``int()`` coercion). The
@@ -195,8 +196,8 @@ def _group(data: Optional[Mapping[str, Any]], name: str) -> Tuple[Dict[str, Any]
     return dict(node), []
 
 
-def _unknown(group: str, given: Mapping[str, Any], known: Sequence[str], why: str = "",
-             noun: str = "key(s)") -> List[str]:
+def unknown_keys(group: str, given: Mapping[str, Any], known: Sequence[str], why: str = "",
+                 noun: str = "key(s)") -> List[str]:
     bad = sorted(k for k in given if k not in known)
     if not bad:
         return []
@@ -276,7 +277,7 @@ class CPOptions:
 
     def problems(self) -> List[str]:
         values = {o.name: getattr(self, o.name) for o in self.OPTIONS}
-        p = _unknown("cp", {k: 0 for k in self.given}, [o.name for o in self.OPTIONS])
+        p = unknown_keys("cp", {k: 0 for k in self.given}, [o.name for o in self.OPTIONS])
         p += option_problems(self.OPTIONS[:2], values)
         if self.algorithm not in CP_ALGORITHMS:
             return p
@@ -454,7 +455,7 @@ class MemoryOptions:
             allowed = GROUP_KEYS[group].get(name, ())
             given = {k.split(".", 1)[1]: 0 for k in self.given if k.startswith(group + ".")}
             given.pop("name", None)
-            p += _unknown(group, given, allowed, f" for {group}={name}", noun="field(s)")
+            p += unknown_keys(group, given, allowed, f" for {group}={name}", noun="field(s)")
             # the keys this choice uses (given or defaulted)
             p += option_problems([o for o in opts[1:] if o.name in allowed],
                                  {k.split(".", 1)[1]: v for k, v in values.items() if k.startswith(group + ".")})
@@ -537,7 +538,7 @@ class TilingOptions:
     def problems(self, seq_length: Any = None, cp_size: Any = 1, tp: Any = 1, sequence_parallel: bool = False,
                  keys: Optional[Context] = None) -> List[str]:
         values = {o.name: getattr(self, o.name) for o in self.OPTIONS}
-        p = _unknown("tiling", {k: 0 for k in self.given}, [o.name for o in self.OPTIONS])
+        p = unknown_keys("tiling", {k: 0 for k in self.given}, [o.name for o in self.OPTIONS])
         p += option_problems(self.OPTIONS, values)
         if p or not (_is_int(seq_length) and _is_int(cp_size) and cp_size >= 1 and _is_int(tp) and tp >= 1):
             return p
@@ -736,7 +737,7 @@ class OptimOptions:
                    given=tuple(d))
 
     def problems(self, ctx: Optional[Context] = None) -> List[str]:
-        p = _unknown("optim", {k: 0 for k in self.given}, [o.name for o in self.OPTIONS])
+        p = unknown_keys("optim", {k: 0 for k in self.given}, [o.name for o in self.OPTIONS])
         p += option_problems(self.OPTIONS[:6], {o.name: getattr(self, o.name) for o in self.OPTIONS[:6]})
         return p + self.state.problems(ctx)
 
@@ -750,6 +751,7 @@ class MetricsOptions:
     track_peak: Any = False
     tensorboard: Any = True
     print_every: Any = 1
+    given: Tuple[str, ...] = field(default=(), compare=False, repr=False)  # keys set in the memory and log groups
 
     OPTIONS: ClassVar[Tuple[Option, ...]] = (
         Option("memory.track", "bool", True, "per-step activation_bytes_device/_host (saved-for-backward bytes) in "
@@ -768,10 +770,15 @@ class MetricsOptions:
             node = data.get(group) or {}
             if isinstance(node, Mapping) and name in node:
                 kw[o.name] = node[name]
-        return cls(**kw)
+        given = tuple(f"{g}.{k}" for g in ("memory", "log") if isinstance(data.get(g), Mapping) for k in data[g])
+        return cls(**kw, given=given)
 
     def problems(self) -> List[str]:
-        return option_problems(self.OPTIONS, {o.name: getattr(self, o.name) for o in self.OPTIONS})
+        p: List[str] = []
+        for group in ("memory", "log"):  # groups of their own (run.* is shared with the front end's keys)
+            p += unknown_keys(group, {k.split(".", 1)[1]: 0 for k in self.given if k.startswith(group + ".")},
+                          [o.name for o in self.OPTIONS if o.key.startswith(group + ".")])
+        return p + option_problems(self.OPTIONS, {o.name: getattr(self, o.name) for o in self.OPTIONS})
 
 
 # ---------------------------------------------------------------------------------------------------- the model

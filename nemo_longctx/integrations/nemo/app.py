@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from nemo_longctx.integrations.nemo.config_keys import APP_OPTIONS, NEMO_KEYS, RESUME_MODES, parse_fault
+from nemo_longctx.integrations.nemo.config_keys import APP_GROUPS, APP_OPTIONS, NEMO_KEYS, RESUME_MODES, parse_fault
 from nemo_longctx.integrations.nemo.documents import documents_problems
 from nemo_longctx.integrations.nemo.launch import Launch
 from nemo_longctx.integrations.nemo.pretrained import init_from_of, init_from_problems
@@ -30,6 +30,7 @@ from nemo_longctx.options import (  # noqa: F401  (ConfigError, raise_problems: 
     Context,
     LongContextOptions,
     raise_problems,
+    unknown_keys,
 )
 
 
@@ -49,10 +50,6 @@ def context_of(cfg: DictConfig) -> Context:
                    pp=s.pipeline_model_parallel_size, sequence_parallel=s.sequence_parallel,
                    precision=str(cfg.trainer.precision), checkpointing=isinstance(every, int) and every > 0,
                    keys=NEMO_KEYS)
-
-
-def _value(cfg: DictConfig, key: str) -> Any:
-    return OmegaConf.select(cfg, key, default=None)
 
 
 def parallel_sizes(cfg: DictConfig) -> Dict[str, int]:
@@ -94,9 +91,15 @@ def checkpoint_dir(cfg: DictConfig) -> str:
 # ------------------------------------------------------------------------------------------------ validation
 def app_key_problems(cfg: DictConfig) -> List[str]:
     """The app's own keys (``APP_OPTIONS``), each checked by the option model's one checker."""
-    present = {o.key: _value(cfg, o.key) for o in APP_OPTIONS if OmegaConf.select(cfg, o.key, default=KeyError)
-               is not KeyError}
+    present = {o.key: v for o in APP_OPTIONS for v in [OmegaConf.select(cfg, o.key, default=KeyError)]
+               if v is not KeyError}
     p = [m for o in APP_OPTIONS if o.key in present for m in [o.problem(present[o.key])] if m]
+    declared = {o.key for o in APP_OPTIONS + LongContextOptions.options()}
+    for group in APP_GROUPS:  # a misspelt key (`+trainer.max_step=5`) is refused, not ignored
+        node = OmegaConf.select(cfg, group, default=None) or {}
+        p += unknown_keys(group, {k: 0 for k in node if not OmegaConf.is_dict(node[k])},
+                          [k[len(group) + 1:] for k in declared if k.startswith(group + ".") and "." not in
+                           k[len(group) + 1:]])
     fault = present.get("run.fault")
     if isinstance(fault, str) and fault:
         try:
@@ -111,9 +114,7 @@ def app_key_problems(cfg: DictConfig) -> List[str]:
 
 def config_problems(cfg: DictConfig, options: Optional[LongContextOptions] = None) -> List[str]:
     """Every config-level problem (no model config needed), each naming its key."""
-    from nemo_longctx.integrations.megatron.cpu_compat import model_state_cpu_problems
-
-    from nemo_longctx.integrations.megatron.cpu_compat import needed
+    from nemo_longctx.integrations.megatron.cpu_compat import model_state_cpu_problems, needed
 
     options = options or options_of(cfg)
     problems = app_key_problems(cfg)
@@ -325,8 +326,8 @@ def build(cfg: DictConfig, launch: Optional[Launch] = None, extra_callbacks: Opt
     )
     from nemo_longctx.integrations.nemo.memory_callbacks import ActivationMemoryMetrics, MemoryOptionsCallback
     from nemo_longctx.integrations.nemo.model_state_callback import ModelStateCheck
-    from nemo_longctx.integrations.nemo.strategy import LongContextStrategy, strategy_kwargs
     from nemo_longctx.integrations.nemo.sequence_tiling import SequenceTiling
+    from nemo_longctx.integrations.nemo.strategy import LongContextStrategy, strategy_kwargs
 
     options = options or options_of(cfg)
     problems = [] if checked else config_problems(cfg, options)
@@ -373,7 +374,8 @@ def build(cfg: DictConfig, launch: Optional[Launch] = None, extra_callbacks: Opt
         accelerator = "gpu" if torch.cuda.is_available() else "cpu"
     devices = launch.local_world_size if launch is not None else int(cfg.trainer.devices)
     num_nodes = launch.num_nodes if launch is not None else int(cfg.trainer.num_nodes)
-    plugins: List[Any] = [nl.MegatronMixedPrecision(precision=precision, grad_reduce_in_fp32=grad_reduce_in_fp32(state))]
+    plugins: List[Any] = [nl.MegatronMixedPrecision(precision=precision,
+                                                    grad_reduce_in_fp32=grad_reduce_in_fp32(state))]
     if launch is not None:
         plugins.append(TorchElasticEnvironment())
     tokens_per_step = gbs * int(model_config.seq_length)

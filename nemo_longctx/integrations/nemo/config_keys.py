@@ -8,6 +8,8 @@ from typing import Tuple
 from nemo_longctx.options import ConfigError, Option
 
 RESUME_MODES = ("auto", "never")
+# the groups whose keys are all declared (here or in the option model): any other key in them is refused
+APP_GROUPS = ("trainer", "trainer.strategy", "checkpoint", "launcher", "run")
 # the app's names of the values the option checks need (messages name them)
 NEMO_KEYS = {"seq_length": "model.seq_length", "tp": "trainer.strategy.tensor_model_parallel_size",
              "pp": "trainer.strategy.pipeline_model_parallel_size", "sequence_parallel":
