@@ -38,7 +38,7 @@ from megatron.core.transformer.utils import is_layer_window_attention
 
 from nemo_longctx.memory.keep_attention import kept_ring_attention
 
-from .cp_algorithms import get_cp_algorithm
+from .cp_algorithms import check_cp_options, get_cp_algorithm, is_checked, mark_checked
 
 Tensor = torch.Tensor
 
@@ -144,6 +144,12 @@ class LongContextCoreAttention(MegatronModule):
                 f"model.context_parallel_size={config.context_parallel_size} but the CP process group has "
                 f"{cp_size} ranks"
             )
+        if not is_checked(config, cp_size, self.algorithm.name, self.algorithm_kwargs):
+            # built outside a checked run (Python API: a spec used directly): the same checks, once per config
+            check_cp_options(self.algorithm.name, cp_size, self.algorithm_kwargs)
+            if self.algorithm.validate is not None:
+                self.algorithm.validate(config, cp_size, tp=config.tensor_model_parallel_size, **self.algorithm_kwargs)
+            mark_checked(config, cp_size, self.algorithm.name, self.algorithm_kwargs)
         if self.algorithm.setup is not None:  # once per module, every CP rank in the same layer order
             self.algorithm_kwargs = self.algorithm.setup(self.cp_group if cp_size > 1 else None,
                                                          **self.algorithm_kwargs)

@@ -74,6 +74,26 @@ def check_cp_options(cp_algorithm: str, cp_size: Any, kwargs: Dict[str, Any]) ->
     raise_problems(CPOptions.from_dict({**given, "kwargs": kw}).problems())
 
 
+# A model config whose CP options were checked against it (``validation.long_context_problems``, when a run is
+# built) carries the checked (cp size, algorithm, options): the core attention of each layer then does not check
+# them again; built without that (a spec used directly), the first layer checks them once for all.
+_CHECKED_ATTR = "_nemo_longctx_cp_checked"
+
+
+def _check_key(cp_size: int, algorithm: str, kwargs: Dict[str, Any]) -> tuple:
+    return int(cp_size), str(algorithm), repr(sorted(kwargs.items()))
+
+
+def mark_checked(config: Any, cp_size: int, algorithm: str, kwargs: Dict[str, Any]) -> None:
+    checked = set(getattr(config, _CHECKED_ATTR, None) or ())
+    checked.add(_check_key(cp_size, algorithm, kwargs))
+    object.__setattr__(config, _CHECKED_ATTR, checked)
+
+
+def is_checked(config: Any, cp_size: int, algorithm: str, kwargs: Dict[str, Any]) -> bool:
+    return _check_key(cp_size, algorithm, kwargs) in (getattr(config, _CHECKED_ATTR, None) or ())
+
+
 def _ring(q, k, v, *, group, causal, softmax_scale, kernel: Optional[str] = None, cu_seqlens=None,
           cu_seqlens_padded=None, window_size=None, **unused):
     if unused:

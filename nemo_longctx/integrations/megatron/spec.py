@@ -62,6 +62,27 @@ def long_context_layer_spec(spec: Any, cp_algorithm: str = "ring", **algorithm_k
     return new
 
 
+class LongContextSpec:
+    """A callable layer spec ``spec(config, vp_stage=None)``: the ``base`` spec (a ModuleSpec, block spec or a
+    callable of the model config) with our core attention in every layer. What a front end puts into its model
+    config's ``transformer_layer_spec`` (Megatron-Bridge's provider calls it with itself; NeMo 2 subclasses it to
+    record it in its checkpoint context)."""
+
+    def __init__(self, base: Any, cp_algorithm: str = "ring", algorithm_kwargs: Optional[dict] = None) -> None:
+        self.base = base
+        self.cp_algorithm = cp_algorithm
+        self.algorithm_kwargs = dict(algorithm_kwargs or {})
+
+    def base_spec(self, config: Any, vp_stage: Optional[int] = None) -> Any:
+        return resolve_layer_spec(self.base, config, vp_stage)
+
+    def __call__(self, config: Any, vp_stage: Optional[int] = None) -> Any:
+        return long_context_layer_spec(self.base_spec(config, vp_stage), self.cp_algorithm, **self.algorithm_kwargs)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(base={self.base!r}, cp_algorithm={self.cp_algorithm!r})"
+
+
 def core_attention_modules(spec: Any) -> list:
     """The core_attention module class of every layer in a layer or block spec (for checks and dry runs)."""
     out = []

@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional
 
 from nemo_longctx.options import Context, LongContextOptions
 
-from .cp_algorithms import get_cp_algorithm
+from .cp_algorithms import get_cp_algorithm, mark_checked
 
 
 def long_context_problems(
@@ -86,6 +86,8 @@ def long_context_problems(
             algo.validate(config, cp_size, tp=tp, **dict(cp_kwargs or {}))
         except ValueError as e:
             problems.append(str(e))
+    if not problems:
+        mark_checked(config, cp_size, cp_algorithm, dict(cp_kwargs or {}))
     return problems
 
 

@@ -11,34 +11,18 @@ Idempotent: a config already extended is re-targeted, not wrapped twice.
 from __future__ import annotations
 
 from copy import deepcopy
-from typing import Any, Dict, Optional
+from typing import Any
 
 from nemo.lightning import io
 
-from nemo_longctx.integrations.megatron.spec import long_context_layer_spec, resolve_layer_spec
+from nemo_longctx.integrations.megatron.spec import LongContextSpec
 
 from .steps import long_context_data_step, long_context_forward_step
 
 
-class LongContextLayerSpec(io.IOMixin):
-    """Callable layer spec: ``spec(config, vp_stage=None)`` -> the base spec with our core attention.
-
-    An ``io.IOMixin``: NeMo records its constructor arguments, so it is written into a checkpoint's context
-    (``context/io.json``) and restored by ``nemo.lightning.io.load_context``."""
-
-    def __init__(self, base: Any, cp_algorithm: str = "ring", algorithm_kwargs: Optional[Dict[str, Any]] = None) -> None:
-        self.base = base
-        self.cp_algorithm = cp_algorithm
-        self.algorithm_kwargs = dict(algorithm_kwargs or {})
-
-    def base_spec(self, config: Any, vp_stage: Optional[int] = None) -> Any:
-        return resolve_layer_spec(self.base, config, vp_stage)
-
-    def __call__(self, config: Any, vp_stage: Optional[int] = None) -> Any:
-        return long_context_layer_spec(self.base_spec(config, vp_stage), self.cp_algorithm, **self.algorithm_kwargs)
-
-    def __repr__(self) -> str:
-        return f"LongContextLayerSpec(base={self.base!r}, cp_algorithm={self.cp_algorithm!r})"
+class LongContextLayerSpec(LongContextSpec, io.IOMixin):
+    """``LongContextSpec`` as an ``io.IOMixin``: NeMo records its constructor arguments, so it is written into a
+    checkpoint's context (``context/io.json``) and restored by ``nemo.lightning.io.load_context``."""
 
 
 def enable_long_context(config: Any, cp_algorithm: str = "ring", **algorithm_kwargs: Any) -> Any:

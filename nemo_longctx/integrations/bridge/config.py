@@ -1,0 +1,103 @@
+"""The option model on a Megatron-Bridge ``ConfigContainer`` (the Bridge front end's mapping; no second definition or
+validation of any option: ``nemo_longctx.options`` checks them, ``integrations/megatron`` maps them onto Megatron).
+
+``enable_long_context(cfg, options)``  checks the options against the container (ConfigError naming every problem)
+                                       and writes them onto it: the provider's CP size and a layer spec with our core
+                                       attention (``LongContextSpec``; ``cp_comm_type`` stays None), Megatron's
+                                       recompute fields, and the model-state options on Bridge's own
+                                       ``OptimizerConfig`` / ``DistributedDataParallelConfig``;
+``model_problems_of(cfg, options, world_size)``  the checks against the model (heads, sequence length vs 2*cp,
+                                       layers per stage, ...), once, before any process group exists.
+
+Bridge's own keys keep their names in messages (``BRIDGE_KEYS``: ``model.tensor_model_parallel_size``, ...).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Mapping, Union
+
+from nemo_longctx.integrations.megatron.memory_options import apply_recompute_fields
+from nemo_longctx.integrations.megatron.spec import LongContextSpec
+from nemo_longctx.options import Context, LongContextOptions, raise_problems
+
+BRIDGE_KEYS = {"seq_length": "model.seq_length", "tp": "model.tensor_model_parallel_size",
+               "pp": "model.pipeline_model_parallel_size", "sequence_parallel": "model.sequence_parallel",
+               "precision": "mixed_precision", "checkpointing": "checkpoint.save_interval",
+               "world_size": "the world size (WORLD_SIZE)", "num_layers": "model.num_layers"}
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def precision_of(cfg: Any) -> str:
+    """The container's precision in the option model's words (``bf16-mixed`` | ``16-mixed`` | ``32``)."""
+    mp = cfg.mixed_precision
+    name = mp if isinstance(mp, str) else ("bf16_mixed" if getattr(mp, "bf16", False) else
+                                            "fp16_mixed" if getattr(mp, "fp16", False) else None)
+    if name is None:
+        return "bf16-mixed" if getattr(cfg.model, "bf16", False) else "16-mixed" if getattr(cfg.model, "fp16",
+                                                                                             False) else "32"
+    return "bf16-mixed" if "bf16" in name else "16-mixed" if "fp16" in name or "16" in name else "32"
+
+
+def context_of(cfg: Any) -> Context:
+    m = cfg.model
+    save = getattr(cfg.checkpoint, "save", None)
+    interval = getattr(cfg.checkpoint, "save_interval", None)
+    return Context(seq_length=m.seq_length, tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
+                   sequence_parallel=bool(m.sequence_parallel), precision=precision_of(cfg),
+                   checkpointing=bool(save) and bool(interval), keys=BRIDGE_KEYS)
+
+
+def as_options(options: Union[LongContextOptions, Mapping[str, Any], None]) -> LongContextOptions:
+    return options if isinstance(options, LongContextOptions) else LongContextOptions.from_dict(options or {})
+
+
+def enable_long_context(cfg: Any, options: Union[LongContextOptions, Mapping[str, Any], None] = None) -> Any:
+    """Write the long-context options onto ``cfg`` (a Bridge ``ConfigContainer``) in place; returns it."""
+    import torch
+
+    options = as_options(options)
+    raise_problems(options.problems(Context(**{**context_of(cfg).__dict__, "cuda": torch.cuda.is_available()})))
+    m = cfg.model
+    cp = options.cp
+    m.context_parallel_size = cp.size
+    m.cp_comm_type = None  # our algorithms are chosen by cp.algorithm, not by TE's comm type
+    base = m.transformer_layer_spec
+    if isinstance(base, LongContextSpec):
+        base = base.base
+    m.transformer_layer_spec = LongContextSpec(base, cp.algorithm, cp.attention_kwargs)
+    apply_recompute_fields(m, options.memory)
+    _apply_model_state(cfg, options)
+    return cfg
+
+
+def _apply_model_state(cfg: Any, options: LongContextOptions) -> None:
+    """The ``optim`` options on Bridge's ``OptimizerConfig`` / ``DistributedDataParallelConfig`` fields (the same
+    fields Megatron's own ``OptimizerConfig`` has: ``integrations.megatron.model_state.optimizer_config``)."""
+    import torch
+
+    s = options.optim.state
+    o, ddp = cfg.optimizer, cfg.ddp
+    o.optimizer = s.optimizer
+    o.use_distributed_optimizer = ddp.use_distributed_optimizer = bool(s.use_distributed_optimizer)
+    o.optimizer_cpu_offload = bool(s.optimizer_cpu_offload)
+    o.optimizer_offload_fraction = float(s.optimizer_offload_fraction) if s.optimizer_cpu_offload else 0.0
+    o.use_precision_aware_optimizer = bool(s.use_precision_aware_optimizer)
+    for f in ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
+        setattr(o, f, getattr(torch, _DTYPES[getattr(s, f)]))
+    ddp.use_megatron_fsdp = bool(s.megatron_fsdp)
+    if s.megatron_fsdp:
+        ddp.data_parallel_sharding_strategy = "optim_grads_params"
+    ddp.grad_reduce_in_fp32 = s.main_grads_dtype == "fp32"
+
+
+def model_problems_of(cfg: Any, options: LongContextOptions, world_size: int) -> List[str]:
+    """Every problem of the options against the container's model (before any process group exists)."""
+    from nemo_longctx.integrations.megatron.validation import model_problems
+
+    m = cfg.model
+    return model_problems(m, options, world_size, m.tensor_model_parallel_size, m.pipeline_model_parallel_size,
+                          Context(keys=BRIDGE_KEYS))
+
+
+def describe(cfg: Any, options: LongContextOptions) -> Dict[str, str]:
+    return {"cp": options.cp.describe(), **options.describe(), "seq_length": str(cfg.model.seq_length)}

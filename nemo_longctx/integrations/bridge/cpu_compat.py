@@ -1,0 +1,131 @@
+"""Run Megatron-Bridge's own training loop (``pretrain`` + ``gpt_step.forward_step``) on a CPU-only machine over gloo.
+
+The one place the Bridge front end patches third-party code. ``apply()`` first applies the framework-neutral
+Megatron-core fixes (``integrations.megatron.cpu_compat``: no-op CUDA streams, CUDA factory calls mapped to the CPU,
+the RNG tracker on the CPU generator, ...), then these named Bridge stand-ins; nothing is applied when CUDA is
+available. Each says what it stands in for (B-numbers; file:line as of megatron-bridge 0.6.2 / megatron-core 0.19.2):
+
+B2. ``training/setup.py`` calls ``initialize_megatron`` without ``allow_no_cuda`` (``initialize.py:91`` asserts CUDA):
+    it is called with ``allow_no_cuda=True``.
+B3. ``initialize.py:147`` builds the dataset index helpers with ``make`` (``core/datasets/utils.py:25``), but the
+    wheel ships the prebuilt ``helpers_cpp`` and no Makefile: the prebuilt module is imported instead (an error
+    names it if it is missing).
+B4. ``initialize.py`` warms up JIT-fused kernels on CUDA tensors (``_warmup_jit_function``): skipped (the fused
+    kernels are off on the CPU).
+B9. ``initialize.py:869`` (``_set_random_seed``) seeds Megatron's RNG tracker only ``if torch.cuda.device_count() >
+    0``; the attention's ``get_cuda_rng_tracker().fork()`` then fails. It runs with ``device_count`` answering 1, so
+    the tracker is seeded exactly as on a GPU (the tracker itself holds CPU generator states: Megatron fix 4).
+B7. Megatron-core picks TransformerEngine's fused optimizers and multi-tensor kernels whenever TE imports
+    (``core/optimizer/__init__.py:13-17``, ``optimizer.py:17``, ``distrib_optimizer.py:23``, ``clip_grads.py:10``):
+    CUDA kernels. Without CUDA the names are bound to what Megatron-core itself binds when TE and Apex are absent:
+    torch's ``AdamW``/``SGD`` (``USING_PYTORCH_OPTIMIZER = True``) and ``megatron.core.utils``'
+    ``local_multi_tensor_*`` (grad norm, clipping and scaling in plain torch).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_APPLIED = False
+
+
+def needed() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def _mark(fn: Any) -> Any:
+    fn._nemo_longctx = True
+    return fn
+
+
+def _allow_no_cuda() -> None:  # B2
+    from megatron.bridge.training import initialize, setup
+
+    original = initialize.initialize_megatron
+    if getattr(setup.initialize_megatron, "_nemo_longctx", False):
+        return
+    setup.initialize_megatron = _mark(functools.partial(original, allow_no_cuda=True))
+
+
+def _prebuilt_dataset_helpers() -> None:  # B3
+    from megatron.bridge.training import initialize
+
+    def compile_helpers() -> None:
+        try:
+            from megatron.core.datasets import helpers_cpp  # noqa: F401
+        except ImportError as e:
+            raise RuntimeError("megatron-core's dataset helpers (megatron/core/datasets/helpers_cpp) are neither "
+                               f"prebuilt nor buildable here: {e}") from None
+
+    initialize.compile_helpers = _mark(compile_helpers)
+
+
+def _skip_jit_warmup() -> None:  # B4
+    from megatron.bridge.training import initialize
+
+    initialize._warmup_jit_function = _mark(lambda *args, **kwargs: None)
+
+
+def _seed_rng_tracker() -> None:  # B9
+    import torch
+    from megatron.bridge.training import initialize
+
+    original = initialize._set_random_seed
+    if getattr(original, "_nemo_longctx", False):
+        return
+
+    @functools.wraps(original)
+    def _set_random_seed(*args: Any, **kwargs: Any) -> None:
+        count = torch.cuda.device_count
+        torch.cuda.device_count = lambda: 1
+        try:
+            original(*args, **kwargs)
+        finally:
+            torch.cuda.device_count = count
+
+    initialize._set_random_seed = _mark(_set_random_seed)
+
+
+def _torch_optimizers() -> None:  # B7
+    import torch
+    from megatron.core import optimizer as mopt
+    from megatron.core import utils as mutils
+    from megatron.core.optimizer import clip_grads, distrib_optimizer
+    from megatron.core.optimizer import optimizer as moptimizer
+
+    mopt.Adam, mopt.SGD, mopt.USING_PYTORCH_OPTIMIZER = torch.optim.AdamW, torch.optim.SGD, True
+    distrib_optimizer.Adam = torch.optim.Adam  # what distrib_optimizer.py binds without TE and Apex
+    distrib_optimizer.USING_TE_OPTIMIZER = distrib_optimizer.USING_APEX_OPTIMIZER = False
+    distrib_optimizer.HAVE_APEX_OR_TE = False
+    moptimizer.multi_tensor_applier = mutils.local_multi_tensor_applier
+    moptimizer.multi_tensor_scale_impl = mutils.local_multi_tensor_scale
+    clip_grads.multi_tensor_applier = mutils.local_multi_tensor_applier
+    clip_grads.l2_norm_impl = mutils.local_multi_tensor_l2_norm
+    clip_grads.multi_tensor_scale_impl = mutils.local_multi_tensor_scale
+    clip_grads.multi_tensor_scale_tensor_impl = None
+
+
+def apply(force: bool = False) -> bool:
+    """Apply the Megatron-core fixes and the Bridge stand-ins once when CUDA is unavailable (or ``force``)."""
+    global _APPLIED
+    if _APPLIED:
+        return True
+    if not (force or needed()):
+        return False
+    from nemo_longctx.integrations.megatron import cpu_compat
+
+    cpu_compat.apply(force=force)
+    _allow_no_cuda()
+    _prebuilt_dataset_helpers()
+    _skip_jit_warmup()
+    _seed_rng_tracker()
+    _torch_optimizers()
+    _APPLIED = True
+    log.info("nemo_longctx.integrations.bridge.cpu_compat: CPU stand-ins for Megatron-Bridge applied")
+    return True
