@@ -12,6 +12,8 @@ USAGE = """usage: nemo-longctx <command> [hydra overrides]
 commands:
   train   NeMo 2 pre-training with context parallelism (default: tiny Llama, CP=2 ring, 2 CPU processes)
           e.g. nemo-longctx train model=llama3_8b cp=ring cp.size=8 trainer.devices=8 model.seq_length=131072
+  bridge  Megatron-Bridge pre-training with context parallelism (Python 3.12 stack; default: the CPU demo)
+          e.g. nemo-longctx bridge recipe=llama3_8b_pretrain_config cp=ring cp.size=8 train.train_iters=100
   plan    memory/parallelism planner
   import  Hugging Face model dir -> NeMo checkpoint (Llama 3.x, Qwen2/2.5), for train init_from=<dir>
           e.g. nemo-longctx import source=/models/Llama-3.1-8B output=/ckpt/llama31-8b
@@ -19,7 +21,7 @@ commands:
           e.g. nemo-longctx export checkpoint=outputs/train output=/models/llama31-8b-128k
 """
 
-COMMANDS = {"train": "nemo_longctx.train", "plan": "nemo_longctx.plan",
+COMMANDS = {"train": "nemo_longctx.train", "bridge": "nemo_longctx.bridge_app", "plan": "nemo_longctx.plan",
             "import": "nemo_longctx.convert:import_main", "export": "nemo_longctx.convert:export_main"}
 
 

@@ -18,6 +18,8 @@ def test_readme_has_two_setup_commands_and_ci_runs_the_test_one():
     assert "pytest" in test_cmd
     ci = (ROOT / ".ci" / "run").read_text()
     assert test_cmd in ci.splitlines(), ".ci/run must run the README's test command verbatim"
+    bridge = [c for c in commands if "tests_bridge" in c]  # the Megatron-Bridge stack's test command
+    assert len(bridge) == 1 and bridge[0] in ci.splitlines(), ".ci/run must run the README's Bridge test command"
 
 
 def test_attention_layer_does_not_import_megatron_or_nemo():

@@ -111,6 +111,45 @@ def _torch_optimizers() -> None:  # B7
     clip_grads.multi_tensor_scale_tensor_impl = None
 
 
+def cpu_settings(cfg: Any) -> Any:
+    """A ``ConfigContainer`` set up for the CPU (configuration, not patches; logged): fp32 without mixed precision;
+    the fused kernels off; CPU initialization; Megatron's local (non-TE) **block** spec as the base spec -- with a
+    layer spec the final norm stays TE's ``TENorm`` and ``attention_backend=local`` makes the provider swap the core
+    attention back (gpt_provider.py:277-279); gloo without decentralized process groups (those are NCCL only);
+    no overlapped grad reduce / param gather (CUDA streams); no manual GC and no timers in TensorBoard."""
+    import torch
+
+    m = cfg.model
+    m.bf16 = m.fp16 = False
+    m.params_dtype = torch.float32
+    m.use_cpu_initialization = True
+    for flag in ("gradient_accumulation_fusion", "bias_activation_fusion", "bias_dropout_fusion",
+                 "masked_softmax_fusion", "apply_rope_fusion", "persist_layer_norm", "cross_entropy_loss_fusion"):
+        setattr(m, flag, False)
+    m.attention_backend = None
+    m.transformer_impl = "local"
+    normalization = getattr(m, "normalization", "RMSNorm")
+    m.transformer_layer_spec = functools.partial(_local_block_spec, normalization=normalization)
+    cfg.mixed_precision = None
+    cfg.optimizer.bf16 = cfg.optimizer.fp16 = False
+    cfg.ddp.overlap_grad_reduce = cfg.ddp.overlap_param_gather = False
+    cfg.dist.distributed_backend = "gloo"
+    cfg.dist.use_decentralized_pg = False
+    cfg.train.manual_gc = False
+    cfg.logger.log_timers_to_tensorboard = False
+    cfg.scheduler.start_weight_decay = cfg.scheduler.start_weight_decay or 0.0
+    cfg.scheduler.end_weight_decay = cfg.scheduler.end_weight_decay or 0.0
+    log.info("nemo_longctx.integrations.bridge.cpu_compat: CPU settings (fp32, local block spec, gloo)")
+    return cfg
+
+
+def _local_block_spec(provider: Any, vp_stage: Any = None, normalization: str = "RMSNorm") -> Any:
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    return get_gpt_decoder_block_spec(provider, use_transformer_engine=False, normalization=normalization,
+                                      vp_stage=vp_stage)
+
+
 def apply(force: bool = False) -> bool:
     """Apply the Megatron-core fixes and the Bridge stand-ins once when CUDA is unavailable (or ``force``)."""
     global _APPLIED

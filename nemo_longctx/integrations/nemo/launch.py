@@ -90,9 +90,10 @@ def detect_external_launch() -> Optional[Launch]:
 
 def launch_local(nproc: int, argv: Sequence[str], threads_per_process: int, *, wall_timeout_s: Optional[float] = None,
                  shutdown_timeout_s: int = 30, env: Optional[Dict[str, str]] = None,
-                 log_dir: Optional[str] = None) -> int:
-    """Start ``python -m nemo_longctx.train *argv`` on ``nproc`` local ranks with PyTorch's elastic agent (the code
-    ``torchrun --standalone`` runs: a c10d rendezvous on a port the OS picks, no restarts) and wait for them.
+                 log_dir: Optional[str] = None, module: str = "nemo_longctx.train") -> int:
+    """Start ``python -m <module> *argv`` (default: ``nemo_longctx.train``) on ``nproc`` local ranks with PyTorch's
+    elastic agent (the code ``torchrun --standalone`` runs: a c10d rendezvous on a port the OS picks, no restarts)
+    and wait for them.
 
     Returns 0 when every rank succeeded. When a rank fails (raises, exits non-zero or is killed) the agent stops the
     others (SIGTERM, SIGKILL after ``shutdown_timeout_s``); the failed rank, its exit code and its error (the
@@ -128,7 +129,7 @@ def launch_local(nproc: int, argv: Sequence[str], threads_per_process: int, *, w
         timer.daemon = True
         timer.start()
     try:
-        elastic_launch(config, entrypoint=sys.executable)("-m", "nemo_longctx.train", *argv)
+        elastic_launch(config, entrypoint=sys.executable)("-m", module, *argv)
         return 0
     except ChildFailedError as e:
         print(e.format_msg(), file=sys.stderr, flush=True)

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The Megatron-Bridge stack in its own venv (default .venv-bridge): Python 3.12, megatron-bridge 0.6.2,
+# megatron-core 0.19.2, TransformerEngine 2.20.2 (prebuilt core + the PyTorch extension), transformers 5.x.
+#   scripts/install_bridge.sh [VENV]        (PYTHON312=<interpreter> to choose the Python 3.12)
+# pip cannot install megatron-bridge with its declared deps (GPU-only packages that need torch to build), so:
+# 1. `pip install -c constraints/bridge.txt -e '.[bridge,test]'`: what Bridge's pretrain() really needs (pinned);
+# 2. --no-deps: megatron-bridge, transformer-engine (the Python package), its PyTorch extension;
+# 3. nvidia-resiliency-ext 0.6.0 (imported by Bridge's pretrain.py): its wheel is tagged manylinux_2_39, its Python
+#    part runs on older glibc: installed --no-deps into <venv>/nvrx (a .pth file puts it on the path).
+# The TE PyTorch extension is an sdist (minutes of nvcc): it is built once into a wheel cache keyed by TE version,
+# torch version and Python tag (NEMO_LONGCTX_WHEEL_CACHE, default ~/.cache/nemo-longctx/wheels) and reused; a
+# prebuilt wheel in ../shared/wheels (CI machines) seeds the cache.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${1:-.venv-bridge}
+TE=2.20.2
+PY=${PYTHON312:-$(find "${PYENV_ROOT:-$HOME/.pyenv}/versions" -maxdepth 3 -path '*/3.12*/bin/python3.12' 2>/dev/null \
+  | sort | tail -1)}
+PY=${PY:-$(command -v python3.12 || true)}
+if [ -z "$PY" ] || ! "$PY" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
+  echo "install_bridge.sh: needs a Python 3.12 interpreter (set PYTHON312=...; e.g. 'pyenv install 3.12' or 'uv python install 3.12')" >&2
+  exit 2
+fi
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip)
+"${PIP[@]}" install -q -c constraints/bridge.txt -e '.[bridge,test]'
+"${PIP[@]}" install -q --no-deps megatron-bridge==0.6.2 "transformer-engine==$TE"
+TORCH=$("$VENV/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')
+CACHE=${NEMO_LONGCTX_WHEEL_CACHE:-$HOME/.cache/nemo-longctx/wheels}/te$TE-torch$TORCH-cp312
+mkdir -p "$CACHE"
+WHEEL=transformer_engine_torch-$TE-cp312-cp312-linux_x86_64.whl
+if [ ! -f "$CACHE/$WHEEL" ] && [ -f ../shared/wheels/$WHEEL ] && [ "$TORCH" = 2.13.0 ]; then
+  cp ../shared/wheels/$WHEEL "$CACHE/"
+fi
+if [ ! -f "$CACHE/$WHEEL" ]; then
+  echo "install_bridge.sh: building TransformerEngine's PyTorch extension $TE for torch $TORCH (nvcc; ~9 min on 2 cores)" >&2
+  SP=$("$VENV/bin/python" -c 'import site; print(site.getsitepackages()[0])')
+  export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+  export PATH=$CUDA_HOME/bin:$PATH
+  CPATH=$(find "$SP/nvidia" -mindepth 2 -maxdepth 2 -name include -type d | tr '\n' ':'); export CPATH
+  LIBRARY_PATH=$(find "$SP/nvidia" -mindepth 2 -maxdepth 2 -name lib -type d | tr '\n' ':'); export LIBRARY_PATH
+  export NVTE_FRAMEWORK=pytorch NVTE_CUDA_ARCHS=${NVTE_CUDA_ARCHS:-90} MAX_JOBS=${MAX_JOBS:-2}
+  "${PIP[@]}" download -q --no-deps "transformer-engine-torch==$TE" -d "$CACHE/sdist"
+  "${PIP[@]}" wheel -q --no-build-isolation --no-deps -w "$CACHE" "$CACHE/sdist/transformer_engine_torch-$TE.tar.gz"
+fi
+"${PIP[@]}" install -q --no-deps "$CACHE/$WHEEL"
+SITE=$("$VENV/bin/python" -c 'import site; print(site.getsitepackages()[0])')
+if [ ! -d "$VENV/nvrx/nvidia_resiliency_ext" ]; then
+  "${PIP[@]}" install -q --no-deps --platform manylinux_2_39_x86_64 --only-binary=:all: --python-version 3.12 \
+    --target "$VENV/nvrx" nvidia-resiliency-ext==0.6.0
+fi
+(cd "$VENV/nvrx" && pwd) > "$SITE/nemo_longctx_nvrx.pth"
+"$VENV/bin/python" -c 'import torch, transformer_engine.pytorch, megatron.bridge, megatron.bridge.training.pretrain' \
+  2>/dev/null || { echo "install_bridge.sh: import megatron.bridge failed in $VENV" >&2; exit 1; }
+echo "install_bridge.sh: $VENV ready (megatron-bridge 0.6.2, megatron-core 0.19.2, TE $TE, torch $TORCH)"
