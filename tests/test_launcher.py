@@ -164,8 +164,9 @@ def test_a_user_config_dir_and_name_reach_every_rank(tmp_path, launcher):
 
 
 def test_ranks_resolving_different_configs_refuse_to_train(tmp_path):
-    # an interpolation that resolves per process: the launcher sees RANK unset (0), the ranks see 0 and 1
-    code, out, _ = _timed(APP + [f"output_dir={tmp_path}", *SMALL, "+run.note=${oc.env:RANK,0}"])
+    # an interpolation that resolves per process: the launcher sees RANK unset (0), the ranks see 0 and 1 (a declared
+    # key: the app refuses undeclared ones such as +run.note before any rank starts)
+    code, out, _ = _timed(APP + [f"output_dir={tmp_path}", *SMALL, "seed='${oc.decode:${oc.env:RANK,0}}'"])
     assert code != 0, out[-3000:]
     assert "resolved a different config" in out or "resolved different configs" in out, out[-3000:]
     assert not (tmp_path / "metrics.jsonl").exists()
