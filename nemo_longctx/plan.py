@@ -20,12 +20,13 @@ import os
 import shlex
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from nemo_longctx.memory.model_shapes import shape_from_config
 from nemo_longctx.options import Context
 from nemo_longctx.memory.planner import (  # noqa: F401  (RECOMPUTE_GROUP, option_model: the contract's names)
     GIB,
+    RECOMPUTE,
     RECOMPUTE_GROUP,
     ActivationCoefficients,
     CostModel,
@@ -139,11 +140,13 @@ def inputs_from_config(cfg: Any):
     coef = ActivationCoefficients.preset(str(p.activation_model))
     cost = CostModel(**{k: float(v) for k, v in _container(p.cost).items()})
     search = {k: tuple(v) if not isinstance(v, (int, float)) else v for k, v in _container(p.search).items()}
-    search = search_space(search, precision, target=str(_get(p, "target", "gpu")))
+    search = search_space(search, precision, target=str(_get(p, "target", "gpu")),
+                          frontend=str(_get(p, "frontend", "nemo")))
     return shape, int(seq), hw, precision, coef, cost, search
 
 
-def search_space(search: Dict[str, Any], precision: Precision, target: str = "gpu") -> Dict[str, Any]:
+def search_space(search: Dict[str, Any], precision: Precision, target: str = "gpu",
+                 frontend: str = "nemo") -> Dict[str, Any]:
     """``plan.search`` -> candidate_configs keywords: the model-state lists become ModelStates, and the train
     app's validation filters every option combination (``app_accepts``)."""
     search = dict(search)
@@ -152,10 +155,46 @@ def search_space(search: Dict[str, Any], precision: Precision, target: str = "gp
     pa = tuple(bool(x) for x in search.pop("precision_aware", (False,)))
     search["model_states"] = tuple(ModelState(sh, f, a) for sh, f, a in itertools.product(sharding, fractions, pa))
     search["accept"] = app_accepts(train_precision(precision), target)
+    if frontend == "bridge":  # what the Bridge front end does not wire yet is not proposed for it
+        search["recompute"] = tuple(r for r in search.get("recompute", RECOMPUTE) if r != "full_keep_attn")
+        search["offload"] = ("none",)
+        search["tiling"] = False
     return search
 
 
 # ------------------------------------------------------------------------------------------------- output
+# `plan.frontend=bridge`: our model configs -> Megatron-Bridge's recipe functions (megatron.bridge.recipes, 0.6.2)
+BRIDGE_RECIPES = {"llama3_8b": "llama3_8b_pretrain_config", "llama3_70b": "llama3_70b_pretrain_config",
+                  "qwen3_32b": "qwen3_32b_pretrain_config", "qwen2_5_7b": "qwen25_7b_pretrain_config",
+                  "deepseek_v2_lite": "deepseek_v2_lite_pretrain_config"}
+FRONTENDS = ("nemo", "bridge")
+
+
+def bridge_overrides(p: Plan, ev: Evaluation, model: str) -> List[str]:
+    """`nemo-longctx bridge` arguments that run candidate `ev`: the Bridge recipe, Bridge's own keys for the layout
+    and precision, and the option model's overrides (the same as for `nemo-longctx train`)."""
+    recipe = BRIDGE_RECIPES.get(model)
+    if recipe is None:
+        raise ValueError(f"plan.frontend=bridge: model={model!r} has no Megatron-Bridge recipe here (known: "
+                         f"{sorted(BRIDGE_RECIPES)}); use plan.frontend=nemo")
+    c, hw = ev.candidate, p.hardware
+    out = [f"recipe={recipe}", f"model.seq_length={p.seq_length}", f"model.tensor_model_parallel_size={c.tp}",
+           f"model.sequence_parallel={'true' if c.tp > 1 else 'false'}", f"launcher.devices={hw.gpus_on_a_node}"]
+    if p.precision.activation_bytes == 2:
+        out.append("mixed_precision=bf16_mixed")
+    return out + candidate_options(c).to_overrides()
+
+
+def frontend_overrides(cfg: Any, p: Plan, ev: Evaluation, model: str) -> Tuple[str, List[str]]:
+    """(command, arguments) of the chosen front end (``plan.frontend``: nemo | bridge)."""
+    frontend = str(_get(cfg.plan, "frontend", "nemo"))
+    if frontend not in FRONTENDS:
+        raise ValueError(f"plan.frontend={frontend!r} must be one of {list(FRONTENDS)}")
+    if frontend == "bridge":
+        return "nemo-longctx bridge", bridge_overrides(p, ev, model)
+    return "nemo-longctx train", train_overrides(p, ev, model)
+
+
 def train_overrides(p: Plan, ev: Evaluation, model: str) -> List[str]:
     """`nemo-longctx train` overrides that run candidate `ev`: the app's keys (TRAIN_KEYS) and the option model's."""
     c, hw, k = ev.candidate, p.hardware, TRAIN_KEYS
@@ -329,7 +368,7 @@ def run(cfg: Any, out=sys.stdout) -> int:
     if bool(_get(cfg.plan, "json", False)):
         d = p.to_dict()
         d["model_name"] = name
-        d["overrides"] = train_overrides(p, chosen, name) if chosen else None
+        d["overrides"] = frontend_overrides(cfg, p, chosen, name)[1] if chosen else None
         d["missing"] = missing
         d["candidates"] = d["candidates"][: int(_get(cfg.plan, "json_candidates", 50))]
         print(json.dumps(d, indent=1), file=out)
@@ -339,8 +378,8 @@ def run(cfg: Any, out=sys.stdout) -> int:
             print(f"\nchosen: {chosen.candidate.label()}  ({chosen.memory.total / GIB:.1f} GiB per GPU, "
                   f"{chosen.memory.host_per_node / GIB:.0f} GiB host per node, relative cost {chosen.cost:.3f})",
                   file=out)
-            print("nemo-longctx train " + " ".join(shlex.quote(o) for o in train_overrides(p, chosen, name)),
-                  file=out, flush=True)
+            command, args = frontend_overrides(cfg, p, chosen, name)
+            print(command + " " + " ".join(shlex.quote(o) for o in args), file=out, flush=True)
     if chosen is None:
         print(f"\nno fitting plan: {missing}", file=sys.stderr if bool(_get(cfg.plan, "json", False)) else out)
         return 2

@@ -210,3 +210,34 @@ def test_the_app_refuses_a_bad_value_before_any_rank_starts():
     out = p.stdout + p.stderr
     assert p.returncode != 0 and "cp.size=2.5 must be a positive int" in out, out[-3000:]
     assert "spawning" not in out
+
+
+@pytest.mark.parametrize("model, gpus, seq", [("llama3_8b", 8, 131072), ("llama3_70b", 32, 131072),
+                                              ("qwen3_32b", 8, 262144)])
+def test_plan_frontend_bridge_prints_what_the_bridge_app_accepts(model, gpus, seq):
+    """``plan.frontend=bridge``: the chosen row as ``nemo-longctx bridge`` arguments; our part composes with
+    conf/bridge.yaml into exactly the candidate's options and nothing in it is refused by the Bridge app."""
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    from nemo_longctx import bridge_app
+    from nemo_longctx.memory.planner import candidate_options, plan
+    from nemo_longctx.plan import frontend_overrides, inputs_from_config
+
+    GlobalHydra.instance().clear()
+    with initialize_config_module(config_module="nemo_longctx.conf", version_base=None):
+        cfg = compose("plan", overrides=[f"model={model}", f"plan.seq_length={seq}", f"plan.gpus={gpus}",
+                                         "plan.frontend=bridge"])
+    shape, seq_, hw, precision, coef, cost, search = inputs_from_config(cfg)
+    p = plan(shape, seq_, hw, precision, coef, cost, **search)
+    assert p.chosen is not None
+    command, args = frontend_overrides(cfg, p, p.chosen, model)
+    assert command == "nemo-longctx bridge" and args[0].startswith("recipe=")
+    ours, theirs = bridge_app.split_args(args)
+    assert any(a.startswith("model.seq_length=") for a in theirs) and all(not a.startswith("cp") for a in theirs)
+    bcfg = bridge_app.compose(ours)
+    options = bridge_app.options_of(bcfg)
+    assert options.problems() == [] and bridge_app.app_problems(ours, options) == []
+    want = candidate_options(p.chosen.candidate)
+    assert (options.cp.size, options.cp.algorithm, options.memory, options.optim.state) == (
+        want.cp.size, want.cp.algorithm, want.memory, want.optim.state)

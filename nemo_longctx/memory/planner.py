@@ -727,10 +727,12 @@ def structural_accept(cp_algorithm: str, recompute: str, offload: str, model_sta
 def candidate_configs(shape: ModelShape, seq_length: int, hw: Hardware,
                       recompute: Iterable[str] = RECOMPUTE, offload: Iterable[str] = OFFLOAD,
                       algorithms: Iterable[str] = CP_ALGORITHMS, max_tp: int = 8,
-                      model_states: Iterable[ModelState] = (ModelState(),), accept=None) -> list[Candidate]:
+                      model_states: Iterable[ModelState] = (ModelState(),), accept=None,
+                      tiling: bool = True) -> list[Candidate]:
     """Every valid layout x memory option x model state for `hw.gpus` GPUs (all GPUs used: dp = gpus / (tp * cp)).
     `accept(cp_algorithm, recompute, offload, model_state) -> bool` keeps the option combinations the train app
-    accepts (default: `structural_accept`); cp_algorithm is "none" for cp_size 1."""
+    accepts (default: `structural_accept`); cp_algorithm is "none" for cp_size 1. `tiling=False`: no tiled MLP or
+    chunked loss (a front end without them)."""
     accept = accept or structural_accept
     model_states = tuple(model_states)
     recompute, offload = tuple(recompute), tuple(offload)
@@ -756,8 +758,8 @@ def candidate_configs(shape: ModelShape, seq_length: int, hw: Hardware,
                         if 1 < u < cp and (hq // tp) % u == 0:
                             layouts.append(("hybrid", u))
             tokens = seq_length / cp
-            tiles = sorted({1, planned_mlp_tiles(tokens, tp)})
-            chunks = sorted({1, planned_loss_chunks(tokens)})
+            tiles = sorted({1, planned_mlp_tiles(tokens, tp)}) if tiling else [1]
+            chunks = sorted({1, planned_loss_chunks(tokens)}) if tiling else [1]
             for algo, u in layouts:
                 for rc in recompute:
                     for off in offload:
