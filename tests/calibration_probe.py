@@ -5,26 +5,22 @@ the candidates' cp_size (tests/distributed.py's run_distributed)."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, List, Sequence, Tuple
 
 
 def megatron_options(cand) -> Tuple[Any, str, dict]:
     """(MemoryOptions, cp algorithm, cp kwargs) of a planner Candidate; offload moves every saved tensor (min_bytes=0)
     so the planner's per-layer terms can be compared byte for byte."""
-    from nemo_longctx.integrations.megatron.memory_options import MemoryOptions
+    from dataclasses import replace
 
-    kw: Dict[str, Any] = {}
-    if cand.recompute == "selective":
-        kw.update(recompute="selective", recompute_modules=("mlp",))
-    elif cand.recompute == "selective_attn":
-        kw.update(recompute="selective", recompute_modules=("core_attn",))
-    elif cand.recompute in ("full", "full_keep_attn"):
-        kw.update(recompute=cand.recompute)
+    from nemo_longctx.memory.planner import candidate_options
+
+    memory = candidate_options(cand).memory  # the planner's own mapping onto the option model
     if cand.offload == "layer_input":
-        kw.update(offload="layer_input", min_bytes=0, prefetch_depth=cand.prefetch_depth)
+        memory = replace(memory, min_bytes=0, prefetch_depth=cand.prefetch_depth)
     algo = cand.cp_algorithm if cand.cp_size > 1 else "ring"
     cp_kwargs = {"ulysses_size": cand.ulysses_size} if algo == "hybrid" else {}
-    return MemoryOptions(**kw), algo, cp_kwargs
+    return memory, algo, cp_kwargs
 
 
 def build_model(shape, cand, seq: int, *, dtype=None):

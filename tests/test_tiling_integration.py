@@ -310,14 +310,16 @@ def test_bad_tiling_settings_name_the_field(results):
 def test_tiling_group_composes_with_planner_overrides():
     from hydra import compose, initialize_config_module
 
+    from nemo_longctx.train import options_of
+
     with initialize_config_module(config_module="nemo_longctx.conf", version_base=None):
         default = compose("train")
         planned = compose("train", overrides=["tiling.mlp_tiles=16", "tiling.loss_chunks=off"])
         auto = compose("train", overrides=["tiling=auto", "tiling.loss_chunks=8"])
     assert (default.tiling.mlp_tiles, default.tiling.loss_chunks) == ("off", "off")
-    cb = planned.tiling.callbacks[0]
-    assert (cb.mlp_tiles, cb.loss_chunks, cb.seq_length, cb.cp_size) == (16, "off", 4096, 2)
-    assert (auto.tiling.callbacks[0].mlp_tiles, auto.tiling.callbacks[0].loss_chunks) == ("auto", 8)
+    cb = options_of(planned).tiling  # what the app builds its SequenceTiling callback from
+    assert (cb.mlp_tiles, cb.loss_chunks, planned.model.seq_length, options_of(planned).cp.size) == (16, "off", 4096, 2)
+    assert (options_of(auto).tiling.mlp_tiles, options_of(auto).tiling.loss_chunks) == ("auto", 8)
 
 
 # ------------------------------------------------------------------------------------------------ the Hydra app
