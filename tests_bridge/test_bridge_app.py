@@ -69,3 +69,37 @@ def test_bad_values_fail_before_any_rank_with_the_shared_messages(tmp_path, args
     code, log, _ = _run(tmp_path, "bad", *args, timeout=300)
     assert code == 2 and message in log, log[-3000:]
     assert "core attention:" not in log  # no rank started
+
+
+LLAMA32_1B_CONFIG = {  # Llama-3.2-1B's config.json (its public values): all the recipe reads from the hub
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 128000,
+    "eos_token_id": 128001, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
+    "intermediate_size": 8192, "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "llama",
+    "num_attention_heads": 32, "num_hidden_layers": 16, "num_key_value_heads": 8, "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05, "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                                            "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16", "use_cache": True,
+    "vocab_size": 128256}
+SHRINK = ["model.num_layers=2", "model.hidden_size=128", "model.ffn_hidden_size=256", "model.num_attention_heads=4",
+          "model.num_query_groups=2", "model.kv_channels=32", "model.seq_length=256", "train.train_iters=2",
+          "train.global_batch_size=1", "train.micro_batch_size=1", "dataset.num_workers=0", "validation.eval_iters=0",
+          "checkpoint.save=null", "scheduler.lr_warmup_iters=1"]
+
+
+def test_a_bridge_recipe_by_name_trains_with_ring_cp2_as_on_one_rank(tmp_path, monkeypatch):
+    """NVIDIA's own recipe function, unmodified (``llama32_1b_pretrain_config``), shrunk by Bridge's overrides: the hub
+    is replaced by Hugging Face's own offline cache holding the model's config.json (no weights are read)."""
+    snapshot = tmp_path / "hf" / "hub" / "models--meta-llama--Llama-3.2-1B" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps(LLAMA32_1B_CONFIG))
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    runs = {name: _run(tmp_path, name, "recipe=llama32_1b_pretrain_config", *args, *SHRINK)
+            for name, args in {"none": ["cp=none"], "ring": ["cp=ring", "cp.size=2"]}.items()}
+    for name, (code, log, rows) in runs.items():
+        assert code == 0 and "recipe llama32_1b_pretrain_config" in log, log[-4000:]
+        assert "core attention: 2 layers run LongContextCoreAttention" in log and len(rows) == 2, log[-3000:]
+    for a, b in zip(runs["none"][2], runs["ring"][2]):
+        assert b["cp_size"] == 2 and abs(a["loss"] - b["loss"]) <= 1e-6 * abs(a["loss"]), (a, b)
