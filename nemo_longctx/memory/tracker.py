@@ -434,3 +434,55 @@ def track_activation_memory(fn: Callable[[], object], **kwargs) -> MemoryStats:
     with ActivationTracker(**kwargs) as tracker:
         fn()
     return tracker.stats()
+
+
+class StepActivationMeter:
+    """One ``ActivationTracker`` per training step, for any training loop's step-start / step-end hooks (the NeMo
+    2 Lightning callback and the Megatron-Bridge callback both use it): ``start(params)`` before the step's
+    forward (before any offload scope opens), ``stop()`` after its backward. ``metrics()``: the last step's
+    ``activation_bytes_device`` / ``activation_bytes_host`` / ``peak_bytes`` (this rank; ``peak_bytes`` None when
+    not counted: CPU with ``count_peak=False``), all None before the first step or when ``track=False``;
+    ``summary()`` one log line."""
+
+    def __init__(self, count_peak: bool = False, track: bool = True) -> None:
+        self.count_peak, self.track = bool(count_peak), bool(track)
+        self._tracker: Optional[ActivationTracker] = None
+        self._stats: Optional[MemoryStats] = None
+
+    def start(self, params: Iterable[Tensor] = ()) -> None:
+        if not self.track:
+            return
+        self.stop()
+        self._tracker = ActivationTracker(count_peak=self.count_peak, params=params)
+        self._tracker.__enter__()
+
+    def stop(self) -> None:
+        if self._tracker is not None:
+            self._tracker.__exit__(None, None, None)
+            self._stats = self._tracker.stats()
+            self._tracker = None
+
+    @property
+    def stats(self) -> Optional[MemoryStats]:
+        return self._stats
+
+    def metrics(self) -> Dict[str, Optional[int]]:
+        s = self._stats
+        if s is None:
+            return {"activation_bytes_device": None, "activation_bytes_host": None, "peak_bytes": None}
+        counted = s.device == "cuda" or self.count_peak
+        return {"activation_bytes_device": int(s.activation_bytes_device),
+                "activation_bytes_host": int(s.activation_bytes_host),
+                "peak_bytes": int(s.peak_bytes) if counted else None}
+
+    def summary(self) -> str:
+        m = self.metrics()
+        if m["activation_bytes_device"] is None:
+            return "activations: not tracked"
+
+        def mib(b: Optional[int]) -> str:
+            return "-" if b is None else f"{b / 2**20:.1f} MiB"
+
+        dev = self._stats.device if self._stats is not None else "cpu"
+        return (f"activations {dev} {mib(m['activation_bytes_device'])} host {mib(m['activation_bytes_host'])} "
+                f"peak {mib(m['peak_bytes'])}")

@@ -3,9 +3,13 @@ validation of any option: ``nemo_longctx.options`` checks them, ``integrations/m
 
 ``enable_long_context(cfg, options)``  checks the options against the container (ConfigError naming every problem)
                                        and writes them onto it: the provider's CP size and a layer spec with our core
-                                       attention (``LongContextSpec``; ``cp_comm_type`` stays None), Megatron's
-                                       recompute fields, and the model-state options on Bridge's own
+                                       attention (``LongContextSpec``; ``cp_comm_type`` stays None), the memory
+                                       options (``integrations.bridge.memory``: Megatron's recompute fields, the
+                                       tiled MLP spec, a pre-wrap hook wiring offload / kept attention / chunked
+                                       loss into the built model), and the model-state options on Bridge's own
                                        ``OptimizerConfig`` / ``DistributedDataParallelConfig``;
+``long_context_callbacks(cfg)``        the Bridge callbacks of those options (per-step activation memory, the
+                                       offload check): pass them to ``pretrain(cfg, forward_step, callbacks=...)``;
 ``model_problems_of(cfg, options, world_size)``  the checks against the model (heads, sequence length vs 2*cp,
                                        layers per stage, ...), once, before any process group exists.
 
@@ -16,8 +20,9 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Mapping, Union
 
-from nemo_longctx.integrations.megatron.memory_options import apply_recompute_fields
+from nemo_longctx.integrations.bridge.memory import LongContextMemory, memory_of
 from nemo_longctx.integrations.megatron.spec import LongContextSpec
+from nemo_longctx.integrations.megatron.tiled_mlp_layer import TiledMLPLayerSpec
 from nemo_longctx.options import Context, LongContextOptions, raise_problems
 
 BRIDGE_KEYS = {"seq_length": "model.seq_length", "tp": "model.tensor_model_parallel_size",
@@ -62,12 +67,20 @@ def enable_long_context(cfg: Any, options: Union[LongContextOptions, Mapping[str
     m.context_parallel_size = cp.size
     m.cp_comm_type = None  # our algorithms are chosen by cp.algorithm, not by TE's comm type
     base = m.transformer_layer_spec
-    if isinstance(base, LongContextSpec):
+    while isinstance(base, (LongContextSpec, TiledMLPLayerSpec)):  # enable_long_context again: from the user's base
         base = base.base
     m.transformer_layer_spec = LongContextSpec(base, cp.algorithm, cp.attention_kwargs)
-    apply_recompute_fields(m, options.memory)
+    LongContextMemory(options).configure(cfg)  # after our spec: the tiled MLP wraps it
     _apply_model_state(cfg, options)
     return cfg
+
+
+def long_context_callbacks(cfg: Any) -> List[Any]:
+    """The Bridge callbacks ``enable_long_context`` set up for ``cfg`` (pass them to Bridge's ``pretrain``)."""
+    memory = memory_of(cfg)
+    if memory is None:
+        raise ValueError("long_context_callbacks: call enable_long_context(cfg, options) first")
+    return [memory.callback()]
 
 
 def _apply_model_state(cfg: Any, options: LongContextOptions) -> None:

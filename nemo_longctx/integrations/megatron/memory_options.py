@@ -147,7 +147,7 @@ def attach_memory_options(model: Any, opts: MemoryOptions, *, record_events: boo
 
     from .core_attention import LongContextCoreAttention
     from .norm_recompute_layer import install_norm_recompute
-    from .offload_block import LongContextTransformerBlock
+    from .offload_block import LongContextTransformerBlock, route_block_recompute
 
     blocks = transformer_blocks(model)
     if not blocks:
@@ -166,6 +166,8 @@ def attach_memory_options(model: Any, opts: MemoryOptions, *, record_events: boo
                                            record_events=record_events)
     if opts.recompute == "full_keep_attn":
         rt.kept_cache = KeptAttentionCache()
+    if opts.full:
+        route_block_recompute()
     for b in blocks:
         if opts.full:
             if not isinstance(b, LongContextTransformerBlock):

@@ -30,10 +30,16 @@ class LongContextTransformerBlock(TransformerBlock):
 
     def _checkpointed_forward(self, hidden_states, attention_mask, context, context_mask, rotary_pos_emb,
                               attention_bias=None, packed_seq_params=None, use_inner_quantization_context=False,
-                              **unused):
+                              padding_mask=None, extract_layer_indices=None, **unused):
         cfg = self.config
         if cfg.fp8 or cfg.fp4:
             raise ValueError("nemo_longctx full recompute with offload/kept attention does not support fp8/fp4")
+        if extract_layer_indices:
+            raise ValueError("nemo_longctx full recompute does not return intermediate layers' hidden states "
+                             f"(extract_layer_indices={sorted(extract_layer_indices)})")
+        if isinstance(rotary_pos_emb, (tuple, list)):
+            raise ValueError("nemo_longctx full recompute does not support dual (local/global) rotary embeddings")
+        extra = {} if padding_mask is None else {"padding_mask": padding_mask}  # megatron-core >= 0.17 layers
         engine = self.longctx_offloader
         n_layers = self.num_layers_per_pipeline_rank
         k = int(cfg.recompute_num_layers)
@@ -50,7 +56,7 @@ class LongContextTransformerBlock(TransformerBlock):
                     hidden_states, context = self._get_layer(index)(
                         hidden_states=hidden_states, attention_mask=attention_mask, context=context,
                         context_mask=context_mask, rotary_pos_emb=rotary_pos_emb, attention_bias=attention_bias,
-                        inference_context=None, packed_seq_params=packed_seq_params,
+                        inference_context=None, packed_seq_params=packed_seq_params, **extra,
                     )
                 return hidden_states, context
 
@@ -74,3 +80,30 @@ class LongContextTransformerBlock(TransformerBlock):
                         cfg.distribute_saved_activations, *args)
             previous_recomputed = recompute
         return hidden_states
+
+
+def _dispatch_checkpointed_forward(original: Any) -> Any:
+    def checkpointed_forward(block: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(block, LongContextTransformerBlock):
+            return block._checkpointed_forward(*args, **kwargs)
+        return original(block, *args, **kwargs)
+
+    checkpointed_forward._nemo_longctx_original = original
+    return checkpointed_forward
+
+
+def route_block_recompute() -> bool:
+    """Megatron-core >= 0.17 runs a block's full recompute in ``megatron.core.recompute.checkpointed_forward``,
+    which ``TransformerBlock.forward`` calls by the name it imported into ``transformer_block`` -- no longer through
+    the ``_checkpointed_forward`` method this subclass overrides (<= 0.16). This rebinds that one name to a
+    dispatcher that sends ``LongContextTransformerBlock`` instances to their method and every other block to
+    Megatron's function unchanged (applied once, on any device; a no-op on versions without the function).
+    Returns True when the dispatcher is in place."""
+    from megatron.core.transformer import transformer_block
+
+    current = getattr(transformer_block, "checkpointed_forward", None)
+    if current is None:
+        return False
+    if not hasattr(current, "_nemo_longctx_original"):
+        transformer_block.checkpointed_forward = _dispatch_checkpointed_forward(current)
+    return True

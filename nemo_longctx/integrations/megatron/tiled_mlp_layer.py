@@ -17,13 +17,14 @@ which is the model's TP group unless a custom ``pg_collection`` is used.
 from __future__ import annotations
 
 import copy
-from typing import Any, List
+import functools
+from typing import Any, List, Optional
 
 from megatron.core import tensor_parallel
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from nemo_longctx.integrations.megatron.spec import layer_specs_of
+from nemo_longctx.integrations.megatron.spec import layer_specs_of, resolve_layer_spec
 from nemo_longctx.memory.tiling import DEFAULT_MLP_TILE_TOKENS, check_tiling_policy, tiled_mlp
 
 
@@ -70,31 +71,98 @@ class TiledMegatronMLP(MLP):
     def extra_repr(self) -> str:
         return f"mlp_tiles={self.mlp_tiles!r}, tile_tokens={self.tile_tokens}"
 
+    @classmethod
+    def as_tiled_mlp_submodule(cls, *args: Any, mlp_tiles: Any = "auto", tile_tokens: int = DEFAULT_MLP_TILE_TOKENS,
+                               **kwargs: Any) -> "TiledMegatronMLP":
+        """Megatron-core >= 0.19 builds a layer's MLP by calling ``submodules.mlp(config=..., pg_collection=...,
+        is_mtp_layer=..., name=...)`` (``functools.partial(MLP.as_mlp_submodule, submodules=...)`` in its specs):
+        the same builder, then the tile policy."""
+        check_tiling_policy(mlp_tiles, "tiling.mlp_tiles")
+        mlp = cls.as_mlp_submodule(*args, **kwargs)
+        mlp.mlp_tiles, mlp.tile_tokens = mlp_tiles, int(tile_tokens)
+        return mlp
+
+
+def _mlp_class(mlp: Any) -> Any:
+    """The MLP class a layer spec's ``mlp`` entry builds: a ModuleSpec's module, the class of a
+    ``partial(<MLP class>.as_mlp_submodule, ...)`` (megatron-core >= 0.19), else the entry itself."""
+    if isinstance(mlp, ModuleSpec):
+        return mlp.module
+    if isinstance(mlp, functools.partial) and isinstance(getattr(mlp.func, "__self__", None), type):
+        return mlp.func.__self__
+    return mlp
+
 
 def tiled_mlp_layer_spec(spec: Any, tiles: Any = "auto", tile_tokens: int = DEFAULT_MLP_TILE_TOKENS) -> Any:
-    """Copy of ``spec`` (layer ModuleSpec or block spec) whose every dense MLP is ``TiledMegatronMLP``."""
+    """Copy of ``spec`` (layer ModuleSpec or block spec) whose every dense MLP is ``TiledMegatronMLP``: a ModuleSpec
+    where Megatron builds MLPs with ``build_module`` (<= 0.18), the ``as_mlp_submodule`` builder where it calls the
+    spec entry (>= 0.19: ``MLP.as_mlp_submodule`` exists)."""
     check_tiling_policy(tiles, "tiling.mlp_tiles")
     new = copy.deepcopy(spec)
     for i, layer in enumerate(layer_specs_of(new)):
         sub = getattr(layer, "submodules", None)
         mlp = getattr(sub, "mlp", None)
-        module = mlp.module if isinstance(mlp, ModuleSpec) else mlp
+        module = _mlp_class(mlp)
         if module not in (MLP, TiledMegatronMLP):
             raise ValueError(
                 f"tiling.mlp_tiles={tiles!r}: layer spec {i} has MLP module {getattr(module, '__name__', module)!r}; "
                 "only Megatron's dense MLP can be tiled (not MoE layers or custom MLPs): set tiling.mlp_tiles=off"
             )
-        params = dict(mlp.params) if isinstance(mlp, ModuleSpec) else {}
-        params.update(mlp_tiles=tiles, tile_tokens=int(tile_tokens))
-        submodules = mlp.submodules if isinstance(mlp, ModuleSpec) else None
-        sub.mlp = ModuleSpec(module=TiledMegatronMLP, params=params, submodules=submodules)
+        if isinstance(mlp, ModuleSpec):
+            params, submodules = dict(mlp.params), mlp.submodules
+        elif isinstance(mlp, functools.partial):
+            params = {k: v for k, v in mlp.keywords.items() if k not in ("mlp_tiles", "tile_tokens")}
+            submodules = params.pop("submodules", None)
+        else:
+            params, submodules = {}, None
+        if hasattr(MLP, "as_mlp_submodule"):
+            sub.mlp = functools.partial(TiledMegatronMLP.as_tiled_mlp_submodule, submodules=submodules, **params,
+                                        mlp_tiles=tiles, tile_tokens=int(tile_tokens))
+        else:
+            params.update(mlp_tiles=tiles, tile_tokens=int(tile_tokens))
+            sub.mlp = ModuleSpec(module=TiledMegatronMLP, params=params, submodules=submodules)
     return new
 
 
 def mlp_modules(spec: Any) -> List[Any]:
     """The MLP module class of every layer in a layer or block spec (for checks and dry runs)."""
-    out = []
-    for layer in layer_specs_of(spec):
-        mlp = layer.submodules.mlp
-        out.append(mlp.module if isinstance(mlp, ModuleSpec) else mlp)
-    return out
+    return [_mlp_class(layer.submodules.mlp) for layer in layer_specs_of(spec)]
+
+
+class TiledMLPLayerSpec:
+    """Callable layer spec ``spec(config, vp_stage=None)``: the ``base`` spec (a ModuleSpec, block spec or a callable
+    of the model config) with every dense MLP tiled. What a front end puts into its model config's
+    ``transformer_layer_spec`` (NeMo 2's GPT config, Megatron-Bridge's provider)."""
+
+    def __init__(self, base: Any, mlp_tiles: Any = "auto", tile_tokens: int = DEFAULT_MLP_TILE_TOKENS) -> None:
+        self.base = base
+        self.mlp_tiles = mlp_tiles
+        self.tile_tokens = int(tile_tokens)
+
+    def base_spec(self, config: Any, vp_stage: Optional[int] = None) -> Any:
+        return resolve_layer_spec(self.base, config, vp_stage)
+
+    def __call__(self, config: Any, vp_stage: Optional[int] = None) -> Any:
+        return tiled_mlp_layer_spec(self.base_spec(config, vp_stage), self.mlp_tiles, self.tile_tokens)
+
+    def __repr__(self) -> str:
+        return f"TiledMLPLayerSpec(base={self.base!r}, mlp_tiles={self.mlp_tiles!r})"
+
+
+def with_tiled_mlp(spec: Any, mlp_tiles: Any, tile_tokens: int = DEFAULT_MLP_TILE_TOKENS) -> Any:
+    """``spec`` with every dense MLP tiled (``mlp_tiles`` off: ``spec`` itself); idempotent on a TiledMLPLayerSpec."""
+    if isinstance(spec, TiledMLPLayerSpec):
+        spec = spec.base
+    return spec if mlp_tiles == "off" else TiledMLPLayerSpec(spec, mlp_tiles, tile_tokens)
+
+
+def untiled_mlp_problem(model: Any, mlp_tiles: Any) -> Optional[str]:
+    """After the build: None when every dense MLP of ``model`` (a module or a list of chunks) is tiled, else why."""
+    if mlp_tiles == "off":
+        return None
+    roots = list(model) if isinstance(model, (list, tuple)) else [model]
+    mlps = [m for r in roots for m in r.modules() if isinstance(m, MLP)]
+    if mlps and all(isinstance(m, TiledMegatronMLP) for m in mlps):
+        return None
+    return (f"tiling.mlp_tiles={mlp_tiles!r}: the model's MLPs were not built tiled "
+            f"({sorted({type(m).__name__ for m in mlps})}); was the layer spec replaced after the options were set?")

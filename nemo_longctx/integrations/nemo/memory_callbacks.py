@@ -16,10 +16,9 @@ Register it *before* StepMetrics so its on_train_batch_end runs first.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 import lightning.pytorch as pl
-import torch
 
 from nemo_longctx.integrations.megatron.memory_options import apply_recompute_fields, attach_memory_options
 from nemo_longctx.options import MemoryOptions
@@ -48,49 +47,24 @@ class MemoryOptionsCallback(pl.Callback):
 
 
 class ActivationMemoryMetrics(pl.Callback):
+    """``memory.tracker.StepActivationMeter`` on Lightning's batch hooks."""
+
     def __init__(self, count_peak: bool = False, track_activations: bool = True) -> None:
-        self.count_peak = bool(count_peak)
-        self.track_activations = bool(track_activations)
-        self._tracker = None
-        self._stats = None
+        from nemo_longctx.memory.tracker import StepActivationMeter
+
+        self.meter = StepActivationMeter(count_peak=count_peak, track=track_activations)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        if not self.track_activations:
-            return
-        from nemo_longctx.memory.tracker import ActivationTracker
-
-        self._tracker = ActivationTracker(count_peak=self.count_peak, params=pl_module.parameters())
-        self._tracker.__enter__()
-
-    def _close(self) -> None:
-        if self._tracker is not None:
-            self._tracker.__exit__(None, None, None)
-            self._stats = self._tracker.stats()
-            self._tracker = None
+        self.meter.start(pl_module.parameters())
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self._close()
+        self.meter.stop()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: Any, exception: BaseException) -> None:
-        self._close()
+        self.meter.stop()
 
     def metrics(self) -> Dict[str, Any]:
-        s = self._stats
-        if s is None:
-            return {"activation_bytes_device": None, "activation_bytes_host": None, "peak_bytes": None}
-        counted = s.device == "cuda" or self.count_peak
-        return {"activation_bytes_device": int(s.activation_bytes_device),
-                "activation_bytes_host": int(s.activation_bytes_host),
-                "peak_bytes": int(s.peak_bytes) if counted else None}
+        return self.meter.metrics()
 
     def summary(self) -> str:
-        m = self.metrics()
-        if m["activation_bytes_device"] is None:
-            return "activations: not tracked"
-
-        def mib(b: Optional[int]) -> str:
-            return "-" if b is None else f"{b / 2**20:.1f} MiB"
-
-        dev = "cuda" if torch.cuda.is_available() else "cpu"
-        return (f"activations {dev} {mib(m['activation_bytes_device'])} host {mib(m['activation_bytes_host'])} "
-                f"peak {mib(m['peak_bytes'])}")
+        return self.meter.summary()

@@ -16,28 +16,10 @@ from typing import Any, Dict, Optional
 
 import lightning.pytorch as pl
 
-from nemo_longctx.integrations.megatron.spec import resolve_layer_spec
-from nemo_longctx.options import DEFAULT_MLP_TILE_TOKENS, TilingOptions
+from nemo_longctx.integrations.megatron.tiled_mlp_layer import TiledMLPLayerSpec, untiled_mlp_problem, with_tiled_mlp
+from nemo_longctx.options import TilingOptions
 
-
-class TiledMLPLayerSpec:
-    """Callable layer spec ``spec(config, vp_stage=None)``: the base spec with every dense MLP tiled."""
-
-    def __init__(self, base: Any, mlp_tiles: Any = "auto", tile_tokens: int = DEFAULT_MLP_TILE_TOKENS) -> None:
-        self.base = base
-        self.mlp_tiles = mlp_tiles
-        self.tile_tokens = int(tile_tokens)
-
-    def base_spec(self, config: Any, vp_stage: Optional[int] = None) -> Any:
-        return resolve_layer_spec(self.base, config, vp_stage)
-
-    def __call__(self, config: Any, vp_stage: Optional[int] = None) -> Any:
-        from nemo_longctx.integrations.megatron.tiled_mlp_layer import tiled_mlp_layer_spec
-
-        return tiled_mlp_layer_spec(self.base_spec(config, vp_stage), self.mlp_tiles, self.tile_tokens)
-
-    def __repr__(self) -> str:
-        return f"TiledMLPLayerSpec(base={self.base!r}, mlp_tiles={self.mlp_tiles!r})"
+__all__ = ["TiledMLPLayerSpec", "LossMaskForwardStep", "enable_tiling", "SequenceTiling"]
 
 
 class LossMaskForwardStep:
@@ -59,11 +41,9 @@ class LossMaskForwardStep:
 
 def enable_tiling(config: Any, tiling: TilingOptions) -> Any:
     """Extend a NeMo GPT config in place (before the model is built); idempotent. Returns ``config``."""
-    mlp_tiles, loss_chunks, mlp_tile_tokens = tiling.mlp_tiles, tiling.loss_chunks, tiling.mlp_tile_tokens
-    spec = config.transformer_layer_spec
-    if isinstance(spec, TiledMLPLayerSpec):
-        spec = spec.base
-    config.transformer_layer_spec = spec if mlp_tiles == "off" else TiledMLPLayerSpec(spec, mlp_tiles, mlp_tile_tokens)
+    loss_chunks = tiling.loss_chunks
+    config.transformer_layer_spec = with_tiled_mlp(config.transformer_layer_spec, tiling.mlp_tiles,
+                                                   tiling.mlp_tile_tokens)
     step = getattr(config, "forward_step_fn", None)
     if isinstance(step, LossMaskForwardStep):
         step = step.base
@@ -83,18 +63,10 @@ class SequenceTiling(pl.Callback):
         enable_tiling(pl_module.config, self.options)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
-        from nemo_longctx.integrations.megatron.tiled_mlp_layer import TiledMegatronMLP
-
         o = self.options
-        if o.mlp_tiles != "off":
-            from megatron.core.transformer.mlp import MLP
-
-            mlps = [m for m in pl_module.modules() if isinstance(m, MLP)]
-            if not mlps or not all(isinstance(m, TiledMegatronMLP) for m in mlps):
-                raise RuntimeError(
-                    f"tiling.mlp_tiles={o.mlp_tiles!r}: the model's MLPs were not built tiled "
-                    f"({sorted({type(m).__name__ for m in mlps})}); was the layer spec replaced after setup()?"
-                )
+        problem = untiled_mlp_problem(pl_module, o.mlp_tiles)
+        if problem:
+            raise RuntimeError(problem)
         if o.loss_chunks != "off":
             from nemo_longctx.integrations.megatron.gpt_chunked_loss import use_chunked_loss
 
