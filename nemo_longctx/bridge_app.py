@@ -22,7 +22,8 @@ import sys
 import time
 from typing import Any, List, Optional, Tuple
 
-OUR_KEYS = ("cp", "optim", "recompute", "offload", "tiling", "recipe", "output_dir", "launcher", "run")
+OUR_KEYS = ("cp", "optim", "recompute", "offload", "tiling", "memory", "recipe", "init_from", "output_dir", "launcher",
+            "run")
 # the optim group's schedule keys: on this front end Bridge's own optimizer/scheduler keys rule
 BRIDGE_OWNS = {"optim.lr": "optimizer.lr", "optim.min_lr": "optimizer.min_lr",
                "optim.warmup_steps": "scheduler.lr_warmup_iters", "optim.weight_decay": "optimizer.weight_decay",
@@ -54,22 +55,82 @@ def options_of(cfg: Any) -> Any:
     from nemo_longctx.options import LongContextOptions
 
     return LongContextOptions.from_dict({g: OmegaConf.to_container(cfg[g], resolve=True)
-                                         for g in ("cp", "optim", "recompute", "offload", "tiling")
+                                         for g in ("cp", "optim", "recompute", "offload", "tiling", "memory")
                                          if cfg.get(g) is not None})
 
 
-def app_problems(ours: List[str], options: Any) -> List[str]:
-    """What this front end does not take (yet), each named: no silent fallback."""
+def _app_options() -> Tuple[Any, ...]:
+    """This app's own keys (``conf/bridge.yaml`` outside the option model's groups), typed and checked by the option
+    model's one checker, like the NeMo app's ``APP_OPTIONS``."""
+    from nemo_longctx.options import Option
+
+    return (
+        Option("recipe", "str", None, "a Bridge recipe function (megatron.bridge.recipes.<name>); null: the CPU demo",
+               nullable=True),
+        Option("init_from", "str", None, "a local Hugging Face model directory to start from (AutoBridge)",
+               nullable=True),
+        Option("output_dir", "str", "outputs/bridge", "run directory (metrics, rank logs, TensorBoard)"),
+        Option("launcher.devices", "int", None, "local ranks when not under torchrun/srun (null: tp x pp x cp)",
+               low=1, nullable=True),
+        Option("launcher.shutdown_timeout_s", "number", 30, "local launch: seconds between SIGTERM and SIGKILL",
+               above=0),
+        Option("run.timeout_s", "number", None, "local launch only: stop all ranks after this many seconds (exit 124)",
+               above=0, nullable=True),
+        Option("run.fault", "str", None, "failure drills for tests: KIND@STEP:RANK", nullable=True),
+    )
+
+
+def app_problems(ours: List[str], options: Any, cfg: Any = None) -> List[str]:
+    """The app's own keys (typed, misspelt ones refused) and what this front end does not take, each named."""
+    from omegaconf import OmegaConf
+
+    from nemo_longctx.integrations.nemo.config_keys import parse_fault
+    from nemo_longctx.options import ConfigError, unknown_keys
+
     p = [f"{a.split('=')[0]}: on the Bridge front end the learning-rate schedule is Bridge's ({BRIDGE_OWNS[k]}=...)"
          for a in ours for k in [a.lstrip("+~").split("=", 1)[0]] if k in BRIDGE_OWNS]
-    m, t = options.memory, options.tiling
-    if m.offload != "none" or m.recompute == "full_keep_attn" or "layernorm" in (m.recompute_modules or ()) and \
-            m.recompute == "selective":
-        p.append(f"{m.describe()}: activation offload, full_keep_attn and the layernorm recompute are not wired into "
-                 "the Bridge front end yet (recompute=none|selective[core_attn,mlp]|full are)")
-    if t.active:
-        p.append("tiling.*: the tiled MLP and the chunked loss are not wired into the Bridge front end yet")
+    if cfg is None:
+        return p
+    declared = _app_options()
+    present = {o.key: v for o in declared for v in [OmegaConf.select(cfg, o.key, default=KeyError)]
+               if v is not KeyError}
+    p += [m for o in declared if o.key in present for m in [o.problem(present[o.key])] if m]
+    for group in ("launcher", "run"):  # a misspelt key (`+run.timout_s=5`) is refused, not ignored
+        node = OmegaConf.select(cfg, group, default=None) or {}
+        p += unknown_keys(group, {k: 0 for k in node}, [o.name for o in declared if o.key.startswith(group + ".")])
+    fault = present.get("run.fault")
+    if isinstance(fault, str) and fault and not any("run.fault" in m for m in p):
+        try:
+            parse_fault(fault)
+        except ConfigError as e:
+            p += e.problems
     return p
+
+
+class FaultDrill:
+    """``run.fault=KIND@STEP:RANK`` as a Bridge callback: at the start of training step STEP (1-based) global rank
+    RANK runs the launcher's drill (``integrations.nemo.launch.inject_fault``), as the NeMo app does."""
+
+    def __init__(self, spec: str) -> None:
+        from nemo_longctx.integrations.nemo.config_keys import parse_fault
+
+        self.kind, self.step, self.rank = parse_fault(spec)
+
+    def callback(self) -> Any:
+        from megatron.bridge.training.callbacks import Callback
+
+        outer = self
+
+        class _Drill(Callback):
+            def on_train_step_start(self, context: Any) -> None:
+                import torch.distributed as dist
+
+                from nemo_longctx.integrations.nemo.launch import inject_fault
+
+                if int(context.state.train_state.step) + 1 == outer.step and dist.get_rank() == outer.rank:
+                    inject_fault(outer.kind, outer.step, outer.rank)
+
+        return _Drill()
 
 
 def demo_config() -> Any:
@@ -112,17 +173,24 @@ def build(cfg: Any, bridge_overrides: List[str], options: Any, output_dir: str) 
     from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
 
     from nemo_longctx.integrations.bridge import cpu_compat
+    from nemo_longctx.integrations.bridge import hf as bridge_hf
     from nemo_longctx.integrations.bridge.config import enable_long_context
+    from nemo_longctx.options import raise_problems
 
     container = demo_config() if cfg.recipe is None else recipe_config(str(cfg.recipe))
+    if cfg.get("init_from") is not None:  # the HF model (no recipe) and Bridge's HF weight loading
+        container = bridge_hf.init_from_hf(container, cfg.init_from, own_model=cfg.recipe is None)
     if not torch.cuda.is_available():
         cpu_compat.cpu_settings(container)  # fp32, local block spec, gloo, fusions off (config, not patches)
     container.logger.tensorboard_dir = os.path.join(output_dir, "tensorboard")
-    container.checkpoint.save = container.checkpoint.save if cfg.recipe is not None else None
+    if cfg.recipe is None:  # the demo saves and resumes only when asked (checkpoint.save=/checkpoint.load= win below)
+        container.checkpoint.save = container.checkpoint.load = None
     if bridge_overrides:
         container = process_config_with_overrides(container, cli_overrides=bridge_overrides)
     if getattr(container.dataset, "seq_length", None) != container.model.seq_length:
         container.dataset.seq_length = container.model.seq_length
+    if cfg.get("init_from") is not None:
+        raise_problems(bridge_hf.model_problems(container, cfg.init_from, options))
     return enable_long_context(container, options)
 
 
@@ -134,10 +202,13 @@ def world_of(container: Any) -> int:
 class StepMetrics:
     """A Bridge callback: at train start, every attention layer of the built model must run our core attention with
     the configured CP size and algorithm (else RuntimeError naming the layer; rank 0 prints the check); then rank 0
-    appends {step, loss, tokens_per_s, step_time_s, cp_size, world_size} per step."""
+    appends {step, loss, tokens_per_s, step_time_s, elapsed_s, cp_size, world_size, activation_bytes_device,
+    activation_bytes_host, peak_bytes} per step and prints the NeMo app's step line. ``memory``: the run's
+    ``integrations.bridge.memory.LongContextMemory`` (its callback runs before this one)."""
 
-    def __init__(self, path: str, tokens_per_step: int, options: Any) -> None:
+    def __init__(self, path: str, tokens_per_step: int, options: Any, memory: Any = None) -> None:
         self.path, self.tokens_per_step, self.options, self.t0 = path, tokens_per_step, options, None
+        self.memory, self.start = memory, time.perf_counter()
 
     def callback(self) -> Any:
         from megatron.bridge.training.callbacks import Callback
@@ -168,14 +239,23 @@ class StepMetrics:
 
                 if dist.get_rank() != 0:
                     return
-                dt = time.perf_counter() - outer.t0
+                now = time.perf_counter()
+                dt = now - outer.t0
                 loss = (context.loss_dict or {}).get("lm loss")
                 rec = {"step": int(context.state.train_state.step) + 1,  # the step just finished (1-based)
                        "loss": float(loss) if loss is not None else None,
-                       "tokens_per_s": outer.tokens_per_step / dt, "step_time_s": dt,
+                       "tokens_per_s": outer.tokens_per_step / dt, "step_time_s": dt, "elapsed_s": now - outer.start,
                        "cp_size": context.state.cfg.model.context_parallel_size, "world_size": dist.get_world_size()}
+                if outer.memory is not None:
+                    rec.update(outer.memory.metrics())
                 with open(outer.path, "a") as f:
                     f.write(json.dumps(rec) + "\n")
+                every, last = int(outer.options.metrics.print_every), int(context.state.cfg.train.train_iters)
+                if rec["step"] % every == 0 or rec["step"] == last:
+                    lv = "-" if rec["loss"] is None else f"{rec['loss']:.5f}"
+                    print(f"step {rec['step']}/{last} | loss {lv} | tokens/s {rec['tokens_per_s']:.0f} | "
+                          f"step {dt:.2f} s | elapsed {rec['elapsed_s']:.1f} s"
+                          + (f" | {outer.memory.meter.summary()}" if outer.memory is not None else ""), flush=True)
 
         return _Metrics()
 
@@ -193,16 +273,51 @@ def run_rank(cfg: Any, bridge_overrides: List[str], options: Any) -> int:
     from megatron.bridge.training.gpt_step import forward_step
     from megatron.bridge.training.pretrain import pretrain
 
+    from nemo_longctx.integrations.bridge.checkpoint import quiet_planned_exit
+    from nemo_longctx.integrations.bridge.config import long_context_callbacks
+    from nemo_longctx.integrations.bridge.memory import memory_of
+
     output_dir = os.path.abspath(str(cfg.output_dir))
     container = build(cfg, bridge_overrides, options, output_dir)
     metrics = StepMetrics(os.path.join(output_dir, "metrics.jsonl"),
-                          container.train.global_batch_size * container.model.seq_length, options)
-    pretrain(container, forward_step, callbacks=[metrics.callback()])
+                          container.train.global_batch_size * container.model.seq_length, options,
+                          memory_of(container))
+    quiet_planned_exit()  # train.exit_interval's sys.exit(0) is not a failure
+    # ours first: the memory callback closes the step's tracker before the metrics line reads it
+    drills = [FaultDrill(str(cfg.run.fault)).callback()] if cfg.run.get("fault") else []
+    pretrain(container, forward_step, callbacks=long_context_callbacks(container) + [metrics.callback()] + drills)
     return 0
+
+
+def external_rank(cfg: Any, bridge_overrides: List[str], options: Any, launch: Any) -> int:
+    """A rank torchrun or srun started. ``detect_external_launch`` (the NeMo app's helper) has set RANK, WORLD_SIZE,
+    LOCAL_RANK, MASTER_ADDR and MASTER_PORT from the SLURM_* variables: what Bridge's torch.distributed ``env://``
+    set-up reads. No launching process checked the container, so every rank does (the same problems and messages,
+    for the real world size, before any process group exists), then trains."""
+    from nemo_longctx.integrations.bridge import cpu_compat
+    from nemo_longctx.integrations.bridge.checkpoint import checkpoint_problems
+    from nemo_longctx.integrations.bridge.config import model_problems_of
+    from nemo_longctx.options import ConfigError, raise_problems
+
+    cpu_compat.apply()
+    output_dir = os.path.abspath(str(cfg.output_dir))
+    try:
+        container = build(cfg, bridge_overrides, options, output_dir)
+        raise_problems(model_problems_of(container, options, launch.world_size)
+                       + checkpoint_problems(container, bridge_overrides))
+    except ConfigError as e:
+        print(f"nemo-longctx bridge: rank {launch.rank}: {e}", file=sys.stderr)
+        return 2
+    os.makedirs(output_dir, exist_ok=True)
+    print(f"nemo-longctx bridge: rank {launch.rank} of {launch.world_size} (local rank {launch.local_rank} of "
+          f"{launch.local_world_size}) from {launch.kind}, rendezvous {os.environ.get('MASTER_ADDR')}:"
+          f"{os.environ.get('MASTER_PORT')}", flush=True)
+    return run_rank(cfg, bridge_overrides, options)
 
 
 def main(argv: Optional[List[str]] = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
+    from nemo_longctx.integrations.bridge.hf import init_from_problems
     from nemo_longctx.integrations.nemo.launch import detect_external_launch, launch_local
     from nemo_longctx.options import ConfigError, raise_problems
 
@@ -210,28 +325,33 @@ def main(argv: Optional[List[str]] = None) -> None:
     try:
         cfg = compose(ours)
         options = options_of(cfg)
-        raise_problems(options.problems() + app_problems(ours, options))
+        raise_problems(options.problems() + app_problems(ours, options, cfg) + init_from_problems(cfg.get("init_from")))
     except ConfigError as e:
         print(f"nemo-longctx bridge: {e}", file=sys.stderr)
         sys.exit(2)
-    if detect_external_launch() is not None or os.environ.get("NEMO_LONGCTX_BRIDGE_RANK"):
+    if os.environ.get("NEMO_LONGCTX_BRIDGE_RANK"):  # a rank of our local launcher (it checked the container)
         sys.exit(run_rank(cfg, bridge, options))
+    launch = detect_external_launch()  # torchrun's or srun's ranks: SLURM_* -> RANK/WORLD_SIZE/MASTER_ADDR/...
+    if launch is not None:
+        sys.exit(external_rank(cfg, bridge, options, launch))
     # the launching process: the container once (every problem before any rank starts), then the ranks
     from nemo_longctx.integrations.bridge import cpu_compat
+    from nemo_longctx.integrations.bridge.checkpoint import checkpoint_problems
     from nemo_longctx.integrations.bridge.config import model_problems_of
+    from nemo_longctx.integrations.bridge.memory import memory_of
 
     cpu_compat.apply()
     output_dir = os.path.abspath(str(cfg.output_dir))
     try:
         container = build(cfg, bridge, options, output_dir)
         world = int(cfg.launcher.devices or world_of(container))
-        raise_problems(model_problems_of(container, options, world))
+        raise_problems(model_problems_of(container, options, world) + checkpoint_problems(container, bridge))
     except ConfigError as e:
         print(f"nemo-longctx bridge: {e}", file=sys.stderr)
         sys.exit(2)
     os.makedirs(output_dir, exist_ok=True)
     print(f"nemo-longctx bridge: {'recipe ' + str(cfg.recipe) if cfg.recipe else 'CPU demo'}, "
-          f"cp={options.cp.describe()}, {options.memory.describe()}, world {world}", flush=True)
+          f"cp={options.cp.describe()}, {memory_of(container).describe(container)}, world {world}", flush=True)
     t0 = time.perf_counter()
     code = launch_local(world, args, max(1, (os.cpu_count() or 1) // world), wall_timeout_s=cfg.run.timeout_s,
                         shutdown_timeout_s=int(cfg.launcher.shutdown_timeout_s),

@@ -19,10 +19,14 @@ commands:
           e.g. nemo-longctx import source=/models/Llama-3.1-8B output=/ckpt/llama31-8b
   export  NeMo checkpoint (trained from an import) -> Hugging Face model dir
           e.g. nemo-longctx export checkpoint=outputs/train output=/models/llama31-8b-128k
+  bridge-export  Megatron-Bridge checkpoint (nemo-longctx bridge init_from=<HF dir> checkpoint.save=<dir>) -> Hugging
+          Face model dir, through Bridge's AutoBridge (Python 3.12 stack)
+          e.g. nemo-longctx bridge-export checkpoint=/ckpt/run1 output=/models/llama-128k
 """
 
 COMMANDS = {"train": "nemo_longctx.train", "bridge": "nemo_longctx.bridge_app", "plan": "nemo_longctx.plan",
-            "import": "nemo_longctx.convert:import_main", "export": "nemo_longctx.convert:export_main"}
+            "import": "nemo_longctx.convert:import_main", "export": "nemo_longctx.convert:export_main",
+            "bridge-export": "nemo_longctx.bridge_convert:export_main"}
 
 
 def main(argv=None) -> None:

@@ -1,8 +1,13 @@
-"""Lint the Dockerfile (docker cannot build on these machines): pinned NGC NeMo base overridable by build arg,
-plugin installed with --no-deps, no TransformerEngine install, import checked at build time, context kept small."""
+"""Lint the Dockerfile (docker cannot build on these machines): pinned NGC NeMo bases overridable by build args, the
+front end (NeMo 2 by default, or Megatron-Bridge) chosen by FRONTEND, plugin installed with --no-deps, no
+TransformerEngine install, the front end's imports checked at build time (the RUN step's shell run here with stubs for
+python, pip and nemo-longctx), context kept small."""
 
 import re
+import subprocess
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -19,15 +24,34 @@ def _instructions():
     return out
 
 
-def test_from_is_a_pinned_ngc_nemo_image_overridable_by_arg():
+def _global_args(ins):
+    """The ARGs before the first FROM (the ones a FROM line can use): name -> default."""
+    out = {}
+    for op, rest in ins:
+        if op == "FROM":
+            return out
+        assert op == "ARG", (op, rest)
+        name, _, default = rest.partition("=")
+        out[name] = default
+    raise AssertionError("no FROM")
+
+
+def _tag(image):
+    m = re.fullmatch(r"nvcr\.io/nvidia/nemo:(\d\d)\.(\d\d)(\.\d+)?", image)  # a pinned yy.mm tag
+    assert m, image
+    return int(m[1]), int(m[2])
+
+
+def test_the_base_is_a_pinned_ngc_nemo_image_chosen_by_build_args():
     ins = _instructions()
-    ops = [op for op, _ in ins]
-    assert ops[0] == "ARG" and "FROM" in ops
-    arg_name, _, default = ins[0][1].partition("=")
-    assert re.fullmatch(r"nvcr\.io/nvidia/nemo:\d\d\.\d\d(\.\d+)?", default), default  # pinned yy.mm tag
-    assert not default.endswith((":latest", ":dev"))
-    frm = dict(ins)["FROM"]
-    assert frm == "${" + arg_name + "}"
+    args = _global_args(ins)
+    assert args["FRONTEND"] == "nemo"  # NeMo 2 stays the default path
+    assert _tag(args["NEMO_IMAGE"]) <= (26, 4), "26.04 is the last container with NeMo 2"
+    assert _tag(args["BRIDGE_IMAGE"]) >= (26, 6), "Megatron-Bridge is the LLM entry from 26.06 on"
+    froms = [rest for op, rest in ins if op == "FROM"]
+    assert froms == ["${NEMO_IMAGE} AS base-nemo", "${BRIDGE_IMAGE} AS base-bridge", "base-${FRONTEND}"], froms
+    last = max(i for i, (op, _) in enumerate(ins) if op == "FROM")
+    assert ("ARG", "FRONTEND") in ins[last + 1:], "the final stage must declare FRONTEND again to read it"
 
 
 def test_plugin_installed_without_deps_and_import_checked():
@@ -36,6 +60,7 @@ def test_plugin_installed_without_deps_and_import_checked():
     assert pip and all("--no-deps" in r for r in pip)
     joined = " ".join(runs)
     assert "import nemo_longctx" in joined and "from nemo.collections import llm" in joined
+    assert "from megatron.bridge.training.pretrain import pretrain" in joined and "bridge_app" in joined
     assert not re.search(r"transformer[-_]engine", joined, re.I)  # never (re)install TE over the container's
     assert not re.search(r"pip install[^&]*\btorch\b", joined)
     copies = [rest for op, rest in _instructions() if op == "COPY"]
@@ -48,3 +73,32 @@ def test_dockerignore_keeps_the_context_small():
         assert entry in ignored
     for needed in ("nemo_longctx", "conf", "pyproject.toml"):
         assert needed not in ignored
+
+
+@pytest.mark.parametrize("frontend", ["nemo", "bridge", "neither"])
+def test_the_run_step_checks_the_chosen_front_end(tmp_path, frontend):
+    """The RUN step's shell (what docker runs with FRONTEND in its environment), with python and nemo-longctx
+    replaced by stubs that record their arguments: each front end checks its own stack; another value fails."""
+    runs = [rest for op, rest in _instructions() if op == "RUN"]
+    assert len(runs) == 1
+    log = tmp_path / "calls.log"
+    for name in ("python", "nemo-longctx"):
+        stub = tmp_path / name
+        stub.write_text('#!/bin/sh\necho "$(basename "$0") $*" >>"$LOG"\n')
+        stub.chmod(0o755)
+    r = subprocess.run(["sh", "-c", runs[0]], capture_output=True, text=True, timeout=30,
+                       env={"PATH": f"{tmp_path}:/usr/bin:/bin", "FRONTEND": frontend, "LOG": str(log)})
+    calls = log.read_text().splitlines()
+    assert calls[0] == "python -m pip install --no-cache-dir --no-deps ."
+    assert calls[1].startswith("python -c import nemo_longctx,")
+    if frontend == "neither":
+        assert r.returncode == 2 and "FRONTEND=neither must be nemo or bridge" in r.stderr
+        return
+    assert r.returncode == 0, r.stderr
+    check, plan = calls[2:]
+    if frontend == "bridge":
+        assert "megatron.bridge.training.pretrain" in check and "nemo.collections" not in check
+        assert plan.startswith("nemo-longctx plan ") and "plan.frontend=bridge" in plan
+    else:
+        assert "from nemo.collections import llm" in check and "megatron.bridge" not in check
+        assert plan.startswith("nemo-longctx plan ") and "frontend" not in plan

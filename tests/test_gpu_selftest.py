@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -62,3 +63,45 @@ def test_selftest_fails_on_a_wrong_kernel(tmp_path):
 def test_selftest_rejects_unknown_sections(tmp_path):
     proc, _ = _run(["--sections", "kernels,nope"], tmp_path)
     assert proc.returncode == 2 and "unknown sections" in proc.stderr
+
+
+_FAKE_BRIDGE_PY = """#!/bin/sh
+# stands in for .venv-bridge/bin/python: no CUDA; the app writes LOSSES_<cp> (cp=none|ring) to its metrics.jsonl
+case "$1" in
+  -c) echo 0 ;;
+  -m)
+    for a in "$@"; do case "$a" in output_dir=*) out=${a#output_dir=} ;; cp=*) cp=${a#cp=} ;; esac; done
+    mkdir -p "$out"
+    eval "losses=\\$LOSSES_$cp"
+    for l in $losses; do echo "{\\"loss\\": $l}" >>"$out/metrics.jsonl"; done
+    echo "nemo-longctx bridge: core attention: 2 layers run LongContextCoreAttention" ;;
+  *) exec "$REAL_PYTHON" "$@" ;;
+esac
+"""
+
+
+def _gpu_check_bridge(tmp_path, ring_losses):
+    tmp_path.mkdir(parents=True)
+    fake = tmp_path / "bridge_python"
+    fake.write_text(_FAKE_BRIDGE_PY)
+    fake.chmod(0o755)
+    env = dict(os.environ, PYTHON=sys.executable, REAL_PYTHON=sys.executable, BRIDGE_PYTHON=str(fake),
+               GPU_CHECK_PYTEST="0", GPU_CHECK_OUT=str(tmp_path / "out"), LOSSES_none="6.95 6.94 6.89",
+               LOSSES_ring=ring_losses)
+    return subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--sections", "env"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_gpu_check_covers_the_bridge_stack_and_fails_on_a_mismatch(tmp_path):
+    """scripts/gpu_check.sh with a Bridge venv (a stub here): the Bridge demo at ring CP=2 and on one rank, compared;
+    a wrong CP loss makes the one command exit non-zero. The script parses (bash -n) and passes shellcheck."""
+    script = ROOT / "scripts" / "gpu_check.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    if shutil.which("shellcheck"):
+        sc = subprocess.run(["shellcheck", str(script)], capture_output=True, text=True)
+        assert sc.returncode == 0, sc.stdout
+    ok = _gpu_check_bridge(tmp_path / "ok", "6.95 6.94 6.89")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "Megatron-Bridge smoke" in ok.stdout and "ring CP=2 matches one rank" in ok.stdout, ok.stdout
+    bad = _gpu_check_bridge(tmp_path / "bad", "6.95 7.5 6.89")
+    assert bad.returncode != 0 and "differ beyond 1e-06" in bad.stdout + bad.stderr, bad.stdout + bad.stderr

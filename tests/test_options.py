@@ -237,7 +237,7 @@ def test_plan_frontend_bridge_prints_what_the_bridge_app_accepts(model, gpus, se
     assert any(a.startswith("model.seq_length=") for a in theirs) and all(not a.startswith("cp") for a in theirs)
     bcfg = bridge_app.compose(ours)
     options = bridge_app.options_of(bcfg)
-    assert options.problems() == [] and bridge_app.app_problems(ours, options) == []
+    assert options.problems() == [] and bridge_app.app_problems(ours, options, bcfg) == []
     want = candidate_options(p.chosen.candidate)
-    assert (options.cp.size, options.cp.algorithm, options.memory, options.optim.state) == (
-        want.cp.size, want.cp.algorithm, want.memory, want.optim.state)
+    assert (options.cp.size, options.cp.algorithm, options.memory, options.optim.state, options.tiling) == (
+        want.cp.size, want.cp.algorithm, want.memory, want.optim.state, want.tiling)

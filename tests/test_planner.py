@@ -2,6 +2,7 @@
 
 import json
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -183,6 +184,53 @@ def test_target_command_prints_a_fitting_plan_with_overrides(tmp_path):
     if shutil.which("shellcheck"):
         sc = subprocess.run(["shellcheck", str(sb)], capture_output=True, text=True)
         assert sc.returncode == 0, sc.stdout
+
+
+def test_bridge_frontend_writes_an_sbatch_that_runs_the_bridge_entry_with_the_chosen_row(tmp_path):
+    """plan.frontend=bridge plan.write_sbatch=...: the job (run by bash, srun recorded) installs the plugin with
+    --no-deps in a Bridge-era image and starts `nemo-longctx bridge` with exactly the printed arguments, which compose
+    back into the chosen candidate's options (the Bridge app refusing none)."""
+    from fake_srun import run_with_fake_srun
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    from nemo_longctx import bridge_app
+    from nemo_longctx.memory.planner import candidate_options
+    from nemo_longctx.plan import inputs_from_config
+
+    sb = tmp_path / "bridge.sbatch"
+    planned = ["model=llama3_8b", "plan.seq_length=131072", "plan.gpus=16", "plan.gpu_memory_gb=80"]
+    r = _plan_cli(*planned, "plan.frontend=bridge", f"plan.write_sbatch={sb}")
+    printed = shlex.split(next(l for l in r.stdout.splitlines() if l.startswith("nemo-longctx bridge ")))[2:]
+    assert subprocess.run(["bash", "-n", str(sb)]).returncode == 0
+    if shutil.which("shellcheck"):
+        sc = subprocess.run(["shellcheck", str(sb)], capture_output=True, text=True)
+        assert sc.returncode == 0, sc.stdout
+    text = sb.read_text()
+    code = [line for line in text.splitlines() if not line.startswith("#")]
+    assert "#SBATCH --nodes=2" in text and "#SBATCH --ntasks-per-node=8" in text
+    assert not [line for line in code if "torchrun" in line]
+    out = tmp_path / "out"
+    env = {"NEMO_LONGCTX_SRC": str(ROOT), "OUTPUT_DIR": str(out), "EXTRA_OVERRIDES": "train.train_iters=5"}
+    res, calls = run_with_fake_srun(sb, tmp_path, env)
+    assert res.returncode == 0 and len(calls) == 3, (res.stdout + res.stderr, calls)
+    install, _, job = calls
+    assert "pip" in install and "--no-deps" in install and str(ROOT) in install
+    assert "--container-image=nvcr.io#nvidia/nemo:26.08" in job and "--kill-on-bad-exit=1" in job
+    site_bin = f"{out}/.nemo_longctx_site/bin/nemo-longctx"
+    args = job[job.index(site_bin) + 1:]
+    assert args[0] == "bridge" and args[1:] == printed + [f"output_dir={out}", "train.train_iters=5"], args
+
+    GlobalHydra.instance().clear()
+    with initialize_config_module(config_module="nemo_longctx.conf", version_base=None):
+        cfg = compose("plan", overrides=planned + ["plan.frontend=bridge"])
+    shape, seq, hw, precision, coef, cost, search = inputs_from_config(cfg)
+    want = candidate_options(plan(shape, seq, hw, precision, coef, cost, **search).chosen.candidate)
+    ours, theirs = bridge_app.split_args(printed)
+    options = bridge_app.options_of(bridge_app.compose(ours))
+    assert options.problems() == [] and bridge_app.app_problems(ours, options) == []
+    assert (options.cp, options.memory, options.optim.state) == (want.cp, want.memory, want.optim.state)
+    assert "recipe=llama3_8b_pretrain_config" in ours and "model.seq_length=131072" in theirs
 
 
 def test_json_output_parses_and_agrees_with_the_library():

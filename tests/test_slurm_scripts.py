@@ -1,5 +1,7 @@
 """Static checks of the Slurm scripts: bash -n, shellcheck (when installed), srun-not-torchrun, and that the
-Llama-3-8B 1M-token script runs exactly what the planner chooses for 8 x 80 GB and composes with the train app."""
+Llama-3-8B 1M-token script runs exactly what the planner chooses for 8 x 80 GB and composes with the train app; the
+Megatron-Bridge script (run by bash with a recording stub for srun) starts `nemo-longctx bridge` in a Bridge-era
+container with the planner's plan.frontend=bridge choice, every argument accepted by the Bridge app."""
 
 import re
 import shlex
@@ -15,7 +17,7 @@ SCRIPTS = sorted((ROOT / "examples" / "slurm").glob("*.sbatch")) + [ROOT / "scri
 
 def test_scripts_exist():
     names = {p.name for p in SCRIPTS}
-    assert {"cpu_demo.sbatch", "llama3_8b_1m.sbatch", "slurm_local.sh"} <= names
+    assert {"cpu_demo.sbatch", "llama3_8b_1m.sbatch", "bridge_llama3_8b_128k.sbatch", "slurm_local.sh"} <= names
 
 
 @pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)
@@ -89,3 +91,75 @@ def test_llama_overrides_compose_with_the_train_config():
         cfg = compose(config_name="train", overrides=overrides)
     assert cfg.cp.size == 4 and cfg.model.seq_length == 1048576
     assert cfg.trainer.strategy.tensor_model_parallel_size == 2
+
+
+# ------------------------------------------------------------------------------------- the Megatron-Bridge script
+BRIDGE = ROOT / "examples/slurm/bridge_llama3_8b_128k.sbatch"
+
+
+def _bridge_job(tmp_path, **env):
+    """The script run by bash with srun recorded: (its single srun call's argv, the `nemo-longctx bridge` args)."""
+    from fake_srun import run_with_fake_srun
+
+    env = {"REPO": str(tmp_path / "repo"), "OUTPUT_DIR": str(tmp_path / "out"), **env}
+    r, calls = run_with_fake_srun(BRIDGE, tmp_path, env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert len(calls) == 1, calls
+    argv = calls[0]
+    return argv, argv[argv.index("nemo-longctx") + 1:]
+
+
+def test_bridge_script_is_one_srun_task_per_gpu_in_a_bridge_container(tmp_path):
+    text = BRIDGE.read_text()
+    opts = _sbatch_options(text)
+    assert opts["ntasks-per-node"] == "8" and opts["gpus-per-node"] == "8"
+    assert "torchrun" not in _code(text)
+    image = re.search(r"IMAGE=\$\{IMAGE:-nvcr\.io#nvidia/nemo:(\d\d)\.(\d\d)\}", text)
+    assert image and (int(image[1]), int(image[2])) >= (26, 6), "Megatron-Bridge is the LLM entry from 26.06 on"
+    argv, args = _bridge_job(tmp_path, DATA_PREFIX="/data/llama/text_document", HF_HOME="/shared/hf")
+    assert argv[0] == "--kill-on-bad-exit=1" and f"--container-image=nvcr.io#nvidia/nemo:{image[1]}.{image[2]}" in argv
+    mounts = next(a for a in argv if a.startswith("--container-mounts=")).split("=", 1)[1].split(",")
+    want = {f"{tmp_path}/repo:/workspace/nemo-longctx", "/data/llama:/data/llama", "/shared/hf:/shared/hf"}
+    assert want <= set(mounts), mounts
+    run = argv[argv.index("-c") + 1]
+    assert "exec python -m nemo_longctx bridge \"$@\"" in run and "PYTHONPATH=/workspace/nemo-longctx" in run
+    assert "dataset.data_path=/data/llama/text_document" in args and f"output_dir={tmp_path}/out" in args
+    assert f"checkpoint.load={tmp_path}/out/checkpoints" in args
+
+
+def test_bridge_script_runs_the_planners_bridge_choice(tmp_path):
+    """The layout and options are the planner's plan.frontend=bridge distributed-optimizer row for Llama-3-8B at 128K
+    on 8 x 80 GB (its first choice, Megatron-FSDP, cannot save checkpoints; launcher.devices aside: under srun the
+    tasks are the ranks)."""
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    from nemo_longctx.memory.planner import plan
+    from nemo_longctx.plan import frontend_overrides, inputs_from_config
+
+    GlobalHydra.instance().clear()
+    with initialize_config_module(config_module="nemo_longctx.conf", version_base=None):
+        cfg = compose("plan", overrides=["model=llama3_8b", "plan.seq_length=131072", "plan.gpus=8",
+                                         "plan.gpu_memory_gb=80", "plan.frontend=bridge",
+                                         "plan.search.sharding=[ddp,distributed]"])
+    shape, seq, hw, precision, coef, cost, search = inputs_from_config(cfg)
+    p = plan(shape, seq, hw, precision, coef, cost, **search)
+    command, planned = frontend_overrides(cfg, p, p.chosen, "llama3_8b")
+    assert command == "nemo-longctx bridge"
+    _, args = _bridge_job(tmp_path)
+    missing = {a for a in planned if not a.startswith("launcher.devices=")} - set(args)
+    assert not missing, sorted(missing)
+
+
+def test_bridge_script_arguments_are_accepted_by_the_bridge_app(tmp_path):
+    """Our part composes with conf/bridge.yaml with no problem; the rest are Bridge's keys (its own parser: the
+    Bridge venv's tests_bridge/test_bridge_slurm.py applies them to the real recipe)."""
+    from nemo_longctx import bridge_app
+
+    _, args = _bridge_job(tmp_path, EXTRA_ARGS="train.eval_iters=0")
+    ours, theirs = bridge_app.split_args(args)
+    options = bridge_app.options_of(bridge_app.compose(ours))
+    assert options.problems() == [] and bridge_app.app_problems(ours, options) == []
+    assert (options.cp.algorithm, options.cp.size) == ("ring", 8) and not options.optim.state.megatron_fsdp
+    assert {"recipe=llama3_8b_pretrain_config", f"output_dir={tmp_path}/out"} <= set(ours)
+    assert {"model.seq_length=131072", "train.train_iters=100", "train.eval_iters=0"} <= set(theirs)

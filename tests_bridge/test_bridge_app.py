@@ -62,7 +62,9 @@ def test_megatron_recompute_through_the_option_model(demo_runs):
     (["cp.size=2.5"], "cp.size=2.5 must be a positive int"),
     (["cp=hybrid", "cp.ulysses_size=3"], "cp.ulysses_size=3 must be a positive divisor of cp.size=4"),
     (["optim.lr=0.1"], "optim.lr: on the Bridge front end the learning-rate schedule is Bridge's (optimizer.lr=...)"),
-    (["offload=layer_input", "recompute=full"], "not wired into the Bridge front end yet"),
+    (["offload=layer_input"], "offload=layer_input requires recompute=full or full_keep_attn (got recompute=none)"),
+    (["recompute=full_keep_attn", "cp=ulysses", "cp.size=2"], "it needs cp.algorithm=ring (cp=ring or cp=none)"),
+    (["tiling.mlp_tiles=0"], "tiling.mlp_tiles must be a positive number of tiles"),
     (["cp.size=2", "model.seq_length=250"], "model.seq_length=250 must be divisible by 2*cp.size = 4"),
 ])
 def test_bad_values_fail_before_any_rank_with_the_shared_messages(tmp_path, args, message):
@@ -103,3 +105,17 @@ def test_a_bridge_recipe_by_name_trains_with_ring_cp2_as_on_one_rank(tmp_path, m
         assert "core attention: 2 layers run LongContextCoreAttention" in log and len(rows) == 2, log[-3000:]
     for a, b in zip(runs["none"][2], runs["ring"][2]):
         assert b["cp_size"] == 2 and abs(a["loss"] - b["loss"]) <= 1e-6 * abs(a["loss"]), (a, b)
+
+
+def test_control_a_wrong_kernel_in_our_attention_changes_the_losses(tmp_path, demo_runs):
+    """The control of the parity test: the same ring CP=2 run with our core attention using a deliberately wrong
+    kernel (the self-test's ``injected_wrong``: no causal mask, registered in every process by
+    tests_bridge/wrong_kernel/sitecustomize.py) must differ -- the losses above come from our attention."""
+    from runner import run_bridge
+
+    inject = ROOT / "tests_bridge" / "wrong_kernel"
+    code, log, rows = run_bridge(tmp_path, "wrong", "cp=ring", "cp.size=2", "+cp.kwargs.kernel=injected_wrong",
+                                 timeout=600, env={"PYTHONPATH": f"{inject}:{ROOT}"})
+    assert code == 0 and len(rows) == 3, log[-3000:]
+    ref = demo_runs["ring"][2]
+    assert all(abs(a["loss"] - b["loss"]) > 1e-4 * abs(a["loss"]) for a, b in zip(ref, rows)), (ref, rows)

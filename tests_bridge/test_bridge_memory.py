@@ -71,5 +71,5 @@ def test_tracker_bytes_are_what_the_options_offload(runs):
 def test_the_run_says_what_it_wired(runs):
     log = runs["full_offload_tiling"][0]
     assert "recompute=full(uniform,1) offload=layer_input; mlp_tiles=2: 2 tile(s)" in log, log[-3000:]
-    assert "loss_chunks=2" in log, log[-3000:]
+    assert "loss_chunks=2" in log and "(1 chunked GPT model(s) on this rank)" in log, log[-3000:]
     assert "step 3/3 | loss" in log and "host 0.2 MiB" in log, log[-3000:]

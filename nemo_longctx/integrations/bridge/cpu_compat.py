@@ -12,6 +12,11 @@ B3. ``initialize.py:147`` builds the dataset index helpers with ``make`` (``core
     names it if it is missing).
 B4. ``initialize.py`` warms up JIT-fused kernels on CUDA tensors (``_warmup_jit_function``): skipped (the fused
     kernels are off on the CPU).
+B5. Checkpoints: ``checkpointing.py:491`` (``get_rng_state``) saves ``torch.cuda.get_rng_state()`` and
+    ``checkpointing.py:3155/3167`` restore it with ``torch.cuda.set_rng_state`` (CUDA init fails without a driver).
+    There is no CUDA generator: the CPU generator's state is saved in its place (the same state is saved as
+    ``torch_rng_state`` and restored from there), restoring it is a no-op. Megatron's RNG tracker states (fix 4: CPU
+    generator states) are saved and restored by Bridge unchanged.
 B9. ``initialize.py:869`` (``_set_random_seed``) seeds Megatron's RNG tracker only ``if torch.cuda.device_count() >
     0``; the attention's ``get_cuda_rng_tracker().fork()`` then fails. It runs with ``device_count`` answering 1, so
     the tracker is seeded exactly as on a GPU (the tracker itself holds CPU generator states: Megatron fix 4).
@@ -92,6 +97,15 @@ def _seed_rng_tracker() -> None:  # B9
     initialize._set_random_seed = _mark(_set_random_seed)
 
 
+def _checkpoint_rng_state() -> None:  # B5
+    import torch
+
+    if getattr(torch.cuda.get_rng_state, "_nemo_longctx", False):
+        return
+    torch.cuda.get_rng_state = _mark(lambda device="cuda": torch.get_rng_state())
+    torch.cuda.set_rng_state = _mark(lambda new_state, device="cuda": None)
+
+
 def _torch_optimizers() -> None:  # B7
     import torch
     from megatron.core import optimizer as mopt
@@ -163,6 +177,7 @@ def apply(force: bool = False) -> bool:
     _allow_no_cuda()
     _prebuilt_dataset_helpers()
     _skip_jit_warmup()
+    _checkpoint_rng_state()
     _seed_rng_tracker()
     _torch_optimizers()
     _APPLIED = True

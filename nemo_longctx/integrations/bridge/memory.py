@@ -75,13 +75,13 @@ class LongContextMemory:
         return model
 
     def describe(self, cfg: Any) -> str:
+        t = self.options.tiling
+        return self.options.memory.describe() + (f"; {self.tiling_line(cfg)}" if t.active else "")
+
+    def tiling_line(self, cfg: Any) -> str:
         m = cfg.model
-        line = self.options.memory.describe()
-        if self.options.tiling.active:
-            line += "; " + self.options.tiling.describe(int(m.seq_length), int(m.context_parallel_size or 1),
-                                                        int(m.tensor_model_parallel_size or 1),
-                                                        bool(m.sequence_parallel))
-        return line
+        return self.options.tiling.describe(int(m.seq_length), int(m.context_parallel_size or 1),
+                                            int(m.tensor_model_parallel_size or 1), bool(m.sequence_parallel))
 
     def metrics(self) -> Dict[str, Optional[int]]:
         return self.meter.metrics()
@@ -99,6 +99,12 @@ class LongContextMemory:
                     raise RuntimeError("nemo-longctx bridge: the memory options were never attached to the model "
                                        "(the provider's pre-wrap hook did not run: was cfg.model replaced after "
                                        "enable_long_context?)")
+                import torch.distributed as dist
+
+                t = outer.options.tiling
+                if t.active and dist.get_rank() == 0:
+                    print(f"nemo-longctx bridge: tiling: {outer.tiling_line(context.state.cfg)} "
+                          f"({outer.chunked_models} chunked GPT model(s) on this rank)", flush=True)
 
             def on_train_step_start(self, context: Any) -> None:
                 outer.meter.start(p for chunk in context.model for p in chunk.parameters())

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from typing import Any, Optional
 
 import lightning.pytorch as pl
 
 from nemo_longctx.integrations.nemo.config_keys import FAULT_KINDS, parse_fault
+from nemo_longctx.integrations.nemo.launch import inject_fault
 import torch
 
 
@@ -204,17 +204,4 @@ class FaultInjection(pl.Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if trainer.global_step + 1 != self.step or trainer.global_rank != self.rank:
             return
-        print(f"run.fault: rank {self.rank} injects '{self.kind}' at step {self.step} (unix time {time.time():.2f})",
-              flush=True)
-        if self.kind == "raise":
-            raise RuntimeError(f"injected failure (run.fault) on rank {self.rank} at step {self.step}")
-        if self.kind == "kill":
-            import signal
-
-            os.kill(os.getpid(), signal.SIGKILL)
-        if self.kind == "abort":  # what a C++ std::terminate / gloo or c10 fatal error does: a message, then SIGABRT
-            print(f"run.fault: rank {self.rank} aborts now (C++-style fatal error marker)", file=sys.stderr,
-                  flush=True)
-            os.abort()
-        while True:  # hang: the peers block in their next collective until launcher.timeout_s
-            time.sleep(1)
+        inject_fault(self.kind, self.step, self.rank)

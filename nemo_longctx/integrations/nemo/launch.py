@@ -273,3 +273,22 @@ def die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
     if os.getppid() == 1:  # the launcher was already gone before the request took effect
         os._exit(128 + int(signal.SIGKILL))
+
+
+def inject_fault(kind: str, step: int, rank: int) -> None:
+    """A failure drill (``run.fault=KIND@STEP:RANK``, parsed by ``config_keys.parse_fault``) on this rank now, at the
+    start of training step STEP (both apps call it from their step-start hook): ``raise`` a RuntimeError, ``kill``
+    itself with SIGKILL, ``abort`` like a C++ fatal error (a marker on stderr, then SIGABRT), or ``hang`` (the peers
+    block in their next collective until the collective timeout or the launcher stops the run)."""
+    import time
+
+    print(f"run.fault: rank {rank} injects '{kind}' at step {step} (unix time {time.time():.2f})", flush=True)
+    if kind == "raise":
+        raise RuntimeError(f"injected failure (run.fault) on rank {rank} at step {step}")
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "abort":
+        print(f"run.fault: rank {rank} aborts now (C++-style fatal error marker)", file=sys.stderr, flush=True)
+        os.abort()
+    while True:
+        time.sleep(1)

@@ -12,7 +12,7 @@ built. ``SequenceTiling(options)`` (Lightning callback, added by the app when ti
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 import lightning.pytorch as pl
 

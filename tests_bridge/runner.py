@@ -1,0 +1,47 @@
+"""Run ``python -m nemo_longctx.bridge_app`` in a subprocess from the repository root (the Bridge tests' helper)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_bridge(tmp_path: Path, name: str, *args: str, timeout: float = 600,
+               env: Optional[Dict[str, str]] = None) -> Tuple[int, str, List[dict]]:
+    """(exit code, stdout + stderr, rank 0's metrics rows) of one ``nemo-longctx bridge`` run writing to
+    ``tmp_path/name``; ``env``: extra environment variables (inherited by the ranks and their children)."""
+    out = tmp_path / name
+    p = subprocess.run([sys.executable, "-m", "nemo_longctx.bridge_app", f"output_dir={out}", *args],
+                       capture_output=True, text=True, timeout=timeout, cwd=ROOT, env={**os.environ, **(env or {})})
+    metrics = out / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    return p.returncode, p.stdout + p.stderr, rows
+
+
+def processes_with_env(name: str, value: str, wait_s: float = 0.0) -> List[str]:
+    """The live processes (``pid: command line``) of this user whose environment has ``name=value``; polls up to
+    ``wait_s`` seconds for them to go."""
+    marker = f"{name}={value}".encode()
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = []
+        for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    if marker not in f.read().split(b"\0"):
+                        continue
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+                found.append(f"{pid}: {cmd[:200]}")
+            except OSError:  # gone, or not ours
+                continue
+        if not found or time.monotonic() >= deadline:
+            return found
+        time.sleep(0.5)
