@@ -33,12 +33,21 @@ COPY conf ./conf
 
 # --no-deps: never replace the container's torch / transformer-engine / megatron-core / nemo-toolkit / megatron-bridge.
 RUN python -m pip install --no-cache-dir --no-deps . \
- && python -c "import nemo_longctx, nemo_longctx.attention, nemo_longctx.memory.planner, nemo_longctx.plan; print('nemo_longctx', nemo_longctx.__file__)" \
+ && python -c "import nemo_longctx, nemo_longctx.attention, nemo_longctx.memory.planner, nemo_longctx.plan; \
+      print('nemo_longctx', nemo_longctx.__file__)" \
  && if [ "$FRONTEND" = bridge ]; then \
-      python -c "import torch, megatron.core, megatron.bridge, megatron.bridge.recipes; from megatron.bridge.training.pretrain import pretrain; from megatron.bridge.training.gpt_step import forward_step; from nemo_longctx import bridge_app; from nemo_longctx.integrations.bridge.config import enable_long_context; print('Megatron-Bridge', getattr(megatron.bridge, '__version__', '?'), 'Megatron-core', megatron.core.__version__, '+ integration import OK')" \
-      && nemo-longctx plan model=llama3_8b plan.seq_length=131072 plan.gpus=8 plan.gpu_memory_gb=80 plan.frontend=bridge plan.show=3; \
+      python -c "import torch, megatron.core, megatron.bridge, megatron.bridge.recipes; \
+        from megatron.bridge.training.pretrain import pretrain; \
+        from megatron.bridge.training.gpt_step import forward_step; \
+        from nemo_longctx import bridge_app; from nemo_longctx.integrations.bridge.config import enable_long_context; \
+        print('Megatron-Bridge', getattr(megatron.bridge, '__version__', '?'), 'Megatron-core', \
+              megatron.core.__version__, '+ integration import OK')" \
+      && nemo-longctx plan model=llama3_8b plan.seq_length=131072 plan.gpus=8 plan.gpu_memory_gb=80 \
+           plan.frontend=bridge plan.show=3; \
     elif [ "$FRONTEND" = nemo ]; then \
-      python -c "from nemo.collections import llm; import megatron.core; from nemo_longctx.integrations.megatron.spec import long_context_layer_spec; print('NeMo LLM collection + integration import OK')" \
+      python -c "from nemo.collections import llm; import megatron.core; \
+        from nemo_longctx.integrations.megatron.spec import long_context_layer_spec; \
+        print('NeMo LLM collection + integration import OK')" \
       && nemo-longctx plan model=llama3_8b plan.seq_length=1048576 plan.gpus=8 plan.gpu_memory_gb=80 plan.show=3; \
     else \
       echo "FRONTEND=$FRONTEND must be nemo or bridge" >&2 && exit 2; \

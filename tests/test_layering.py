@@ -2,7 +2,7 @@
 
 Layers, arrows only pointing down::
 
-    apps          nemo_longctx.train, .bridge_app, .plan, .cli, .convert, .__main__, .selftest(.*)
+    apps          nemo_longctx.train, .bridge_app, .bridge_convert, .plan, .cli, .convert, .__main__, .selftest(.*)
     front ends    nemo_longctx.integrations.nemo.*, nemo_longctx.integrations.bridge.*
     neutral       nemo_longctx.integrations.megatron.*   (megatron-core and torch; never nemo/lightning/hydra/bridge)
     memory        nemo_longctx.memory.*                  (plain torch; may use attention)
@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PKG = "nemo_longctx"
 PKG_DIR = ROOT / PKG
 
-APPS = ("train", "bridge_app", "plan", "cli", "convert", "__main__", "selftest")
+APPS = ("train", "bridge_app", "bridge_convert", "plan", "cli", "convert", "__main__", "selftest")
 FRONT_ENDS = ("integrations.nemo", "integrations.bridge")
 LEAVES = {PKG, f"{PKG}.options", f"{PKG}.conf", f"{PKG}.integrations"}
 

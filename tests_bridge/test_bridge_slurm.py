@@ -91,19 +91,16 @@ echo "job $SLURM_JOB_ID: $SLURM_NTASKS tasks"
 srun --ntasks=2 --kill-on-bad-exit=1 {shlex.join(argv)}
 """)
     t0 = time.perf_counter()
-    cmd = ["sbatch", "--wait", "--parsable", f"--chdir={tmp_path}", str(tmp_path / "job.sbatch")]
-    try:
-        job = subprocess.run(cmd, env=_no_slurm_env(), capture_output=True, text=True, timeout=300)
-    except subprocess.TimeoutExpired as e:
-        jid = (e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or "").strip().split(";")[0]
-        if jid:
-            subprocess.run(["scancel", jid], timeout=30)
-        raise
+    sub = subprocess.run(["sbatch", "--parsable", f"--chdir={tmp_path}", str(tmp_path / "job.sbatch")],
+                         env=_no_slurm_env(), capture_output=True, text=True, timeout=60)
+    assert sub.returncode == 0, sub.stderr
+    jid = sub.stdout.strip().split(";")[0]
+    # slurm_local.sh wait polls every 0.25 s (sbatch --wait backs off to tens of seconds) and cancels on timeout
+    waited = _slurm("wait", jid, "300", timeout=360)
     srun_s = time.perf_counter() - t0
-    jid = job.stdout.strip().split(";")[0]
     log_file = next(tmp_path.glob(f"*-{jid}.out"), None)
     log = log_file.read_text() if log_file else "(no job output file)"
-    assert job.returncode == 0, f"job {jid} failed (rc {job.returncode}): {job.stderr}\n{log[-5000:]}"
+    assert waited.returncode == 0, f"job {jid} failed (rc {waited.returncode}): {waited.stderr}\n{log[-5000:]}"
     # each task read its own rank from Slurm (launch.py's SLURM_* mapping); the local launcher never ran
     for rank in (0, 1):
         assert re.search(rf"nemo-longctx bridge: rank {rank} of 2 \(local rank {rank} of 2\) from slurm, "
@@ -164,7 +161,7 @@ def _example_args(tmp_path):
     return argv[argv.index("nemo-longctx") + 1:]
 
 
-def test_example_sbatch_arguments_build_the_real_bridge_recipe(tmp_path, monkeypatch):
+def test_example_sbatch_arguments_build_the_real_bridge_recipe(tmp_path):
     """Every argument of the example job is taken: ours by the option model, Bridge's by Bridge's own parser on
     ``llama3_8b_pretrain_config`` (its config.json from the offline cache); the built container has the planned
     layout and no problem for 8 ranks."""
