@@ -2,9 +2,10 @@
 6-step run (``train.train_iters=6``) saves a Bridge checkpoint at step 3 and stops there (Bridge's
 ``checkpoint.save``/``checkpoint.save_interval`` and ``train.exit_interval``); resumed with ``checkpoint.load`` at the
 same ring CP=2, at Ulysses CP=2 and at CP=1 (one rank: another world size, the checkpoint is resharded), steps 4..6
-are numbered 4..6 and equal the uninterrupted run's. Controls: a run that does not resume repeats steps 1..3 (which
-differ from 4..6), and a resume that loads the weights but not the optimizer (``checkpoint.load_optim=false``)
-matches at step 4 only. Saves leave no process behind; a resume from a missing directory fails before any rank."""
+are numbered 4..6 and equal the uninterrupted run's (which saves at 3 and 6 without stopping). Controls: a run that
+does not resume repeats steps 1..3 (which differ from 4..6), and a resume that loads the weights but not the
+optimizer (``checkpoint.load_optim=false``) matches at step 4 only. Saves leave no process behind; a resume from a
+missing directory fails before any rank starts, naming the key (as do the other ``checkpoint_problems``)."""
 
 from __future__ import annotations
 
@@ -37,7 +38,9 @@ def runs(tmp_path_factory):
     ckpt = tmp / "ckpt"
     load = [*SCHEDULE, f"checkpoint.load={ckpt}"]
     plan = {
-        "full": ["cp=ring", "cp.size=2", *SCHEDULE],
+        # saves at 3 and at 6 without stopping: Bridge's normal end with a checkpoint (orphan check)
+        "full": ["cp=ring", "cp.size=2", *SCHEDULE, f"checkpoint.save={tmp / 'ckpt_full'}",
+                 "checkpoint.save_interval=3"],
         "first": ["cp=ring", "cp.size=2", *SCHEDULE, f"checkpoint.save={ckpt}", "checkpoint.save_interval=3",
                   "train.exit_interval=3"],
         "ring": ["cp=ring", "cp.size=2", *load],
@@ -46,7 +49,7 @@ def runs(tmp_path_factory):
         "no_optim": ["cp=none", *load, "checkpoint.load_optim=false"],
     }
     out = {name: _tagged_run(tmp, name, *args) for name, args in plan.items()}
-    out["ckpt"] = ckpt
+    out["ckpt"], out["ckpt_full"] = ckpt, tmp / "ckpt_full"
     return out
 
 
@@ -55,7 +58,7 @@ def _close(a, b, rel):
 
 
 def test_checkpoint_at_step_3_then_stop(runs):
-    code, log, rows, left = runs["first"]
+    code, log, rows, _ = runs["first"]
     assert code == 0, log[-4000:]
     assert [r["step"] for r in rows] == [1, 2, 3], rows
     assert "exiting program at iteration 3" in log, log[-3000:]
@@ -66,6 +69,7 @@ def test_checkpoint_at_step_3_then_stop(runs):
     # the same schedule as the uninterrupted run: its first 3 steps are the same
     full = runs["full"][2]
     assert runs["full"][0] == 0 and [r["step"] for r in full] == [1, 2, 3, 4, 5, 6], runs["full"][1][-4000:]
+    assert sorted(p.name for p in runs["ckpt_full"].glob("iter_*")) == ["iter_0000003", "iter_0000006"]
     for a, b in zip(full, rows):
         assert a["loss"] == b["loss"], (a, b)
 
@@ -120,8 +124,9 @@ def test_checkpoint_problems_name_their_key(tmp_path):
     from nemo_longctx.integrations.bridge.checkpoint import checkpoint_problems
 
     def problems(overrides, **checkpoint):
-        fields = {"load": None, "save": None, "ckpt_step": None, "pretrained_checkpoint": None, **checkpoint}
-        return checkpoint_problems(SimpleNamespace(checkpoint=SimpleNamespace(**fields)), overrides)
+        fields = {"load": None, "save": None, "ckpt_step": None, "pretrained_checkpoint": None, "async_save": False,
+                  **checkpoint}
+        return checkpoint_problems(SimpleNamespace(checkpoint=SimpleNamespace(**fields)), overrides, cuda=False)
 
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -133,3 +138,5 @@ def test_checkpoint_problems_name_their_key(tmp_path):
     pre = tmp_path / "pre"
     assert problems([f"checkpoint.pretrained_checkpoint={pre}"], pretrained_checkpoint=str(pre)) == [
         f"checkpoint.pretrained_checkpoint={pre}: no such file or directory"]
+    # the async save's worker process dies without CUDA and the rank waits for it (measured: a hang)
+    assert problems([], save=str(empty), async_save=True)[0].startswith("checkpoint.async_save=true: ")

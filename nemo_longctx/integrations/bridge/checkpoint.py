@@ -13,7 +13,8 @@ size) works (``tests_bridge/test_bridge_checkpoint.py``).
     naming its key: an explicit ``checkpoint.load`` with no Bridge checkpoint (Bridge would silently start from step 0;
     ``checkpoint.load`` equal to ``checkpoint.save`` is the resume-if-present pattern and is left alone), a missing
     ``checkpoint.pretrained_checkpoint`` (Bridge asserts on every rank), a ``checkpoint.ckpt_step`` without its
-    ``iter_*`` directory (Bridge raises on every rank).
+    ``iter_*`` directory (Bridge raises on every rank); without CUDA, ``checkpoint.async_save=true`` (its worker
+    process dies on ``torch.cuda.set_device`` and the rank then waits forever: measured, a hang).
 ``quiet_planned_exit()``  Bridge ends a run stopped by ``train.exit_interval`` (or its other exit conditions) with
     ``sys.exit(0)`` inside ``pretrain``, whose handler logs that as "Pretrain failed ... SystemExit: 0" with a
     traceback on every rank; that one record is dropped (the exit itself, its cleanup and exit code 0 are Bridge's).
@@ -45,8 +46,9 @@ def _no_checkpoint(path: str) -> Optional[str]:
             "not an iter_* directory)")
 
 
-def checkpoint_problems(container: Any, bridge_overrides: List[str]) -> List[str]:
-    """Every problem of the container's explicit checkpoint sources, each naming its key."""
+def checkpoint_problems(container: Any, bridge_overrides: List[str], cuda: Optional[bool] = None) -> List[str]:
+    """Every problem of the container's explicit checkpoint sources and of its saving, each naming its key
+    (``cuda``: whether CUDA is available; default: ask torch)."""
     c = container.checkpoint
     keys = override_keys(bridge_overrides)
     out = []
@@ -68,6 +70,15 @@ def checkpoint_problems(container: Any, bridge_overrides: List[str]) -> List[str
     pre = getattr(c, "pretrained_checkpoint", None)
     if "checkpoint.pretrained_checkpoint" in keys and pre is not None and not os.path.exists(str(pre)):
         out.append(f"checkpoint.pretrained_checkpoint={pre}: no such file or directory")
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    if getattr(c, "async_save", False) and save is not None and not cuda:
+        out.append("checkpoint.async_save=true: Megatron-core's async checkpoint worker is a new process that calls "
+                   "torch.cuda.set_device(rank % torch.cuda.device_count()) (dist_checkpointing/strategies/"
+                   "async_utils.py:565): without a GPU it dies and the rank waits for it forever (CPU only; "
+                   "checkpoint.async_save=false saves synchronously)")
     return out
 
 
