@@ -15,7 +15,9 @@
 What NeMo's importers do not do (handled here, see the README): ``HFLlamaImporter`` reads only ``factor`` of a
 ``rope_scaling: {rope_type: llama3}`` and keeps NeMo's defaults for ``low_freq_factor``/``high_freq_factor``/
 ``original_max_position_embeddings`` -> the imported context is corrected from the HF config; other RoPE scalings
-(YaRN, linear, dynamic) and Qwen2's ``rope_scaling``/sliding window are ignored by the importers -> refused.
+(YaRN, linear, dynamic) and Qwen2's ``rope_scaling``/sliding window are ignored by the importers -> refused; a
+config.json written by transformers >= 5 (``rope_parameters``) whose RoPE this venv's transformers 4.x would read
+differently (its default base, no scaling) -> refused.
 """
 
 from __future__ import annotations
@@ -110,8 +112,33 @@ def hf_source_problems(source: Any, field: str = "source") -> List[str]:
     for flag in ("attention_bias", "mlp_bias"):
         if arch == "LlamaForCausalLM" and hf.get(flag):
             problems.append(f"{field}={source}: config.json {flag}=true: NeMo's Llama importer maps no biases")
+    problems += _rope_parameters_problems(p, hf, field)
     problems += _tokenizer_problems(p, hf, arch, field)
     return problems
+
+
+def _rope_parameters_problems(p: Path, hf: Dict[str, Any], field: str) -> List[str]:
+    """transformers >= 5 writes the RoPE as ``rope_parameters: {rope_theta, rope_type, ...}`` (no ``rope_theta`` /
+    ``rope_scaling``); NeMo's importers read config.json with this venv's transformers 4.x, which ignores that key
+    and would import its own default base without scaling, silently: refused when what they read differs."""
+    rope = hf.get("rope_parameters")
+    if not isinstance(rope, dict):
+        return []
+    from transformers import AutoConfig
+
+    seen = AutoConfig.from_pretrained(str(p), local_files_only=True)  # what HFLlamaImporter/HFQwen2Importer read
+    theta, scaling = getattr(seen, "rope_theta", None), getattr(seen, "rope_scaling", None)
+    lost = []
+    if rope.get("rope_theta") is not None and (theta is None or float(rope["rope_theta"]) != float(theta)):
+        lost.append(f"rope_theta {rope['rope_theta']} is read as {theta}")
+    if rope.get("rope_type", "default") != "default" and not scaling:
+        lost.append(f"rope_type {rope['rope_type']!r} is read as no scaling")
+    if not lost:
+        return []
+    return [f"{field}={p}: config.json rope_parameters={rope} (written by transformers >= 5): NeMo's importer reads "
+            f"config.json with transformers 4.x, which ignores rope_parameters ({'; '.join(lost)}): write "
+            f"rope_theta / rope_scaling into config.json (the transformers 4 keys) or save the model with transformers "
+            f"4.x"]
 
 
 def _tokenizer_problems(p: Path, hf: Dict[str, Any], arch: str, field: str) -> List[str]:
