@@ -266,7 +266,8 @@ def _attention_layers(model: Any) -> List[Any]:
     return [m for m in model.modules() if isinstance(m, Attention)]
 
 
-def run_rank(cfg: Any, bridge_overrides: List[str], options: Any) -> int:
+def run_rank(cfg: Any, bridge_overrides: List[str], options: Any, container: Any = None) -> int:
+    """Train this rank with Bridge's ``pretrain`` (``container``: the run's ConfigContainer when already built)."""
     from nemo_longctx.integrations.bridge import cpu_compat
 
     cpu_compat.apply()
@@ -278,7 +279,7 @@ def run_rank(cfg: Any, bridge_overrides: List[str], options: Any) -> int:
     from nemo_longctx.integrations.bridge.memory import memory_of
 
     output_dir = os.path.abspath(str(cfg.output_dir))
-    container = build(cfg, bridge_overrides, options, output_dir)
+    container = container if container is not None else build(cfg, bridge_overrides, options, output_dir)
     metrics = StepMetrics(os.path.join(output_dir, "metrics.jsonl"),
                           container.train.global_batch_size * container.model.seq_length, options,
                           memory_of(container))
@@ -312,7 +313,7 @@ def external_rank(cfg: Any, bridge_overrides: List[str], options: Any, launch: A
     print(f"nemo-longctx bridge: rank {launch.rank} of {launch.world_size} (local rank {launch.local_rank} of "
           f"{launch.local_world_size}) from {launch.kind}, rendezvous {os.environ.get('MASTER_ADDR')}:"
           f"{os.environ.get('MASTER_PORT')}", flush=True)
-    return run_rank(cfg, bridge_overrides, options)
+    return run_rank(cfg, bridge_overrides, options, container)
 
 
 def main(argv: Optional[List[str]] = None) -> None:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -45,3 +48,17 @@ def processes_with_env(name: str, value: str, wait_s: float = 0.0) -> List[str]:
         if not found or time.monotonic() >= deadline:
             return found
         time.sleep(0.5)
+
+
+_SHARED: Dict[Tuple[str, ...], Tuple[int, str, List[dict]]] = {}
+
+
+def shared_run(*args: str, timeout: float = 600) -> Tuple[int, str, List[dict]]:
+    """``run_bridge`` once per distinct argument list per test session: the reference runs several test files compare
+    against (e.g. the demo at ring CP=2) are trained once. Each run writes to its own temporary directory."""
+    key = tuple(args)
+    if key not in _SHARED:
+        tmp = Path(tempfile.mkdtemp(prefix="nemo-longctx-bridge-shared-"))
+        atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+        _SHARED[key] = run_bridge(tmp, "run", *args, timeout=timeout)
+    return _SHARED[key]

@@ -6,32 +6,22 @@ CP=2 giving the losses of one rank, every attention layer ours; bad values get t
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from runner import ROOT, run_bridge, shared_run
 
-ROOT = Path(__file__).resolve().parents[1]
 pytest.importorskip("megatron.bridge", reason="the Megatron-Bridge stack (scripts/install_bridge.sh)")
 
 
 def _run(tmp_path, name, *args, timeout=600):
-    out = tmp_path / name
-    p = subprocess.run([sys.executable, "-m", "nemo_longctx.bridge_app", f"output_dir={out}", *args],
-                       capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    log = p.stdout + p.stderr
-    metrics = out / "metrics.jsonl"
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
-    return p.returncode, log, rows
+    return run_bridge(tmp_path, name, *args, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
-def demo_runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("bridge")
-    return {name: _run(tmp, name, *args) for name, args in {
-        "none": ["cp=none"], "ring": ["cp=ring", "cp.size=2"], "ulysses": ["cp=ulysses", "cp.size=2"],
-        "ring_full": ["cp=ring", "cp.size=2", "recompute=full", "train.train_iters=2"]}.items()}
+def demo_runs():
+    """The demo at cp=none (1 rank), ring and Ulysses CP=2 (shared with the other files: runner.shared_run)."""
+    return {name: shared_run(*args) for name, args in {
+        "none": ["cp=none"], "ring": ["cp=ring", "cp.size=2"], "ulysses": ["cp=ulysses", "cp.size=2"]}.items()}
 
 
 def test_ring_and_ulysses_cp2_match_one_rank(demo_runs):
@@ -47,15 +37,6 @@ def test_ring_and_ulysses_cp2_match_one_rank(demo_runs):
             assert abs(a["loss"] - b["loss"]) <= 1e-6 * abs(a["loss"]), (name, a, b)
     # the losses move (training happens) and are not all equal
     assert ref[0]["loss"] != ref[-1]["loss"]
-
-
-def test_megatron_recompute_through_the_option_model(demo_runs):
-    code, log, rows = demo_runs["ring_full"]
-    assert code == 0, log[-4000:]
-    ref = demo_runs["none"][2]
-    assert len(rows) == 2
-    for a, b in zip(ref, rows):  # full recompute changes memory, not values
-        assert abs(a["loss"] - b["loss"]) <= 1e-6 * abs(a["loss"]), (a, b)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -111,8 +92,6 @@ def test_control_a_wrong_kernel_in_our_attention_changes_the_losses(tmp_path, de
     """The control of the parity test: the same ring CP=2 run with our core attention using a deliberately wrong
     kernel (the self-test's ``injected_wrong``: no causal mask, registered in every process by
     tests_bridge/wrong_kernel/sitecustomize.py) must differ -- the losses above come from our attention."""
-    from runner import run_bridge
-
     inject = ROOT / "tests_bridge" / "wrong_kernel"
     code, log, rows = run_bridge(tmp_path, "wrong", "cp=ring", "cp.size=2", "+cp.kwargs.kernel=injected_wrong",
                                  timeout=600, env={"PYTHONPATH": f"{inject}:{ROOT}"})
