@@ -8,32 +8,16 @@ otherwise. With NEMO_LONGCTX_REQUIRE_SLURM=1 (set by .ci/run) a failed bring-up 
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from slurm_cluster import slurm as _slurm
+from slurm_cluster import slurm_cluster  # noqa: F401  (the fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "slurm_local.sh"
 DEMO = ROOT / "examples" / "slurm" / "cpu_demo.sbatch"
-REQUIRED = os.environ.get("NEMO_LONGCTX_REQUIRE_SLURM") == "1"
 MAX_STEPS = 3
-
-
-def _why_not_installable():
-    if shutil.which("sbatch") and shutil.which("slurmctld") and shutil.which("slurmd"):
-        return None
-    if os.geteuid() != 0 and not shutil.which("sudo"):
-        return "slurm is not installed and this user is not root (no sudo) to install it"
-    if not shutil.which("apt-get"):
-        return "slurm is not installed and apt-get is not available to install it"
-    return None
-
-
-def _slurm(*args, timeout=600):
-    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout)
 
 
 def _submit(script, tmp_path, env, wait_s=420):
@@ -45,25 +29,6 @@ def _submit(script, tmp_path, env, wait_s=420):
     waited = _slurm("wait", job, str(wait_s), timeout=wait_s + 60)
     log = next(tmp_path.glob(f"*-{job}.out"), None)
     return job, waited, log.read_text() if log else "(no job output file)"
-
-
-@pytest.fixture(scope="module")
-def slurm_cluster():
-    reason = _why_not_installable()
-    if reason:
-        if REQUIRED:
-            pytest.fail(f"NEMO_LONGCTX_REQUIRE_SLURM=1 but {reason}")
-        pytest.skip(reason)
-    was_up = _slurm("status", timeout=30).returncode == 0
-    r = _slurm("up")
-    if r.returncode != 0:
-        msg = f"single-node slurm bring-up failed (rc={r.returncode}):\n{r.stdout}\n{r.stderr[-3000:]}"
-        if REQUIRED:
-            pytest.fail(msg)
-        pytest.skip(msg)
-    yield
-    if not was_up:  # leave no daemons behind that this test started
-        _slurm("down", timeout=120)
 
 
 def test_cpu_demo_sbatch_trains_under_srun(slurm_cluster, tmp_path):

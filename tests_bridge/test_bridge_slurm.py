@@ -17,7 +17,6 @@ import json
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 import time
@@ -26,10 +25,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SLURM_LOCAL = ROOT / "scripts" / "slurm_local.sh"
-REQUIRED = os.environ.get("NEMO_LONGCTX_REQUIRE_SLURM") == "1"
 DEMO = ["cp=ring", "cp.size=2", "train.train_iters=2"]
 pytest.importorskip("megatron.bridge", reason="the Megatron-Bridge stack (scripts/install_bridge.sh)")
+sys.path.insert(0, str(ROOT / "tests"))  # the Slurm fixture shared with the NeMo suite (tests/slurm_cluster.py)
+from slurm_cluster import slurm as _slurm  # noqa: E402
+from slurm_cluster import slurm_cluster  # noqa: E402,F401  (the fixture)
 
 
 def _no_slurm_env():
@@ -39,39 +39,6 @@ def _no_slurm_env():
 def _rows(out):
     f = out / "metrics.jsonl"
     return [json.loads(line) for line in f.read_text().splitlines() if line.strip()] if f.exists() else []
-
-
-def _slurm(*args, timeout=600):
-    return subprocess.run(["bash", str(SLURM_LOCAL), *args], capture_output=True, text=True, timeout=timeout)
-
-
-def _why_not_installable():
-    if shutil.which("sbatch") and shutil.which("slurmctld") and shutil.which("slurmd"):
-        return None
-    if os.geteuid() != 0 and not shutil.which("sudo"):
-        return "slurm is not installed and this user is not root (no sudo) to install it"
-    if not shutil.which("apt-get"):
-        return "slurm is not installed and apt-get is not available to install it"
-    return None
-
-
-@pytest.fixture(scope="module")
-def slurm_cluster():
-    reason = _why_not_installable()
-    if reason:
-        if REQUIRED:
-            pytest.fail(f"NEMO_LONGCTX_REQUIRE_SLURM=1 but {reason}")
-        pytest.skip(reason)
-    was_up = _slurm("status", timeout=30).returncode == 0
-    r = _slurm("up")
-    if r.returncode != 0:
-        msg = f"single-node slurm bring-up failed (rc={r.returncode}):\n{r.stdout}\n{r.stderr[-3000:]}"
-        if REQUIRED:
-            pytest.fail(msg)
-        pytest.skip(msg)
-    yield
-    if not was_up:  # leave no daemons behind that this test started
-        _slurm("down", timeout=120)
 
 
 def test_bridge_demo_under_srun_trains_like_the_local_launch(slurm_cluster, tmp_path):
