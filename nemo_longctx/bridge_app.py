@@ -30,6 +30,24 @@ BRIDGE_OWNS = {"optim.lr": "optimizer.lr", "optim.min_lr": "optimizer.min_lr",
                "optim.clip_grad": "optimizer.clip_grad", "optim.adam_beta2": "optimizer.adam_beta2"}
 
 
+def recipe_flag(argv: List[str]) -> List[str]:
+    """``--recipe NAME`` / ``--recipe=NAME`` (the spelling of Bridge's own ``run_recipe.py``) as ``recipe=NAME``."""
+    out, i = [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--recipe":
+            if i + 1 >= len(argv) or "=" in argv[i + 1]:
+                from nemo_longctx.options import ConfigError
+
+                raise ConfigError(["--recipe needs a Bridge recipe name (e.g. --recipe llama3_8b_pretrain_config)"])
+            out.append(f"recipe={argv[i + 1]}")
+            i += 2
+            continue
+        out.append("recipe=" + a[len("--recipe="):] if a.startswith("--recipe=") else a)
+        i += 1
+    return out
+
+
 def split_args(argv: List[str]) -> Tuple[List[str], List[str]]:
     """(our Hydra overrides, Bridge's overrides): by the root of each KEY=VALUE's key."""
     ours, bridge = [], []
@@ -44,9 +62,22 @@ def compose(overrides: List[str]) -> Any:
     from hydra import initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
 
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from nemo_longctx.options import ConfigError
+
     GlobalHydra.instance().clear()
-    with initialize_config_module(config_module="nemo_longctx.conf", version_base=None):
-        return hydra_compose("bridge", overrides=overrides)
+    try:
+        with initialize_config_module(config_module="nemo_longctx.conf", version_base=None):
+            return hydra_compose("bridge", overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as e:  # an unknown group choice, a malformed override, ...
+        lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()] or [type(e).__name__]
+        at = next((i for i, ln in enumerate(lines) if ln.startswith("Available options")), None)
+        choices = [] if at is None else [ln for ln in lines[at + 1:at + 30] if ln.isidentifier()]
+        hint = f"(choose one of: {', '.join(choices)}) " if choices else ""
+        raise ConfigError([f"{lines[0]} {hint}(our keys: {', '.join(OUR_KEYS)}; every other KEY=VALUE is Bridge's)"]
+                          ) from None
 
 
 def options_of(cfg: Any) -> Any:
@@ -322,8 +353,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     from nemo_longctx.integrations.nemo.launch import detect_external_launch, launch_local
     from nemo_longctx.options import ConfigError, raise_problems
 
-    ours, bridge = split_args(args)
     try:
+        args = recipe_flag(args)
+        ours, bridge = split_args(args)
         cfg = compose(ours)
         options = options_of(cfg)
         raise_problems(options.problems() + app_problems(ours, options, cfg) + init_from_problems(cfg.get("init_from")))

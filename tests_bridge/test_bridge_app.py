@@ -47,6 +47,10 @@ def test_ring_and_ulysses_cp2_match_one_rank(demo_runs):
     (["recompute=full_keep_attn", "cp=ulysses", "cp.size=2"], "it needs cp.algorithm=ring (cp=ring or cp=none)"),
     (["tiling.mlp_tiles=0"], "tiling.mlp_tiles must be a positive number of tiles"),
     (["cp.size=2", "model.seq_length=250"], "model.seq_length=250 must be divisible by 2*cp.size = 4"),
+    (["cp=foo"], "Could not find 'cp/foo' (choose one of: hybrid, none, ring, ulysses)"),
+    (["--recipe"], "--recipe needs a Bridge recipe name"),
+    (["--recipe", "no_such_recipe"], "recipe='no_such_recipe' is not a Megatron-Bridge recipe"),
+    (["+run.timout_s=3"], "run: unknown key(s) ['timout_s']"),
 ])
 def test_bad_values_fail_before_any_rank_with_the_shared_messages(tmp_path, args, message):
     code, log, _ = _run(tmp_path, "bad", *args, timeout=300)
@@ -98,3 +102,32 @@ def test_control_a_wrong_kernel_in_our_attention_changes_the_losses(tmp_path, de
     assert code == 0 and len(rows) == 3, log[-3000:]
     ref = demo_runs["ring"][2]
     assert all(abs(a["loss"] - b["loss"]) > 1e-4 * abs(a["loss"]) for a, b in zip(ref, rows)), (ref, rows)
+
+
+def test_python_api_enable_long_context_with_keyword_groups():
+    """``enable_long_context(cfg, **groups)`` on a Bridge ConfigContainer (the demo's): the provider gets the CP size,
+    our layer spec (core attention, tiled MLP) and Megatron's recompute fields, the callbacks exist; bad values raise
+    one ConfigError naming them, in Bridge's key names where the key is Bridge's."""
+    from nemo_longctx import bridge_app
+    from nemo_longctx.integrations.bridge.config import enable_long_context, long_context_callbacks
+    from nemo_longctx.integrations.megatron.spec import LongContextSpec
+    from nemo_longctx.integrations.megatron.tiled_mlp_layer import TiledMLPLayerSpec
+    from nemo_longctx.options import ConfigError
+
+    cfg = bridge_app.demo_config()
+    out = enable_long_context(cfg, cp={"algorithm": "ulysses", "size": 2}, recompute={"name": "full"},
+                              tiling={"mlp_tiles": 2})
+    m = out.model
+    assert out is cfg and m.context_parallel_size == 2 and m.cp_comm_type is None
+    assert m.recompute_granularity == "full" and m.recompute_method == "uniform" and m.recompute_num_layers == 1
+    assert isinstance(m.transformer_layer_spec, TiledMLPLayerSpec)
+    assert isinstance(m.transformer_layer_spec.base, LongContextSpec)
+    assert m.transformer_layer_spec.base.cp_algorithm == "ulysses"
+    assert len(long_context_callbacks(cfg)) == 1
+    enable_long_context(cfg, cp={"size": 2})  # again: from the user's base spec, not nested in our wrappers
+    assert isinstance(m.transformer_layer_spec, LongContextSpec) and not isinstance(
+        m.transformer_layer_spec.base, (LongContextSpec, TiledMLPLayerSpec))
+    with pytest.raises(ConfigError) as e:
+        enable_long_context(cfg, cp={"size": 2.5}, offload={"name": "layer_input"})
+    text = str(e.value)
+    assert "cp.size=2.5 must be a positive int" in text and "offload=layer_input requires recompute=full" in text

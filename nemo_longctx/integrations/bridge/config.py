@@ -18,6 +18,7 @@ Bridge's own keys keep their names in messages (``BRIDGE_KEYS``: ``model.tensor_
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Dict, List, Mapping, Union
 
 from nemo_longctx.integrations.bridge.memory import LongContextMemory, memory_of
@@ -56,12 +57,22 @@ def as_options(options: Union[LongContextOptions, Mapping[str, Any], None]) -> L
     return options if isinstance(options, LongContextOptions) else LongContextOptions.from_dict(options or {})
 
 
-def enable_long_context(cfg: Any, options: Union[LongContextOptions, Mapping[str, Any], None] = None) -> Any:
-    """Write the long-context options onto ``cfg`` (a Bridge ``ConfigContainer``) in place; returns it."""
+def enable_long_context(cfg: Any, options: Union[LongContextOptions, Mapping[str, Any], None] = None,
+                        **groups: Any) -> Any:
+    """Write the long-context options onto ``cfg`` (a Bridge ``ConfigContainer``) in place; returns it. The options
+    are a ``LongContextOptions``, a mapping of the option groups, or the groups as keywords::
+
+        enable_long_context(cfg, cp={"algorithm": "ring", "size": 8}, recompute={"name": "full"})
+
+    Every problem is raised at once (``ConfigError``, each naming its key, Bridge's names for Bridge's keys)."""
     import torch
 
+    if groups:
+        if options is not None:
+            raise TypeError("enable_long_context: pass the options either as one object/mapping or as keywords")
+        options = dict(groups)
     options = as_options(options)
-    raise_problems(options.problems(Context(**{**context_of(cfg).__dict__, "cuda": torch.cuda.is_available()})))
+    raise_problems(options.problems(replace(context_of(cfg), cuda=torch.cuda.is_available())))
     m = cfg.model
     cp = options.cp
     m.context_parallel_size = cp.size
