@@ -51,6 +51,7 @@ def processes_with_env(name: str, value: str, wait_s: float = 0.0) -> List[str]:
 
 
 _SHARED: Dict[Tuple[str, ...], Tuple[int, str, List[dict]]] = {}
+_SHARED_DIRS: Dict[Tuple[str, ...], Path] = {}
 
 
 def shared_run(*args: str, timeout: float = 600) -> Tuple[int, str, List[dict]]:
@@ -61,4 +62,10 @@ def shared_run(*args: str, timeout: float = 600) -> Tuple[int, str, List[dict]]:
         tmp = Path(tempfile.mkdtemp(prefix="nemo-longctx-bridge-shared-"))
         atexit.register(shutil.rmtree, tmp, ignore_errors=True)
         _SHARED[key] = run_bridge(tmp, "run", *args, timeout=timeout)
+        _SHARED_DIRS[key] = tmp / "run"
     return _SHARED[key]
+
+
+def shared_dir(*args: str) -> Path:
+    """The output directory of ``shared_run(*args)`` (run first)."""
+    return _SHARED_DIRS[tuple(args)]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from runner import ROOT, run_bridge, shared_run
+from runner import ROOT, run_bridge, shared_dir, shared_run
 
 pytest.importorskip("megatron.bridge", reason="the Megatron-Bridge stack (scripts/install_bridge.sh)")
 
@@ -37,6 +37,8 @@ def test_ring_and_ulysses_cp2_match_one_rank(demo_runs):
             assert abs(a["loss"] - b["loss"]) <= 1e-6 * abs(a["loss"]), (name, a, b)
     # the losses move (training happens) and are not all equal
     assert ref[0]["loss"] != ref[-1]["loss"]
+    # TensorBoard through Bridge's own logger config (logger.tensorboard_dir = <output_dir>/tensorboard)
+    assert list((shared_dir("cp=ring", "cp.size=2") / "tensorboard").glob("events.out.tfevents.*"))
 
 
 @pytest.mark.parametrize("args, message", [

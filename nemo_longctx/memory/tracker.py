@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, Iterator, List, Optional, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Union
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -466,14 +466,18 @@ class StepActivationMeter:
     def stats(self) -> Optional[MemoryStats]:
         return self._stats
 
-    def metrics(self) -> Dict[str, Optional[int]]:
+    def metrics(self) -> Dict[str, Any]:
+        """The last step's bytes; ``activation_bytes_by_layer``: {"layerN": device bytes} of each layer scope at the
+        moment the live total was largest (the per-layer split of ``activation_bytes_device``)."""
         s = self._stats
         if s is None:
-            return {"activation_bytes_device": None, "activation_bytes_host": None, "peak_bytes": None}
+            return {"activation_bytes_device": None, "activation_bytes_host": None, "peak_bytes": None,
+                    "activation_bytes_by_layer": None}
         counted = s.device == "cuda" or self.count_peak
+        layers = {k: int(v.get("device", 0)) for k, v in sorted(s.per_scope.items()) if k.startswith("layer")}
         return {"activation_bytes_device": int(s.activation_bytes_device),
                 "activation_bytes_host": int(s.activation_bytes_host),
-                "peak_bytes": int(s.peak_bytes) if counted else None}
+                "peak_bytes": int(s.peak_bytes) if counted else None, "activation_bytes_by_layer": layers}
 
     def summary(self) -> str:
         m = self.metrics()

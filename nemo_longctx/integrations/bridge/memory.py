@@ -83,7 +83,7 @@ class LongContextMemory:
         return self.options.tiling.describe(int(m.seq_length), int(m.context_parallel_size or 1),
                                             int(m.tensor_model_parallel_size or 1), bool(m.sequence_parallel))
 
-    def metrics(self) -> Dict[str, Optional[int]]:
+    def metrics(self) -> Dict[str, Any]:
         return self.meter.metrics()
 
     def callback(self) -> Any:
