@@ -12,6 +12,8 @@ import sys
 import time
 from typing import List, Optional
 
+from nemo_longctx.convert import parse_args
+
 EXPORT_USAGE = """usage: nemo-longctx bridge-export checkpoint=<Bridge checkpoint.save dir, or one of its iter_* \\
     dirs> output=<new HF dir> [source=<the HF model dir it was trained from; default: the checkpoint's init_from>]
 
@@ -21,26 +23,9 @@ with transformers.AutoModelForCausalLM.from_pretrained. Runs on one CPU process 
 """
 
 
-def _parse(argv: List[str]) -> dict:
-    if any(a in ("-h", "--help", "help") for a in argv):
-        print(EXPORT_USAGE)
-        sys.exit(0)
-    known, args, problems = ("checkpoint", "output", "source"), {}, []
-    for a in argv:
-        key, sep, value = a.partition("=")
-        if not sep or key not in known:
-            problems.append(f"unknown argument {a!r} (expected checkpoint=... output=... [source=...])")
-        else:
-            args[key] = value
-    problems += [f"{k}= is required" for k in ("checkpoint", "output") if not args.get(k)]
-    if problems:
-        print("invalid arguments:\n  - " + "\n  - ".join(problems) + "\n\n" + EXPORT_USAGE, file=sys.stderr)
-        sys.exit(2)
-    return args
-
-
 def export_main(argv: Optional[List[str]] = None) -> None:
-    args = _parse(list(sys.argv[1:] if argv is None else argv))
+    args = parse_args(list(sys.argv[1:] if argv is None else argv), ["checkpoint", "output"], EXPORT_USAGE,
+                      optional=["source"])
     from nemo_longctx.integrations.bridge import hf
 
     problems = hf.export_problems(args["checkpoint"], args["output"], args.get("source"))[2]

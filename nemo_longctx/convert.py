@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 from nemo_longctx.options import ConfigError
 
@@ -25,15 +25,18 @@ result loads with transformers.AutoModelForCausalLM.from_pretrained.
 """
 
 
-def parse_args(argv: List[str], required: List[str], usage: str) -> Dict[str, str]:
+def parse_args(argv: List[str], required: List[str], usage: str, optional: Sequence[str] = ()) -> Dict[str, str]:
+    """``KEY=VALUE`` arguments of a converter: the ``required`` keys and any of ``optional``; anything else, or a
+    missing required key, exits 2 with every problem and the usage; ``-h``/``--help`` prints the usage."""
     if any(a in ("-h", "--help", "help") for a in argv):
         print(usage)
         sys.exit(0)
     args, problems = {}, []
+    expected = " ".join([k + "=..." for k in required] + [f"[{k}=...]" for k in optional])
     for a in argv:
         key, sep, value = a.partition("=")
-        if not sep or key not in required:
-            problems.append(f"unknown argument {a!r} (expected {' '.join(k + '=...' for k in required)})")
+        if not sep or key not in (*required, *optional):
+            problems.append(f"unknown argument {a!r} (expected {expected})")
         else:
             args[key] = value
     problems += [f"{k}= is required" for k in required if not args.get(k)]
