@@ -58,26 +58,16 @@ def split_args(argv: List[str]) -> Tuple[List[str], List[str]]:
 
 
 def compose(overrides: List[str]) -> Any:
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_module
-    from hydra.core.global_hydra import GlobalHydra
-
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
+    """``conf/bridge.yaml`` composed with our overrides (Hydra's compose API, ``nemo_longctx.overrides``: the same
+    messages as ``nemo-longctx train`` for a malformed override, an unknown group choice or key)."""
     from nemo_longctx.options import ConfigError
+    from nemo_longctx.overrides import compose as compose_config
 
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_module(config_module="nemo_longctx.conf", version_base=None):
-            return hydra_compose("bridge", overrides=overrides)
-    except (HydraException, OmegaConfBaseException) as e:  # an unknown group choice, a malformed override, ...
-        lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()] or [type(e).__name__]
-        at = next((i for i, ln in enumerate(lines) if ln.startswith("Available options")), None)
-        choices = [] if at is None else [ln for ln in lines[at + 1:at + 30] if ln.isidentifier()]
-        hint = f"(choose one of: {', '.join(choices)}) " if choices else ""
-        raise ConfigError([f"{lines[0]} {hint}(our keys: {', '.join(OUR_KEYS)}; every other KEY=VALUE is Bridge's)"]
-                          ) from None
+    cfg, problems = compose_config("bridge", overrides)
+    if problems:
+        raise ConfigError([f"{p} (our keys: {', '.join(OUR_KEYS)}; every other KEY=VALUE is Bridge's)"
+                           for p in problems])
+    return cfg
 
 
 def options_of(cfg: Any) -> Any:
@@ -258,9 +248,16 @@ class StepMetrics:
                 if problems:
                     raise RuntimeError("nemo-longctx bridge: " + "; ".join(problems))
                 layers = sum(1 for chunk in context.model for _ in _attention_layers(chunk))
+                from nemo_longctx import console
+
+                console.setup(console.level(), dist.get_rank())  # again: Bridge set its loggers' levels up
                 if dist.get_rank() == 0:
                     print(f"nemo-longctx bridge: core attention: {layers} layers run LongContextCoreAttention "
                           f"({cp.describe()})", flush=True)
+                    if int(context.state.train_state.step) == 0:  # a fresh run: keep the previous run's metrics
+                        moved = console.archive_metrics(os.path.dirname(outer.path))
+                        if moved:
+                            print(f"nemo-longctx bridge: the previous run's metrics.jsonl moved to {moved}", flush=True)
 
             def on_train_step_start(self, context: Any) -> None:
                 outer.t0 = time.perf_counter()
@@ -309,6 +306,9 @@ def run_rank(cfg: Any, bridge_overrides: List[str], options: Any, container: Any
     from nemo_longctx.integrations.bridge.config import long_context_callbacks
     from nemo_longctx.integrations.bridge.memory import memory_of
 
+    from nemo_longctx import console
+
+    console.setup(console.level(), console.rank_from_env())  # again: the libraries are imported now
     output_dir = os.path.abspath(str(cfg.output_dir))
     container = container if container is not None else build(cfg, bridge_overrides, options, output_dir)
     metrics = StepMetrics(os.path.join(output_dir, "metrics.jsonl"),
@@ -349,6 +349,14 @@ def external_rank(cfg: Any, bridge_overrides: List[str], options: Any, launch: A
 
 def main(argv: Optional[List[str]] = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
+    from nemo_longctx import console
+
+    verbose = console.VERBOSE_FLAG in args  # everything the libraries print (every rank gets the flag too)
+    args = [a for a in args if a != console.VERBOSE_FLAG]
+    console.setup("debug" if verbose else "info", console.rank_from_env())
+    from nemo_longctx.help import maybe_print_help
+
+    maybe_print_help("bridge", args, app_options=_app_options())  # -h/--help: our groups and keys, exit 0
     from nemo_longctx.integrations.bridge.hf import init_from_problems
     from nemo_longctx.integrations.nemo.launch import detect_external_launch, launch_local
     from nemo_longctx.options import ConfigError, raise_problems
@@ -385,13 +393,19 @@ def main(argv: Optional[List[str]] = None) -> None:
     os.makedirs(output_dir, exist_ok=True)
     print(f"nemo-longctx bridge: {'recipe ' + str(cfg.recipe) if cfg.recipe else 'CPU demo'}, "
           f"cp={options.cp.describe()}, {memory_of(container).describe(container)}, world {world}", flush=True)
-    t0 = time.perf_counter()
-    code = launch_local(world, args, max(1, (os.cpu_count() or 1) // world), wall_timeout_s=cfg.run.timeout_s,
+    spawned_at = time.time()
+    code = launch_local(world, args + ([console.VERBOSE_FLAG] if verbose else []),
+                        max(1, (os.cpu_count() or 1) // world), wall_timeout_s=cfg.run.timeout_s,
                         shutdown_timeout_s=int(cfg.launcher.shutdown_timeout_s),
                         log_dir=os.path.join(output_dir, "rank_logs"), module="nemo_longctx.bridge_app",
                         env={"NEMO_LONGCTX_BRIDGE_RANK": "1"})
-    print(f"nemo-longctx bridge: {'finished' if code == 0 else f'FAILED (exit {code})'} in "
-          f"{time.perf_counter() - t0:.1f} s", flush=True)
+    metrics = os.path.join(output_dir, "metrics.jsonl")
+    save = getattr(getattr(container, "checkpoint", None), "save", None)
+    print("\n".join(console.summary_lines(
+        code, console.read_metrics(metrics, since=spawned_at), console.since_launch(),
+        max_steps=int(container.train.train_iters), prefix="nemo-longctx bridge",
+        paths=[("metrics", metrics), ("checkpoints", save), ("rank logs", os.path.join(output_dir, "rank_logs"))])),
+        flush=True)
     sys.exit(code)
 
 

@@ -11,10 +11,12 @@ USAGE = """usage: nemo-longctx <command> [hydra overrides]
 
 commands:
   train   NeMo 2 pre-training with context parallelism (default: tiny Llama, CP=2 ring, 2 CPU processes)
-          e.g. nemo-longctx train model=llama3_8b cp=ring cp.size=8 trainer.devices=8 model.seq_length=131072
+          e.g. nemo-longctx train model=llama3_8b cp=ring cp.size=8 trainer.devices=8 model.seq_length=131072 run.dry_run=true
+          (run.dry_run=true builds and validates the configuration without training; drop it to train)
   bridge  Megatron-Bridge pre-training with context parallelism (Python 3.12 stack; default: the CPU demo)
           e.g. nemo-longctx bridge recipe=llama3_8b_pretrain_config cp=ring cp.size=8 train.train_iters=100
   plan    memory/parallelism planner
+          e.g. nemo-longctx plan model=llama3_8b plan.seq_length=1048576 plan.gpus=8 plan.gpu_memory_gb=80
   import  Hugging Face model dir -> NeMo checkpoint (Llama 3.x, Qwen2/2.5), for train init_from=<dir>
           e.g. nemo-longctx import source=/models/Llama-3.1-8B output=/ckpt/llama31-8b
   export  NeMo checkpoint (trained from an import) -> Hugging Face model dir
@@ -22,11 +24,16 @@ commands:
   bridge-export  Megatron-Bridge checkpoint (nemo-longctx bridge init_from=<HF dir> checkpoint.save=<dir>) -> Hugging
           Face model dir, through Bridge's AutoBridge (Python 3.12 stack)
           e.g. nemo-longctx bridge-export checkpoint=/ckpt/run1 output=/models/llama-128k
+
+nemo-longctx train|plan|bridge --help: the command's config groups and keys; --hydra-help: Hydra's own help.
 """
 
 COMMANDS = {"train": "nemo_longctx.train", "bridge": "nemo_longctx.bridge_app", "plan": "nemo_longctx.plan",
             "import": "nemo_longctx.convert:import_main", "export": "nemo_longctx.convert:export_main",
             "bridge-export": "nemo_longctx.bridge_convert:export_main"}
+
+
+HELP_APPS = ("train", "plan")  # `nemo-longctx <app> --help` answered by nemo_longctx.help (bridge: by its main)
 
 
 def main(argv=None) -> None:
@@ -38,6 +45,10 @@ def main(argv=None) -> None:
     if command not in COMMANDS:
         print(f"nemo-longctx: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         sys.exit(2)
+    if command in HELP_APPS and any(a in ("-h", "--help") for a in argv[2:]):  # answered without the app's imports
+        from nemo_longctx.help import maybe_print_help
+
+        maybe_print_help(command, argv[2:])
     module_name, _, function = COMMANDS[command].partition(":")
     try:
         module = importlib.import_module(module_name)

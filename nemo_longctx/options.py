@@ -26,6 +26,7 @@ any rank starts.
 
 from __future__ import annotations
 
+import difflib
 import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -82,7 +83,7 @@ class Option:
         elif k == "bool":
             what = "true or false"
         elif k == "choice":
-            what = "one of " + ", ".join(str(c) for c in self.choices)
+            what = "one of " + ", ".join(dict.fromkeys(str(c) for c in self.choices))  # 32 and "32": one
         elif k == "modules":
             what = f"a non-empty list of {list(self.choices)}"
         elif k == "tiles":
@@ -202,7 +203,34 @@ def unknown_keys(group: str, given: Mapping[str, Any], known: Sequence[str], why
     if not bad:
         return []
     keys = ", ".join(f"{group}.{k}" for k in bad)
-    return [f"{group}: unknown {noun} {bad}{why} ({keys}: not set here; known: {sorted(known) or 'none'})"]
+    near = {k: m[0] for k in bad for m in [difflib.get_close_matches(str(k), [str(x) for x in known], 1)] if m}
+    hints = [f"{group}.{m}" if len(bad) == 1 else f"{group}.{k} -> {group}.{m}" for k, m in near.items()]
+    hint = f"; did you mean {', '.join(hints)}?" if hints else ""
+    return [f"{group}: unknown {noun} {bad}{why} ({keys}: not set here{hint} known: {sorted(known) or 'none'})"]
+
+
+def layout_problems(seq_length: Any, cp_size: Any, tp: Any = 1, pp: Any = 1, world_size: Any = None,
+                    sequence_parallel: bool = False, ctx: Optional["Context"] = None) -> List[str]:
+    """The parallel layout's size rules, shared by every front end and the planner (values not known yet: None):
+    the sequence splits into 2 * cp.size zigzag chunks, each CP rank's part splits over TP ranks under sequence
+    parallelism, and cp.size x TP x PP divides the world size."""
+    ctx = ctx or Context()
+    p: List[str] = []
+    if not all(_is_int(v) and v >= 1 for v in (cp_size, tp, pp)):
+        return p
+    if _is_int(seq_length) and seq_length >= 1:
+        step = 2 * cp_size * (tp if sequence_parallel and tp > 1 else 1)
+        if seq_length % step:
+            lower, upper = seq_length - seq_length % step, seq_length - seq_length % step + step
+            why = (f"2*cp.size = {2 * cp_size} (zigzag layout: 2 chunks per CP rank)" if step == 2 * cp_size else
+                   f"2*cp.size x {ctx.key('tp')} = {step} (zigzag layout: 2 chunks per CP rank, each split over "
+                   f"the TP ranks by {ctx.key('sequence_parallel')})")
+            p.append(f"{ctx.key('seq_length')}={seq_length} must be divisible by {why}: use "
+                     f"{lower or upper}" + (f" or {upper}" if lower else ""))
+    if _is_int(world_size) and world_size >= 1 and world_size % (cp_size * tp * pp):
+        p.append(f"cp.size={cp_size} x {ctx.key('tp')}={tp} x {ctx.key('pp')}={pp} = {cp_size * tp * pp} does not "
+                 f"divide the world size {world_size} ({ctx.key('world_size')})")
+    return p
 
 
 # ---------------------------------------------------------------------------------------------------- context
@@ -217,6 +245,7 @@ class Context:
     seq_length: Optional[int] = None
     tp: int = 1
     pp: int = 1
+    world_size: Optional[int] = None  # None: not known here (the layout's world-size rule is left to the build)
     sequence_parallel: bool = False
     precision: str = "bf16-mixed"
     checkpointing: bool = False
@@ -750,6 +779,7 @@ class MetricsOptions:
     track: Any = True
     track_peak: Any = False
     tensorboard: Any = True
+    level: Any = "info"
     print_every: Any = 1
     given: Tuple[str, ...] = field(default=(), compare=False, repr=False)  # keys set in the memory and log groups
 
@@ -759,6 +789,8 @@ class MetricsOptions:
         Option("memory.track_peak", "bool", False, "peak_bytes on CPU: counts every op's output (slower); CUDA: "
                "always"),
         Option("log.tensorboard", "bool", True, "TensorBoard event files in <output_dir>/tensorboard"),
+        Option("log.level", "choice", "info", "info: quiet console (step lines, warnings once, a final summary) | "
+               "debug: everything the libraries print (--verbose)", choices=("info", "debug")),
         Option("run.print_every", "int", 1, "print a step line every N steps", low=1),
     )
 
@@ -824,6 +856,9 @@ class LongContextOptions:
         p += self.tiling.problems(ctx.seq_length, self.cp.size if cp_ok else None, ctx.tp, ctx.sequence_parallel,
                                   ctx)
         p += self.optim.problems(ctx) + self.metrics.problems()
+        if cp_ok:
+            p += layout_problems(ctx.seq_length, self.cp.size, ctx.tp, ctx.pp, ctx.world_size, ctx.sequence_parallel,
+                                 ctx)
         return p
 
     def check(self, ctx: Optional[Context] = None) -> "LongContextOptions":

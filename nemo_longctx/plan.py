@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from nemo_longctx.memory.model_shapes import shape_from_config
-from nemo_longctx.options import Context
+from nemo_longctx.options import ConfigError, Context, raise_problems  # noqa: F401  (ConfigError: main's refusal)
+from nemo_longctx.plan_keys import PLAN_OPTIONS, plan_key_problems  # noqa: F401  (PLAN_OPTIONS: plan's keys)
 from nemo_longctx.memory.planner import (  # noqa: F401  (RECOMPUTE_GROUP, option_model: the contract's names)
     GIB,
     RECOMPUTE,
@@ -242,6 +243,120 @@ def format_report(p: Plan, model: str, show: int) -> str:
     return head + "\n" + format_table(shown)
 
 
+# What every abbreviation of the table and of the `chosen:` line means (printed after them: `format_legend`).
+LEGEND = (
+    ("cp", "CP algorithm: ring (zigzag P2P ring attention) | ulysses (all-to-all over heads) | hybrid UxR (Ulysses "
+           "over U ranks x ring over R) | none (no context parallelism); `cp=ALGO:N` in the chosen line"),
+    ("cp_size", "context-parallel ranks the sequence is split over (cp.size)"),
+    ("tp", "tensor-parallel size (with Megatron sequence parallelism when > 1)"),
+    ("dp", "data-parallel size = GPUs / (tp x cp_size)"),
+    ("recompute", "`rc=` in the chosen line: none | selective_mlp (recompute=selective recompute.modules=[mlp]) | "
+                  "selective_attn (recompute.modules=[core_attn]) | full (full-layer recompute) | full_keep_attn "
+                  "(full recompute keeping attention's output: no second attention/ring pass in backward)"),
+    ("offload", "`off=` in the chosen line: none | layer_input (each checkpointed layer input goes to host memory, "
+                "prefetched back for backward)"),
+    ("tiles", "sequence tiles of every MLP per rank (tiling.mlp_tiles; 1 = off)"),
+    ("chunks", "chunks of the output layer + cross entropy per rank (tiling.loss_chunks; 1 = off)"),
+    ("state", "model-state layout (the optim group): ddp = Megatron DDP (every rank keeps weights, grads, optimizer) | "
+              "distributed = distributed optimizer (ZeRO-1: fp32 master + Adam moments sharded over dp x cp) | "
+              "fsdp = Megatron-FSDP (ZeRO-3: weights, grads and optimizer sharded)"),
+    ("+optoffF", "optimizer CPU offload of fraction F of the (sharded) optimizer state: its Adam step runs on the "
+                 "host (optoff0.5 = half, optoff1 = all; optim.optimizer_cpu_offload)"),
+    ("+pa", "precision-aware optimizer (optim.use_precision_aware_optimizer): bf16 main grads, bf16 Adam moments on "
+            "the device"),
+    ("weights/grads/optim", "GiB per GPU of weights, main gradients, optimizer state on the device"),
+    ("act", "GiB per GPU of saved activations on the device at the peak"),
+    ("trans", "GiB per GPU of the peak phase's working set (not saved for backward)"),
+    ("comm", "GiB per GPU of CP communication buffers at the peak"),
+    ("total", "GiB per GPU at the peak, including the reserve"),
+    ("host/node", "GiB of host memory per node: offloaded activations, host optimizer state, per-process reserve"),
+    ("cost", "step time relative to ideal compute (lower is faster)"),
+    ("fits", "yes | host (fits the GPU, not the host memory) | no"),
+)
+PEAK_PHASES = {"layers": "in a layer's backward", "head": "in the output layer + loss backward"}
+
+
+def format_legend() -> str:
+    width = max(len(k) for k, _ in LEGEND)
+    return "legend:\n" + "\n".join(f"  {k.ljust(width)}  {v}" for k, v in LEGEND)
+
+
+def _largest_part(ev: Evaluation) -> str:
+    m = ev.memory.gib()
+    names = {"weights": "weights", "grads": "grads", "optimizer": "optim", "activations": "act",
+             "transient": "trans", "comm": "comm"}
+    k = max(names, key=lambda n: m[n])
+    return f"largest part: {names[k]} {m[k]:.1f} GiB"
+
+
+def limited_by(p: Plan) -> List[str]:
+    """What limits the chosen row (the cheaper candidates, and what they exceed) or, when nothing fits, what every
+    candidate is over; then the chosen row's own use of device and host memory."""
+    hw, chosen = p.hardware, p.chosen
+    gpu, host = f"{hw.gpu_memory_gb:g} GiB per GPU", f"{hw.host_memory_gb:g} GiB host per node"
+    pool = ([e for e in p.evaluations if not e.fits and e.cost < chosen.cost] if chosen is not None
+            else list(p.evaluations))
+    over_gpu = [e for e in pool if not e.fits_gpu]
+    over_host = [e for e in pool if e.fits_gpu and not e.fits_host]
+    parts = []
+    if over_gpu:
+        e = min(over_gpu, key=lambda e: (e.cost, e.memory.total) if chosen else (e.memory.total, e.cost))
+        parts.append(f"device memory: {len(over_gpu)} {'cheaper ' if chosen else ''}candidate(s) need more than "
+                     f"{gpu} ({'cheapest' if chosen else 'closest'}: {e.candidate.label()}, cost {e.cost:.3f}, "
+                     f"{e.memory.total / GIB:.1f} GiB at the peak {PEAK_PHASES[e.memory.peak_phase]}, "
+                     f"{_largest_part(e)})")
+    if over_host:
+        e = min(over_host, key=lambda e: (e.cost, e.memory.host_per_node) if chosen else (e.memory.host_per_node,))
+        parts.append(f"host memory: {len(over_host)} {'cheaper ' if chosen else ''}candidate(s) fit the GPU but "
+                     f"need more than {host} ({'cheapest' if chosen else 'closest'}: {e.candidate.label()}, "
+                     f"cost {e.cost:.3f}, {e.memory.host_per_node / GIB:.0f} GiB)")
+    if chosen is None:
+        return ["limited by: nothing fits; " + ("; ".join(parts) if parts else "no valid parallel layout")]
+    out = ["limited by: " + ("; ".join(parts) if parts else
+                             f"nothing searched is cheaper (cost {chosen.cost:.3f}: compute and communication)")]
+    m = chosen.memory
+    out.append(f"  chosen row: {m.total / GIB:.1f} of {gpu} at the peak {PEAK_PHASES[m.peak_phase]} "
+               f"({_largest_part(chosen)}), {m.host_per_node / GIB:.0f} of {host}")
+    return out
+
+
+def caveats(ev: Evaluation, precision: str, target: str = "gpu", frontend: str = "nemo") -> List[str]:
+    """What the chosen row cannot do in the train app, from the app's own checks: the option model's refusals that
+    appear only with checkpoint saving or without TransformerEngine (GPU target), or the CPU-only refusals with
+    checkpoint saving (CPU target); and what is not yet run on GPUs here."""
+    from dataclasses import replace as _replace
+
+    from nemo_longctx.integrations.megatron.cpu_compat import model_state_cpu_problems
+    from nemo_longctx.integrations.nemo.config_keys import NEMO_KEYS
+    from nemo_longctx.options import Context as _Context
+
+    gpu = target == "gpu"
+    keys = NEMO_KEYS if frontend == "nemo" else {}
+    opts = candidate_options(ev.candidate)
+    base = _Context(precision=precision, cuda=gpu, te=gpu, keys=keys)
+    have = set(opts.problems(base))
+    ckpt = base.key("checkpointing")
+    out = [f"checkpoint saving ({ckpt} > 0): {m}" for m in opts.problems(_replace(base, checkpointing=True))
+           if m not in have]
+    if gpu:
+        out += [f"without TransformerEngine: {m}" for m in opts.problems(_replace(base, te=False))
+                if m not in have]
+    else:
+        plain = set(model_state_cpu_problems(opts.optim.state, force=True))
+        out += [f"checkpoint saving ({ckpt} > 0): {m}" for m in model_state_cpu_problems(
+                    opts.optim.state, force=True, checkpointing=True, checkpoint_key=ckpt) if m not in plain]
+    if ev.candidate.model_state.sharding == "fsdp" and gpu:
+        out.append("Megatron-FSDP on GPUs is NeMo's own path, not yet run by this project (trained here on CPU over "
+                   "gloo only: conf/optim/fsdp.yaml)")
+    return out
+
+
+def format_caveats(items: List[str]) -> str:
+    if not items:
+        return "caveats: none (the train app's checks with checkpoint saving and without TransformerEngine pass)"
+    return "caveats:\n" + "\n".join(f"  - {c}" for c in items)
+
+
 def source_checkout() -> str:
     """The nemo_longctx checkout this module runs from ('' when installed from a wheel: no pyproject.toml)."""
     root = Path(__file__).resolve().parents[1]
@@ -369,7 +484,21 @@ def plot_memory(path: str, p: Plan, ev: Evaluation, model: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- app
+def key_problems(cfg: Any) -> List[str]:
+    """Every problem of the ``plan.*`` values (``PLAN_OPTIONS``), each naming its key and value."""
+    try:
+        plan_node = _container(cfg.plan)
+        from omegaconf import OmegaConf
+
+        if OmegaConf.is_config(cfg.plan):
+            plan_node = OmegaConf.to_container(cfg.plan, resolve=True)
+    except Exception as e:  # an interpolation that does not resolve
+        return [f"plan: {e}"]
+    return plan_key_problems(plan_node)
+
+
 def run(cfg: Any, out=sys.stdout) -> int:
+    raise_problems(key_problems(cfg))  # ConfigError: every bad plan.* value at once (main: exit 2)
     shape, seq, hw, precision, coef, cost, search = inputs_from_config(cfg)
     name = model_name(cfg)
     p = make_plan(shape, seq, hw, precision, coef, cost, float(_get(cfg.plan, "cost_tolerance", 0.01)), **search)
@@ -380,6 +509,9 @@ def run(cfg: Any, out=sys.stdout) -> int:
         d["model_name"] = name
         d["overrides"] = frontend_overrides(cfg, p, chosen, name)[1] if chosen else None
         d["missing"] = missing
+        d["limited_by"] = limited_by(p)
+        d["caveats"] = caveats(chosen, train_precision(p.precision), str(_get(cfg.plan, "target", "gpu")),
+                               str(_get(cfg.plan, "frontend", "nemo"))) if chosen else None
         d["candidates"] = d["candidates"][: int(_get(cfg.plan, "json_candidates", 50))]
         print(json.dumps(d, indent=1), file=out)
     else:
@@ -390,6 +522,11 @@ def run(cfg: Any, out=sys.stdout) -> int:
                   file=out)
             command, args = frontend_overrides(cfg, p, chosen, name)
             print(command + " " + " ".join(shlex.quote(o) for o in args), file=out, flush=True)
+        print("\n" + format_legend(), file=out)
+        print("\n".join(limited_by(p)), file=out)
+        if chosen:
+            print(format_caveats(caveats(chosen, train_precision(p.precision), str(_get(cfg.plan, "target", "gpu")),
+                                         str(_get(cfg.plan, "frontend", "nemo")))), file=out, flush=True)
     if chosen is None:
         print(f"\nno fitting plan: {missing}", file=sys.stderr if bool(_get(cfg.plan, "json", False)) else out)
         return 2
@@ -409,6 +546,9 @@ def run(cfg: Any, out=sys.stdout) -> int:
 
 def main(argv: Optional[List[str]] = None) -> None:
     """Console entry (`nemo-longctx plan ...` / `python -m nemo_longctx.plan ...`): Hydra overrides in argv."""
+    from nemo_longctx.help import maybe_print_help
+
+    maybe_print_help("plan", sys.argv[1:] if argv is None else argv)  # -h/--help: plan's keys, exit 0
     import hydra
 
     if argv is not None:

@@ -32,6 +32,7 @@ from nemo_longctx.integrations.nemo.app import (  # noqa: F401  (re-exported: th
     config_problems,
     dry_run,
     global_batch_size,
+    launch_problems,
     options_of,
     parallel_sizes,
     raise_problems,
@@ -62,11 +63,17 @@ def train_rank(cfg: DictConfig, launch: Optional[Launch], options: Optional[Long
     local = launch.local_world_size if launch is not None else 1
     torch.set_num_threads(int(threads) if threads else max(1, (os.cpu_count() or 1) // local))
     import lightning.pytorch as pl
+    from omegaconf import OmegaConf
 
+    from nemo_longctx import console
     from nemo_longctx.integrations.nemo.app import fit
 
+    rank = launch.rank if launch is not None else 0
+    level = str(OmegaConf.select(cfg, "log.level", default="info"))
+    console.setup(level, rank)  # again now that Lightning (and NeMo) are imported: they set their loggers' levels
     pl.seed_everything(int(cfg.seed), verbose=False)
     built = build(cfg, launch, options=options, checked=options is not None)
+    console.setup(level, rank)  # NeMo's console handlers exist once the model is built
     if cfg.run.get("kernel_self_test"):
         kernel_self_test(str(cfg.trainer.precision), local_rank=launch.local_rank if launch is not None else 0)
     if built.trainer.global_rank == 0:
@@ -79,7 +86,24 @@ def train_rank(cfg: DictConfig, launch: Optional[Launch], options: Optional[Long
         )
     fit(built)
     _finish_distributed()
+    if rank == 0 and os.environ.get("NEMO_LONGCTX_SPAWNED") != "1":  # the only process, or rank 0 of torchrun/srun
+        _print_summary(cfg, 0)  # (under the local launcher the launching process prints it)
     return 0
+
+
+def _print_summary(cfg: DictConfig, code: int, since: Optional[float] = None, rank_logs: Optional[str] = None) -> None:
+    """The run's final summary (``console.summary_lines``), read from its metrics file; ``since``: when the ranks
+    started (a metrics file last written before then is a previous run's)."""
+    from nemo_longctx import console
+    from nemo_longctx.integrations.nemo.app import checkpoint_dir
+
+    metrics = os.path.join(str(cfg.output_dir), "metrics.jsonl")
+    every = int(cfg.get("checkpoint", {}).get("every_n_steps", 0) or 0)
+    paths = [("metrics", metrics), ("checkpoints", checkpoint_dir(cfg) if every > 0 else None),
+             ("rank logs", rank_logs)]
+    lines = console.summary_lines(code, console.read_metrics(metrics, since=since), console.since_launch(),
+                                  max_steps=int(cfg.trainer.max_steps), paths=paths)
+    print("\n".join(lines), flush=True)
 
 
 def _finish_distributed() -> None:
@@ -124,27 +148,30 @@ def _refuse_multirun() -> None:
 
 
 def run(cfg: DictConfig) -> int:
+    _refuse_multirun()
+    options = options_of(cfg)  # the run's option model: built once, handed to every step below
+    # every config-level problem at once, before any process starts and before NeMo is imported (seconds)
+    raise_problems(config_problems(cfg, options))
     import torch
 
     if not torch.cuda.is_available():
         from nemo_longctx.integrations.nemo import compat
 
         compat.apply()  # Megatron-core then NeMo adapted to a CPU-only torch (integrations/nemo/compat.py)
-    _refuse_multirun()
-    options = options_of(cfg)  # the run's option model: built once, handed to every step below
-    raise_problems(config_problems(cfg, options))  # every config-level problem at once, before any process starts
     from nemo_longctx.integrations.nemo import pretrained
 
     external = detect_external_launch()
     pretrained.prepare(cfg, rank=external.rank if external is not None else 0)  # init_from=<HF dir>: import once
+    launch = detect_external_launch()
+    world = world_size_of(cfg, launch)
+    if launch is None and world > 1 and not cfg.run.dry_run:  # the launching process: the model config's checks
+        raise_problems(launch_problems(cfg, options, world))  # once, before any rank starts
     from nemo_longctx.integrations.nemo import documents
 
     documents.prepare(cfg, rank=external.rank if external is not None else 0)  # data=documents: tokenize once
     if cfg.run.dry_run:
         dry_run(cfg, options)
         return 0
-    launch = detect_external_launch()
-    world = world_size_of(cfg, launch)
     if launch is None and world > 1:
         if int(cfg.trainer.num_nodes) != 1:
             raise ValueError("trainer.num_nodes > 1 needs torchrun or srun to start the processes")
@@ -152,15 +179,14 @@ def run(cfg: DictConfig) -> int:
         threads = cfg.launcher.threads_per_process or max(1, (os.cpu_count() or 1) // local)
         print(f"nemo-longctx: spawning {local} local processes ({threads} thread(s) each) with torch's elastic agent",
               flush=True)
-        t0 = time.perf_counter()
+        spawned_at = time.time()
         code = launch_local(
             local, [*_ARGV, "hydra.output_subdir=null"], int(threads), wall_timeout_s=cfg.run.timeout_s,
             shutdown_timeout_s=int(cfg.launcher.get("shutdown_timeout_s", 30)),
             env={"NEMO_LONGCTX_CONFIG_HASH": config_hash(cfg)},
             log_dir=os.path.join(str(cfg.output_dir), "rank_logs"),
         )
-        print(f"nemo-longctx: {'finished' if code == 0 else f'FAILED (exit {code})'} in {time.perf_counter() - t0:.1f} s",
-              flush=True)
+        _print_summary(cfg, code, since=spawned_at, rank_logs=os.path.join(str(cfg.output_dir), "rank_logs"))
         return code
     return train_rank(cfg, launch, options)
 
@@ -169,22 +195,53 @@ def run(cfg: DictConfig) -> int:
 def _hydra_main(cfg: DictConfig) -> None:
     try:
         _EXIT["code"] = run(cfg)
+    except ConfigError as e:  # a wrong config: one message (rank 0's where ranks run), no traceback, exit 2
+        record_error(e)  # under the elastic agent / torchrun: the launcher names this rank's error
+        if _rank0():
+            print(f"nemo-longctx train: {e}", file=sys.stderr, flush=True)
+        _EXIT["code"] = 2
     except BaseException as e:
         record_error(e)  # under the elastic agent / torchrun: the launcher prints this rank's error
         raise
 
 
+def _rank0() -> bool:
+    from nemo_longctx import console
+
+    return console.rank_from_env() == 0
+
+
 def main(argv: Optional[List[str]] = None) -> None:
+    from nemo_longctx.help import maybe_print_help
+
+    maybe_print_help("train", sys.argv[1:] if argv is None else argv)  # -h/--help: our groups and keys, exit 0
     die_with_parent()  # a rank of the local launcher never outlives it
     faulthandler.enable()  # a rank killed by SIGSEGV/SIGABRT/SIGBUS/SIGFPE leaves its Python stacks on stderr
     args = list(sys.argv[1:] if argv is None else argv)
+    from nemo_longctx import console
+
+    # --verbose = log.level=debug: the override replaces the flag, so Hydra and every rank (handed _ARGV) get it; the
+    # console is quieted now, before the libraries are imported (train_rank applies the composed cfg.log.level)
+    args, level = console.take_verbose(args)
+    console.setup(level, console.rank_from_env())
+    if argv is None:
+        sys.argv = [sys.argv[0], *args]  # what Hydra parses
     if any(a in MULTIRUN_FLAGS for a in args):
         print("nemo-longctx train: --multirun/-m is not supported: start one run per configuration "
               "(e.g. one sbatch job each)", file=sys.stderr)
         sys.exit(2)
+    from nemo_longctx.integrations.nemo.app import preflight
+    from nemo_longctx.overrides import quote_path_values
+
+    args = quote_path_values(args)  # checkpoint.resume=/ckpt/step=3-...: a path, passed on quoted
+    if os.environ.get("NEMO_LONGCTX_SPAWNED") != "1":  # the launching process (or a torchrun/srun rank)
+        problems = preflight(args, CONFIG_NAME)  # cp=rign, cp.sise=4, every config-level rule: named, exit 2
+        if problems:
+            if _rank0():
+                print(f"nemo-longctx train: {ConfigError(problems)}", file=sys.stderr, flush=True)
+            sys.exit(2)
     _ARGV[:] = args
-    if argv is not None:
-        sys.argv = [sys.argv[0], *args]
+    sys.argv = [sys.argv[0], *args]
     _hydra_main()  # Hydra exits with 1 itself when the task raises (and prints the error)
     sys.exit(_EXIT["code"])
 

@@ -76,7 +76,7 @@ def world(tmp_path_factory):
     d = {k: base / k for k in ("imp_l31", "llama", "qwen", "exp_llama", "exp_qwen")}
 
     _ok(CLI + ["import", f"source={hf['l31']}", f"output={d['imp_l31']}"], "import")
-    llama_out = _ok(CLI + ["train", f"init_from={hf['llama']}", f"output_dir={d['llama']}", "cp=ring",
+    llama_out = _ok(CLI + ["train", "--verbose", f"init_from={hf['llama']}", f"output_dir={d['llama']}", "cp=ring",
                            "trainer.max_steps=3", "checkpoint.every_n_steps=3", *COMMON,
                            *[f"++model.{k}={v}" for k, v in L31_OVERRIDE.items()]], "train_llama_ring")
     qwen_args = [f"init_from={hf['qwen']}", f"output_dir={d['qwen']}", "cp=ulysses", "checkpoint.every_n_steps=2",

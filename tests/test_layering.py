@@ -2,12 +2,15 @@
 
 Layers, arrows only pointing down::
 
-    apps          nemo_longctx.train, .bridge_app, .bridge_convert, .plan, .cli, .convert, .__main__, .selftest(.*)
+    apps          nemo_longctx.train, .bridge_app, .bridge_convert, .plan, .plan_keys, .help, .cli, .convert, .__main__,
+                  .selftest(.*)
     front ends    nemo_longctx.integrations.nemo.*, nemo_longctx.integrations.bridge.*
     neutral       nemo_longctx.integrations.megatron.*   (megatron-core and torch; never nemo/lightning/hydra/bridge)
     memory        nemo_longctx.memory.*                  (plain torch; may use attention)
     attention     nemo_longctx.attention.*               (plain torch)
-    leaves        nemo_longctx (``__init__``), nemo_longctx.options (standard library only), nemo_longctx.conf (the
+    leaves        nemo_longctx (``__init__``), nemo_longctx.options and nemo_longctx.console (standard library only),
+                  nemo_longctx.overrides (Hydra's override parser and compose API only),
+                  nemo_longctx.conf (the
                   Hydra config package: data), nemo_longctx.integrations (the namespace ``__init__``)
 
 Every import counts: module level and inside functions, ``import x``, ``from x import y``, relative imports resolved
@@ -34,9 +37,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PKG = "nemo_longctx"
 PKG_DIR = ROOT / PKG
 
-APPS = ("train", "bridge_app", "bridge_convert", "plan", "cli", "convert", "__main__", "selftest")
+APPS = ("train", "bridge_app", "bridge_convert", "plan", "plan_keys", "help", "cli", "convert", "__main__", "selftest")
 FRONT_ENDS = ("integrations.nemo", "integrations.bridge")
-LEAVES = {PKG, f"{PKG}.options", f"{PKG}.conf", f"{PKG}.integrations"}
+LEAVES = {PKG, f"{PKG}.options", f"{PKG}.console", f"{PKG}.overrides", f"{PKG}.conf", f"{PKG}.integrations"}
 
 # rank of each layer: an import may only go to the same or a lower rank (leaves: anyone may import them)
 RANKS = {"apps": 4, "front end": 3, "integrations.megatron": 2, "memory": 1, "attention": 0}
@@ -225,19 +228,26 @@ def test_attention_and_memory_import_torch_only():
     assert not bad, _report("attention/memory import third-party packages other than torch", bad)
 
 
+def test_overrides_module_imports_hydra_only():
+    stdlib = sys.stdlib_module_names | {"__future__", "hydra", "omegaconf"}
+    bad = [i for i in IMPORTS if i.src == f"{PKG}.overrides" and i.target.split(".")[0] not in stdlib]
+    assert not bad, _report("nemo_longctx/overrides.py imports beyond the standard library, Hydra and OmegaConf", bad)
+
+
 def test_attention_and_memory_import_no_integration_and_no_app():
     bad = [i for i in _from("memory", "attention") if _own(i.target)
            and (_under(i.target, f"{PKG}.integrations") or _layer(i.target) == "apps")]
     assert not bad, _report("attention/memory import nemo_longctx.integrations or an app", bad)
 
 
-def test_options_module_is_standard_library_only():
-    name = f"{PKG}.options"
+@pytest.mark.parametrize("leaf", ["options", "console"])
+def test_options_module_is_standard_library_only(leaf):
+    name = f"{PKG}.{leaf}"
     if name not in MODULES:
-        pytest.skip("nemo_longctx/options.py does not exist yet")
+        pytest.skip(f"nemo_longctx/{leaf}.py does not exist yet")
     stdlib = sys.stdlib_module_names | {"__future__"}
     bad = [i for i in IMPORTS if i.src == name and i.target.split(".")[0] not in stdlib]
-    assert not bad, _report("nemo_longctx/options.py imports beyond the standard library", bad)
+    assert not bad, _report(f"nemo_longctx/{leaf}.py imports beyond the standard library", bad)
 
 
 def test_no_upward_imports():

@@ -49,7 +49,7 @@ def test_ring_and_ulysses_cp2_match_one_rank(demo_runs):
     (["recompute=full_keep_attn", "cp=ulysses", "cp.size=2"], "it needs cp.algorithm=ring (cp=ring or cp=none)"),
     (["tiling.mlp_tiles=0"], "tiling.mlp_tiles must be a positive number of tiles"),
     (["cp.size=2", "model.seq_length=250"], "model.seq_length=250 must be divisible by 2*cp.size = 4"),
-    (["cp=foo"], "Could not find 'cp/foo' (choose one of: hybrid, none, ring, ulysses)"),
+    (["cp=foo"], "cp=foo: no such choice of the cp group (choose one of: hybrid, none, ring, ulysses)"),
     (["--recipe"], "--recipe needs a Bridge recipe name"),
     (["--recipe", "no_such_recipe"], "recipe='no_such_recipe' is not a Megatron-Bridge recipe"),
     (["+run.timout_s=3"], "run: unknown key(s) ['timout_s']"),

@@ -69,7 +69,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Iterable
 
-from nemo_longctx.options import Context, LongContextOptions, auto_tiles
+from nemo_longctx.options import Context, LongContextOptions, auto_tiles, layout_problems
 
 from .model_shapes import ModelShape
 
@@ -743,7 +743,7 @@ def candidate_configs(shape: ModelShape, seq_length: int, hw: Hardware,
         if hq % tp or hkv % tp:
             continue
         for cp in _powers_of_two_dividing(hw.gpus // tp, hw.gpus):
-            if seq_length % (2 * cp) and cp > 1:
+            if layout_problems(seq_length, cp, tp, 1, hw.gpus, sequence_parallel=tp > 1):  # train's own rule
                 continue
             layouts = []
             if cp == 1:

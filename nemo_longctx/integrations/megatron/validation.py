@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
-from nemo_longctx.options import Context, LongContextOptions
+from nemo_longctx.options import Context, LongContextOptions, layout_problems
 
 from .cp_algorithms import get_cp_algorithm, mark_checked
 
@@ -31,11 +31,8 @@ def long_context_problems(
     k = keys or Context()
     problems = []
     algo = get_cp_algorithm(cp_algorithm)
-    seq = getattr(config, "seq_length", None)
-    if seq is not None and seq % (2 * cp_size) != 0:
-        problems.append(
-            f"model.seq_length={seq} must be divisible by 2*cp.size = {2 * cp_size} (zigzag layout: 2 chunks per CP rank)"
-        )
+    problems += layout_problems(getattr(config, "seq_length", None), cp_size, tp, pp, world_size,
+                                bool(getattr(config, "sequence_parallel", False)), k)
     heads, groups = config.num_attention_heads, config.num_query_groups or config.num_attention_heads
     if heads % groups != 0:
         problems.append(f"model.num_attention_heads={heads} must be a multiple of model.num_query_groups={groups}")
@@ -43,11 +40,6 @@ def long_context_problems(
         problems.append(
             f"model.num_attention_heads={heads} and model.num_query_groups={groups} must be divisible by "
             f"{k.key('tp')}={tp}"
-        )
-    if world_size is not None and world_size % (cp_size * tp * pp) != 0:
-        problems.append(
-            f"cp.size={cp_size} x {k.key('tp')}={tp} x {k.key('pp')}={pp} = {cp_size * tp * pp} does not divide "
-            f"the world size {world_size} ({k.key('world_size')})"
         )
     if getattr(config, "attention_dropout", 0.0):
         problems.append(

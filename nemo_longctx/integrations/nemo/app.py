@@ -22,7 +22,6 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from nemo_longctx.integrations.nemo.config_keys import APP_GROUPS, APP_OPTIONS, NEMO_KEYS, RESUME_MODES, parse_fault
-from nemo_longctx.integrations.nemo.documents import documents_problems
 from nemo_longctx.integrations.nemo.launch import Launch
 from nemo_longctx.integrations.nemo.pretrained import init_from_of, init_from_problems
 from nemo_longctx.options import (  # noqa: F401  (ConfigError, raise_problems: the app's error type, re-exported)
@@ -42,12 +41,19 @@ def options_of(cfg: DictConfig) -> LongContextOptions:
                                          if cfg.get(g) is not None})
 
 
-def context_of(cfg: DictConfig) -> Context:
-    """What the option checks need from the app's other keys (their values as typed: checked as APP_OPTIONS)."""
+def context_of(cfg: DictConfig, world_size: Optional[int] = None) -> Context:
+    """What the option checks need from the app's other keys (their values as typed: checked as APP_OPTIONS).
+    With ``init_from`` the sequence length is the checkpoint's unless the command line sets ``model.seq_length``
+    (unknown here otherwise: checked against the model config before the ranks start)."""
     s = cfg.trainer.strategy
     every = (cfg.get("checkpoint") or {}).get("every_n_steps", 0)
-    return Context(seq_length=cfg.model.get("seq_length"), tp=s.tensor_model_parallel_size,
-                   pp=s.pipeline_model_parallel_size, sequence_parallel=s.sequence_parallel,
+    seq = cfg.model.get("seq_length")
+    if init_from_of(cfg) is not None:
+        from nemo_longctx.integrations.nemo.pretrained import command_line_model_overrides
+
+        seq = command_line_model_overrides(cfg)[0].get("seq_length")
+    return Context(seq_length=seq, tp=s.tensor_model_parallel_size, pp=s.pipeline_model_parallel_size,
+                   world_size=world_size, sequence_parallel=s.sequence_parallel,
                    precision=str(cfg.trainer.precision), checkpointing=isinstance(every, int) and every > 0,
                    keys=NEMO_KEYS)
 
@@ -112,21 +118,103 @@ def app_key_problems(cfg: DictConfig) -> List[str]:
     return p
 
 
-def config_problems(cfg: DictConfig, options: Optional[LongContextOptions] = None) -> List[str]:
-    """Every config-level problem (no model config needed), each naming its key."""
+def choice_problems(cfg: DictConfig, choices: Optional[Dict[str, Any]] = None) -> List[str]:
+    """Contradictions between a config group's choice and a value set beside it (``cp=none cp.size=2`` is refused,
+    not run as ring x 2). ``choices``: Hydra's ``runtime.choices`` (default: this Hydra run's)."""
+    if choices is None:
+        from hydra.core.hydra_config import HydraConfig
+
+        choices = dict(HydraConfig.get().runtime.choices) if HydraConfig.initialized() else {}
+    size = OmegaConf.select(cfg, "cp.size", default=1)
+    if choices.get("cp") == "none" and size != 1:
+        return [f"cp=none with cp.size={size}: cp=none means no context parallelism (one rank holds the whole "
+                f"sequence); for {size} context-parallel ranks choose the algorithm: cp=ring|ulysses|hybrid "
+                f"cp.size={size}"]
+    return []
+
+
+def config_problems(cfg: DictConfig, options: Optional[LongContextOptions] = None,
+                    world_size: Optional[int] = None, choices: Optional[Dict[str, Any]] = None,
+                    target_cuda: Optional[bool] = None) -> List[str]:
+    """Every config-level problem (no model config needed, no NeMo import), each naming its key; ``world_size``
+    (default: the launch's, else trainer.devices x trainer.num_nodes) for the layout's world-size rule; ``choices``:
+    the config groups chosen (default: this Hydra run's); ``target_cuda``: check for a target with (True: CUDA and
+    TransformerEngine) or without CUDA instead of this process's build (the planner's targets)."""
     from nemo_longctx.integrations.megatron.cpu_compat import model_state_cpu_problems, needed
+    from nemo_longctx.integrations.nemo.data_checks import data_problems
+    from nemo_longctx.integrations.nemo.launch import detect_external_launch
 
     options = options or options_of(cfg)
     problems = app_key_problems(cfg)
-    ctx = context_of(cfg) if not problems else Context(keys=NEMO_KEYS)
-    ctx = replace(ctx, cuda=not needed(), te=te_available())
+    if not problems:
+        world_size = world_size or world_size_of(cfg, detect_external_launch())
+    ctx = context_of(cfg, world_size) if not problems else Context(keys=NEMO_KEYS)
+    cuda = not needed() if target_cuda is None else target_cuda
+    ctx = replace(ctx, cuda=cuda, te=te_available() if target_cuda is None else target_cuda)
+    problems += choice_problems(cfg, choices)
     problems += options.problems(ctx)
-    if not options.optim.state.problems():  # what cannot run on a CPU-only build (empty with CUDA)
-        problems += model_state_cpu_problems(options.optim.state, checkpointing=ctx.checkpointing,
+    if not cuda and not options.optim.state.problems():  # what cannot run on a CPU-only build
+        problems += model_state_cpu_problems(options.optim.state, force=target_cuda is False,
+                                             checkpointing=ctx.checkpointing,
                                              checkpoint_key=NEMO_KEYS["checkpointing"])
     problems += init_from_problems(cfg)  # init_from: the path and the model fields the command line overrides
-    problems += documents_problems(cfg)  # data=documents: sources and tokenizer
+    problems += data_problems(cfg)  # the data kind, packing, the files it reads, a tokenizer on this machine
+    if not problems:
+        _collect(problems, lambda: global_batch_size(cfg, world_size))
     return problems
+
+
+def preflight(args: List[str], config_name: str = "train", target_cuda: Optional[bool] = None) -> List[str]:
+    """What ``nemo-longctx train <args>`` would refuse before loading NeMo: the command line composed by Hydra's
+    compose API (a malformed override, an unknown group choice or key) and every config-level problem. The app runs
+    it in the launching process; tests call it in-process for many command lines."""
+    from nemo_longctx.overrides import compose
+
+    cfg, problems = compose(config_name, args, hydra_config=True)
+    if problems:
+        return problems
+    return config_problems(cfg, options_of(cfg), choices=dict(cfg.hydra.runtime.choices), target_cuda=target_cuda)
+
+
+def launch_problems(cfg: DictConfig, options: LongContextOptions, world_size: int) -> List[str]:
+    """The checks that need the model config (built here from the config or init_from's checkpoint, no weights):
+    the layout and options against the model (``model_problems``), and the tokenizer against its vocabulary. The
+    launching process runs them once before any rank starts (config-level problems already reported)."""
+    from nemo_longctx.integrations.megatron.validation import model_problems
+
+    problems: List[str] = []
+    config = _collect(problems, lambda: build_model_config(cfg, options))
+    if config is None:
+        return problems
+    p = parallel_sizes(cfg)
+    problems += model_problems(config, options, world_size, p["tp"], p["pp"], Context(keys=NEMO_KEYS))
+    problems += vocabulary_problems(cfg, config)
+    return problems
+
+
+def vocabulary_problems(cfg: DictConfig, config: Any) -> List[str]:
+    """A data tokenizer whose ids reach past the model's embedding table would fail in the ranks (an IndexError in
+    the embedding lookup): refused here, naming both sizes."""
+    if str(cfg.data.get("kind")) not in ("indexed", "documents", "packed_sft"):
+        return []
+    from nemo_longctx.integrations.nemo.documents import tokenizer_dir
+
+    tok = cfg.data.get("tokenizer")
+    if tok is None and init_from_of(cfg) is None:
+        return []
+    path = tokenizer_dir(cfg)
+    if not path.is_dir():
+        return []  # a cached hub id: read by the ranks (config-level checks found it in the cache)
+    from transformers import AutoTokenizer
+
+    size = len(AutoTokenizer.from_pretrained(str(path)))
+    vocab = getattr(config, "vocab_size", None)
+    if vocab is not None and size > int(vocab):
+        key = "data.tokenizer" if tok is not None else "init_from's tokenizer"
+        return [f"{key} ({path}) has {size} tokens but the model's vocabulary (model.vocab_size) is {vocab}: token "
+                f"ids >= {vocab} would index past the embedding table; use the model's own tokenizer or set "
+                f"model.vocab_size >= {size}"]
+    return []
 
 
 # ------------------------------------------------------------------------------------------------ builders

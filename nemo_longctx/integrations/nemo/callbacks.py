@@ -9,7 +9,8 @@ what ``extra.metrics()`` returns (the app passes ``ActivationMemoryMetrics``: ac
 activation_bytes_host, peak_bytes of this rank), with ``extra.summary()`` appended to the printed line. The same
 scalars go to the trainer's loggers as ``train/<key>`` (TensorBoard). After each validation run a row
 ``{"step", "val_loss"}`` is appended (NeMo's ``val_loss``, reduced over CP like the training loss). A resumed run
-keeps the rows up to the restored step.
+keeps the rows up to the restored step; a fresh run first moves the previous run's file to
+``<output_dir>/runs/run_<N>/metrics.jsonl`` (``console.archive_metrics``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any, Optional
 
 import lightning.pytorch as pl
 
+from nemo_longctx.console import archive_metrics
 from nemo_longctx.integrations.nemo.config_keys import FAULT_KINDS, parse_fault
 from nemo_longctx.integrations.nemo.launch import inject_fault
 import torch
@@ -51,12 +53,21 @@ class StepMetrics(pl.Callback):
         self._active = _is_metrics_rank()
         if self._active:
             os.makedirs(self.output_dir, exist_ok=True)
-            self._keep_rows_up_to(int(trainer.global_step))
+            step = int(trainer.global_step)
+            if step == 0:  # a fresh run: the previous run's metrics move to runs/run_<N>/ (this is the only process
+                moved = archive_metrics(self.output_dir)  # that writes the file, under every launcher)
+                if moved:
+                    print(f"nemo-longctx: the previous run's metrics.jsonl moved to {moved}", flush=True)
+            else:
+                source = getattr(trainer, "ckpt_path", None)
+                print(f"nemo-longctx: resumed at step {step}" + (f" from {source}" if source else "")
+                      + f": {self.path} keeps the rows up to step {step}", flush=True)
+            self._keep_rows_up_to(step)
         self._t0 = time.perf_counter()
 
     def _keep_rows_up_to(self, step: int) -> None:
-        """A fresh run starts an empty file; a resumed one (restored at ``step``) keeps the rows of steps <= step, so
-        the file reads as one run."""
+        """A fresh run starts an empty file (the previous one was moved to ``runs/run_<N>/`` by ``on_train_start``);
+        a resumed one (restored at ``step``) keeps the rows of steps <= step, so the file reads as one run."""
         rows = []
         if step > 0 and os.path.exists(self.path):
             with open(self.path) as f:

@@ -23,6 +23,8 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from nemo_longctx.integrations.nemo.data_checks import PACKING_MODES, packing_problems  # noqa: F401  (re-exported)
+
 
 class RepeatedBlockDataset(Dataset):
     def __init__(self, num_samples: int, seq_length: int, vocab_size: int, period: int, seed: int,
@@ -62,15 +64,12 @@ class RepeatedBlockDataset(Dataset):
         }
 
 
-PACKING_MODES = ("none", "documents")
 
 
 def check_packing(packing: Any, micro_batch_size: int) -> str:
-    if packing not in PACKING_MODES:
-        raise ValueError(f"data.packing={packing!r} must be one of {list(PACKING_MODES)}")
-    if packing == "documents" and micro_batch_size != 1:
-        raise ValueError(f"data.packing=documents needs trainer.micro_batch_size=1 (got {micro_batch_size}): a packed "
-                         "sequence is one row of documents")
+    problems = packing_problems(packing, micro_batch_size)
+    if problems:
+        raise ValueError(problems[0])
     return packing
 
 

@@ -22,9 +22,11 @@ differently (its default base, no scaling) -> refused.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import fields as dataclass_fields
 from pathlib import Path
@@ -212,6 +214,38 @@ def _staging_dir(output: Path) -> Path:
     return Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=str(output.parent)))
 
 
+class _RenamingWriter:
+    """A stdout stand-in that writes ``staged``'s path as ``output``'s (NeMo's own "Checkpoint exported to <path>"
+    line names the staging directory it was given, which ``_publish`` renames to the final path)."""
+
+    def __init__(self, stream: Any, staged: Path, output: Path) -> None:
+        self._stream, self._old, self._new = stream, str(staged), str(output)
+
+    def write(self, text: str) -> int:
+        self._stream.write(text.replace(self._old, self._new))
+        return len(text)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def _final_path_in_output(staged: Path, output: Path):
+    """While NeMo converts into ``staged``: its console lines name ``output`` instead (rich's console is created at
+    print time on ``sys.stdout``; a wide COLUMNS keeps it from folding the path across lines)."""
+    old_stdout, old_columns = sys.stdout, os.environ.get("COLUMNS")
+    sys.stdout = _RenamingWriter(old_stdout, staged, output)
+    os.environ["COLUMNS"] = "4096"
+    try:
+        yield
+    finally:
+        sys.stdout = old_stdout
+        if old_columns is None:
+            os.environ.pop("COLUMNS", None)
+        else:
+            os.environ["COLUMNS"] = old_columns
+
+
 def _publish(staged: Path, output: Path) -> None:
     if output.exists():
         output.rmdir()  # empty (checked before)
@@ -229,7 +263,8 @@ def import_hf(source: Any, output: Any) -> Path:
     staged = _staging_dir(output)
     try:
         shutil.rmtree(staged)  # import_ckpt refuses an existing path
-        llm.import_ckpt(model=_family_model(hf_architecture(hf)), source=f"hf://{source}", output_path=staged)
+        with _final_path_in_output(staged, output):
+            llm.import_ckpt(model=_family_model(hf_architecture(hf)), source=f"hf://{source}", output_path=staged)
         _complete_llama31_rope(staged, hf)
         _publish(staged, output)
     finally:
@@ -292,7 +327,8 @@ def export_hf(checkpoint: Any, output: Any) -> Path:
     staged = _staging_dir(output)
     try:
         shutil.rmtree(staged)
-        llm.export_ckpt(path=ckpt, target="hf", output_path=staged)
+        with _final_path_in_output(staged, output):
+            llm.export_ckpt(path=ckpt, target="hf", output_path=staged)
         _publish(staged, output)
     finally:
         if staged.exists():

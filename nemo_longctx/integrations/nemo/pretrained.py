@@ -58,7 +58,10 @@ def command_line_model_overrides(cfg: DictConfig, task: Optional[List[str]] = No
     if task is None:
         from hydra.core.hydra_config import HydraConfig
 
-        task = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+        if HydraConfig.initialized():
+            task = list(HydraConfig.get().overrides.task)
+        else:  # composed by Hydra's compose API with its own node (the app's preflight)
+            task = list(OmegaConf.select(cfg, "hydra.overrides.task", default=None) or [])
     out: Dict[str, Any] = {}
     problems: List[str] = []
     for o in OverridesParser.create().parse_overrides(task):

@@ -1,0 +1,123 @@
+"""Command-line overrides checked before an app starts (Hydra only; no torch, no NeMo): Hydra's own override parser
+and compose API, with messages that name the key and the fix instead of a parser trace.
+
+``quote_path_values(args)``   ``checkpoint.resume=/ckpt/step=3-consumed_samples=6.0`` fails Hydra's grammar (a
+                              second ``=``); such a value is a path, so it is passed on quoted (``key='...'``);
+``compose_problems(name, args)``  compose ``conf/<name>.yaml`` with the overrides the way the app will: a malformed
+                              override, an unknown group choice (``cp=rign``) or a key that is not in the config
+                              (``cp.sise=4``) becomes one problem naming it, with the nearest valid name.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from typing import Any, List, Sequence, Tuple
+
+CONFIG_MODULE = "nemo_longctx.conf"
+
+
+def _parses(arg: str) -> bool:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        OverridesParser.create().parse_override(arg)
+        return True
+    except HydraException:
+        return False
+
+
+def quote_path_values(args: Sequence[str]) -> List[str]:
+    """``key=value`` overrides whose value holds another ``=`` (checkpoint names: ``step=3-...``) and does not parse
+    as Hydra syntax are quoted; everything else is passed on unchanged."""
+    out = []
+    for a in args:
+        key, sep, value = a.partition("=")
+        if (sep and "=" in value and not a.startswith("-") and not value.startswith(("'", '"')) and not _parses(a)):
+            quoted = key + "='" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+            if _parses(quoted):
+                a = quoted
+        out.append(a)
+    return out
+
+
+def compose_problems(config_name: str, args: Sequence[str]) -> List[str]:
+    """Problems Hydra finds composing ``config_name`` with ``args`` (flags and ``hydra.*`` overrides left to the
+    app's own Hydra run); empty when it composes."""
+    return compose(config_name, args)[1]
+
+
+def compose(config_name: str, args: Sequence[str], hydra_config: bool = False) -> Tuple[Any, List[str]]:
+    """(config or None, problems) of ``config_name`` composed with ``args`` by Hydra's compose API;
+    ``hydra_config``: keep Hydra's own node (``cfg.hydra.runtime.choices``: the group choices)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    overrides = [a for a in args if not a.startswith("-") and not a.lstrip("+~").startswith("hydra.")]
+    bad = [a for a in overrides if not _parses(a)]
+    if bad:
+        return None, [_parse_problem(a) for a in bad]
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_module(config_module=CONFIG_MODULE, version_base=None):
+            return hydra_compose(config_name, overrides=overrides, return_hydra_config=hydra_config), []
+    except (HydraException, OmegaConfBaseException) as e:
+        return None, [_compose_problem(e, config_name, overrides)]
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def _parse_problem(arg: str) -> str:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        OverridesParser.create().parse_override(arg)
+        why = ""
+    except HydraException as e:
+        why = str(e).strip().splitlines()[0]
+    return (f"{arg!r} is not a valid override ({why}): overrides are key=value, +key=value (add), ~key (delete); "
+            "quote a value holding spaces or Hydra's special characters (key='a value')")
+
+
+def _compose_problem(error: Exception, config_name: str, overrides: Sequence[str]) -> str:
+    text = str(error)
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()] or [type(error).__name__]
+    missing = re.search(r"Could not find '([^']+)/([^'/]+)'", text)
+    if missing and "Available options" in text:  # an unknown choice of a config group
+        group, given = missing.groups()
+        at = next(i for i, ln in enumerate(lines) if ln.startswith("Available options"))
+        choices = [ln for ln in lines[at + 1:] if re.fullmatch(r"[\w.-]+", ln)]
+        near = difflib.get_close_matches(given, choices, 1)
+        hint = f"; did you mean {group}={near[0]}?" if near else ""
+        return f"{group}={given}: no such choice of the {group} group{hint} (choose one of: {', '.join(choices)})"
+    unknown = re.search(r"Could not override '([^']+)'", text)
+    if unknown:
+        return _unknown_key_problem(config_name, unknown.group(1), overrides)
+    return lines[0]
+
+
+def _unknown_key_problem(config_name: str, key: str, overrides: Sequence[str]) -> str:
+    """``key`` is not in the composed config: name the nearest key that is (the group of the key composed without
+    the failing override)."""
+    parent, _, leaf = key.rpartition(".")
+    known: List[str] = []
+    rest = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") != key]
+    cfg, _ = compose(config_name, rest) if rest != list(overrides) else (None, [])
+    if cfg is not None:
+        from omegaconf import OmegaConf
+
+        node = OmegaConf.select(cfg, parent, default=None) if parent else cfg
+        if OmegaConf.is_dict(node):
+            known = [str(k) for k in node.keys()]
+    near = difflib.get_close_matches(leaf, known, 1)
+    where = f"{parent}." if parent else ""
+    hint = f"did you mean {where}{near[0]}? " if near else ""
+    listed = f"known: {sorted(known)}" if known else ""
+    extra = (f"; a field of the model config that its YAML does not list is added with +{key}=..."
+             if parent.split(".")[0] == "model" and not near else "")
+    return f"{key}: no such key in the config ({hint}{listed}){extra}".replace(" ()", "").replace("? )", "?)")

@@ -1,0 +1,106 @@
+"""`nemo-longctx train|plan|bridge --help`: our own groups and keys, generated from the option model
+(``nemo_longctx.options``, ``config_keys.APP_OPTIONS``, ``plan_keys.PLAN_OPTIONS``, the Bridge app's keys) and the
+conf/ tree; every declared key must have a help line and appear in its app's help; ``--hydra-help`` still reaches
+Hydra; each answers in under 5 s (no NeMo/torch import)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI = Path(sys.executable).with_name("nemo-longctx")
+CONF = ROOT / "nemo_longctx" / "conf"
+
+
+def _cli(*args, timeout=60):
+    t0 = time.perf_counter()
+    r = subprocess.run([str(CLI), *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return r, time.perf_counter() - t0
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_train_help_lists_every_group_choice_and_declared_key(flag):
+    from nemo_longctx.help import defaults_of, group_choices
+    from nemo_longctx.integrations.nemo.config_keys import APP_OPTIONS
+    from nemo_longctx.options import LongContextOptions
+
+    r, seconds = _cli("train", flag, "model=llama3_8b")
+    assert r.returncode == 0, r.stderr
+    assert seconds < 5, seconds
+    out = r.stdout
+    for group, default, _ in defaults_of("train"):
+        assert f"  {group}" in out, group
+        for choice, _ in group_choices(group):
+            assert choice in out, (group, choice)
+        assert f"* {default}" in out, (group, default)
+    assert {g for g, _, _ in defaults_of("train")} >= {"model", "cp", "optim", "recompute", "offload", "tiling"}
+    for o in tuple(LongContextOptions.options()) + tuple(APP_OPTIONS):
+        assert o.help.strip(), f"{o.key}: declared without a help line"
+        line = next((l for l in out.splitlines() if l.strip().startswith(o.key + " ")), None)
+        assert line is not None, f"{o.key} missing from train --help"
+        assert o.help in line and o.expectation() in line, line
+    assert "run.dry_run=true" in out and "model=llama3_8b" in out  # the worked Llama-3-8B example is a dry run
+    assert "--hydra-help" in out and "Traceback" not in r.stderr
+
+
+def test_plan_help_lists_plan_keys_not_train_groups():
+    from nemo_longctx.plan_keys import PLAN_OPTIONS
+
+    r, seconds = _cli("plan", "--help")
+    assert r.returncode == 0, r.stderr
+    assert seconds < 5, seconds
+    out = r.stdout
+    for o in PLAN_OPTIONS:
+        assert o.help.strip(), f"{o.key}: declared without a help line"
+        assert any(l.strip().startswith(o.key + " ") for l in out.splitlines()), o.key
+    assert "h100" in out and "h200" in out and "llama3_8b" in out  # the plan and model groups
+    assert "  cp:" not in out and "trainer.devices" not in out and "recompute (optional group)" not in out
+    assert "--hydra-help" in out
+
+
+def test_plan_keys_cover_plan_yaml():
+    """Every leaf key of conf/plan.yaml and of the plan presets is declared in PLAN_OPTIONS (and so in --help)."""
+    import yaml
+
+    from nemo_longctx.plan_keys import PLAN_OPTIONS
+
+    def leaves(node, prefix):
+        for k, v in node.items():
+            if isinstance(v, dict):
+                yield from leaves(v, f"{prefix}.{k}")
+            else:
+                yield f"{prefix}.{k}"
+
+    declared = {o.key for o in PLAN_OPTIONS}
+    keys = set(leaves(yaml.safe_load((CONF / "plan.yaml").read_text())["plan"], "plan"))
+    for preset in (CONF / "plan").glob("*.yaml"):
+        keys |= set(leaves(yaml.safe_load(preset.read_text()), "plan"))
+    assert keys <= declared, sorted(keys - declared)
+
+
+def test_bridge_help_in_process(capsys):
+    from nemo_longctx.bridge_app import _app_options
+    from nemo_longctx.help import help_text
+
+    out = help_text("bridge", app_options=_app_options())
+    for o in _app_options():
+        assert o.help.strip() and any(l.strip().startswith(o.key + " ") for l in out.splitlines()), o.key
+    assert "cp.size" in out and "trainer.devices" not in out
+
+
+@pytest.mark.parametrize("app", ["train", "plan"])
+def test_hydra_help_still_reaches_hydra(app):
+    r, seconds = _cli(app, "--hydra-help")
+    assert r.returncode == 0, r.stderr
+    assert "Hydra (" in r.stdout and "== Flags ==" in r.stdout, r.stdout[:500]
+
+
+def test_python_m_train_help_is_ours():
+    r = subprocess.run([sys.executable, "-m", "nemo_longctx.train", "--help"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.startswith("usage: "), r.stderr

@@ -1,0 +1,185 @@
+"""Wrong configs stop before launch (issue 22): every mistake a newcomer met, and one bad value of every declared key
+(generated from the option model and the app's declarations), typed on the command line of ``nemo-longctx train``,
+ends in the launching process -- before any rank starts and before NeMo is imported -- with exit 2, no traceback and
+one block naming the key; and every plan the planner prints is one ``train`` accepts.
+
+The generated command lines go through ``app.preflight`` in this process (the function ``train``'s ``main`` runs
+first: Hydra's compose API + every config-level rule); the newcomer's mistakes run as real ``nemo-longctx``
+processes, timed."""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+BIN = Path(sys.executable).parent
+NL = str(BIN / "nemo-longctx")
+
+
+def _hydra_value(v):
+    """A Python value as a Hydra command-line value."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, float) and math.isnan(v):
+        return "nan"
+    if isinstance(v, str):
+        return "'" + v + "'" if v else "''"
+    if isinstance(v, (list, tuple)):
+        return "[" + ",".join(_hydra_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ",".join(f"{k}:{_hydra_value(x)}" for k, x in v.items()) + "}"
+    return str(v)
+
+
+def _cases():
+    from nemo_longctx.integrations.nemo.config_keys import APP_OPTIONS
+    from nemo_longctx.options import LongContextOptions
+
+    out = []
+    for opt in LongContextOptions.options() + APP_OPTIONS:
+        for bad in opt.bad_values():
+            out.append(pytest.param(opt, bad, id=f"{opt.key}={bad!r}"))
+    return out
+
+
+def _command_line(opt, bad):
+    return _base(opt) + [f"++{opt.key}={_hydra_value(bad)}"]  # ++: set, or add where the yaml lacks it
+
+
+def _base(opt):
+    """The command line a key needs (``Option.requires``), on as many ranks as its CP size needs."""
+    return list(opt.requires) + (["trainer.devices=4"] if "cp=hybrid" in opt.requires else [])
+
+
+@pytest.mark.parametrize("opt, bad", _cases())
+def test_every_bad_value_typed_on_the_command_line_is_refused_naming_it(opt, bad):
+    from nemo_longctx.integrations.nemo.app import preflight
+
+    base = _base(opt)
+    assert preflight(base) == [], f"the base command line {base} must be accepted"
+    problems = preflight(_command_line(opt, bad))
+    assert any(opt.key in p for p in problems), f"{opt.key}={bad!r} was accepted or not named: {problems}"
+
+
+# ------------------------------------------------------------------------------------------- the newcomer's list
+MISTAKES = {
+    # name: (command line, words the one message must hold)
+    "seq_not_divisible": (["model.seq_length=4097"], ["model.seq_length=4097", "2*cp.size = 4", "use 4096"]),
+    "world_size": (["cp.size=4"], ["cp.size=4", "does not divide the world size 2"]),
+    "packing_vs_micro_batch": (["data=packed_sft", "trainer.micro_batch_size=2"],
+                               ["trainer.micro_batch_size=1 (got 2)", "data.packed_train"]),
+    "negative_steps": (["trainer.max_steps=-5"], ["trainer.max_steps=-5"]),
+    "plus_typo": (["+cp.sise=4"], ["cp.sise", "did you mean cp.size"]),
+    "typo": (["cp.sise=4"], ["cp.sise", "did you mean cp.size"]),
+    "group_typo": (["cp=rign"], ["cp=rign", "did you mean cp=ring"]),
+    "cp_none_with_size": (["cp=none", "cp.size=2"], ["cp=none with cp.size=2"]),
+    "fp8": (["trainer.precision=fp8"], ["trainer.precision='fp8'"]),
+    "size_abc": (["cp.size=abc"], ["cp.size='abc'"]),
+    "indexed_without_paths": (["data=indexed"], ["data.paths", "data.tokenizer=null"]),
+    "resume_path_with_equals": (["checkpoint.resume=/no/such/step=3-consumed_samples=6.0"],
+                                ["checkpoint.resume='/no/such/step=3-consumed_samples=6.0'"]),
+    "hub_tokenizer_not_cached": (["data=indexed", "data.paths=[/no/such/prefix]", "data.tokenizer=org/not-cached"],
+                                 ["data.tokenizer=org/not-cached", "not in the Hugging Face cache",
+                                  "/no/such/prefix.bin"]),
+}
+
+
+def _run(args, cwd, timeout=60):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    t0 = time.perf_counter()
+    p = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return p.returncode, p.stdout + p.stderr, time.perf_counter() - t0
+
+
+@pytest.mark.parametrize("name", sorted(MISTAKES))
+def test_newcomer_mistake_stops_before_launch(name, tmp_path):
+    args, words = MISTAKES[name]
+    out_dir = tmp_path / "out"
+    code, out, seconds = _run([NL, "train", f"output_dir={out_dir}", *args], tmp_path)
+    assert code == 2, out[-3000:]
+    assert "Traceback" not in out and "spawning" not in out, out[-3000:]
+    assert not (out_dir / "rank_logs").exists()  # no rank was started
+    assert seconds < 10, f"{seconds:.1f} s (the checks must not wait for NeMo or the ranks)"
+    for w in words:
+        assert w in out, f"{w!r} not in:\n{out}"
+    assert out.count("invalid configuration") == 1, out
+
+
+def test_plan_refuses_a_length_train_would_refuse(tmp_path):
+    code, out, seconds = _run([NL, "plan", "plan.seq_length=1000001"], tmp_path)
+    assert code == 2 and "Traceback" not in out and "plan.seq_length=1000001" in out, out[-3000:]
+    assert "1000000" in out and seconds < 10
+
+
+def test_model_level_problems_are_found_once_in_the_launching_process(tmp_path):
+    """A problem only the model config shows (query groups vs heads) is found before the ranks start: one message,
+    exit 2, no rank log."""
+    out_dir = tmp_path / "out"
+    code, out, _ = _run([NL, "train", f"output_dir={out_dir}", "model.num_query_groups=3"], tmp_path, timeout=300)
+    assert code == 2 and "Traceback" not in out and "spawning" not in out, out[-3000:]
+    assert "model.num_query_groups=3" in out and out.count("invalid configuration") == 1
+    assert not (out_dir / "rank_logs").exists()
+
+
+def test_path_values_holding_equals_are_passed_on_quoted():
+    from nemo_longctx.overrides import quote_path_values
+
+    assert quote_path_values(["checkpoint.resume=/c/step=3-consumed_samples=6.0-last", "cp.size=2"]) == [
+        "checkpoint.resume='/c/step=3-consumed_samples=6.0-last'", "cp.size=2"]
+    assert quote_path_values(["init_from='/a=b'"]) == ["init_from='/a=b'"]  # already quoted: unchanged
+
+
+# ------------------------------------------------------------------------------------ one contract: plan -> train
+def _plan(model, overrides):
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    from nemo_longctx import plan
+
+    GlobalHydra.instance().clear()
+    with initialize_config_module(config_module="nemo_longctx.conf", version_base=None):
+        cfg = compose("plan", overrides=[f"model={model}", *overrides])
+    GlobalHydra.instance().clear()
+    shape, seq, hw, precision, coef, cost, search = plan.inputs_from_config(cfg)
+    p = plan.make_plan(shape, seq, hw, precision, coef, cost, 0.01, **search)
+    if p.chosen is None:
+        return None
+    return plan.train_overrides(p, p.chosen, model)
+
+
+def _draws(n=40, seed=22):
+    rng = random.Random(seed)
+    models = ["llama3_8b", "llama3_70b", "qwen3_32b"]  # the model groups the planner knows the shape of
+    out = []
+    for _ in range(n):
+        seq = rng.choice([rng.randrange(4096, 600_000), 2 ** rng.randrange(13, 22), 1000 * rng.randrange(8, 1000),
+                          1024 * rng.randrange(8, 2048)])
+        out.append((rng.choice(models), seq, rng.choice([1, 2, 4, 8, 16, 64]), rng.choice([80, 141]),
+                    rng.choice(["gpu", "cpu"])))
+    return out
+
+
+def test_every_plan_the_planner_prints_is_one_train_accepts():
+    """Drawn models, lengths (round and odd), GPU counts and targets: every chosen plan's train command passes
+    train's own checks (for a GPU target, as a GPU build with TransformerEngine would run them)."""
+    from nemo_longctx.integrations.nemo.app import preflight
+
+    planned = 0
+    for model, seq, gpus, mem, target in _draws():
+        args = _plan(model, [f"plan.seq_length={seq}", f"plan.gpus={gpus}",
+                      f"plan.gpu_memory_gb={mem}", f"plan.target={target}"])
+        if args is None:
+            continue
+        planned += 1
+        problems = preflight(args, target_cuda=target == "gpu")
+        assert problems == [], f"{model} seq {seq} on {gpus} x {mem} GB ({target}): train refuses {args}: {problems}"
+    assert planned >= 10, f"only {planned} draws produced a plan: widen the draws"
