@@ -11,8 +11,9 @@ and compose API, with messages that name the key and the fix instead of a parser
 from __future__ import annotations
 
 import difflib
+import os
 import re
-from typing import Any, List, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 CONFIG_MODULE = "nemo_longctx.conf"
 
@@ -52,23 +53,57 @@ def compose(config_name: str, args: Sequence[str], hydra_config: bool = False) -
     """(config or None, problems) of ``config_name`` composed with ``args`` by Hydra's compose API;
     ``hydra_config``: keep Hydra's own node (``cfg.hydra.runtime.choices``: the group choices)."""
     from hydra import compose as hydra_compose
-    from hydra import initialize_config_module
+    from hydra import initialize_config_dir, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    overrides = [a for a in args if not a.startswith("-") and not a.lstrip("+~").startswith("hydra.")]
+    flags = hydra_flags(args)
+    if flags is None:  # a Hydra flag this check does not model (--cfg, --info, --package, ...): the app's run checks
+        return None, []
+    overrides, config_dir, config_name = flags[0], flags[1], flags[2] or config_name
+    overrides = [a for a in overrides if not a.lstrip("+~").startswith("hydra.")]
     bad = [a for a in overrides if not _parses(a)]
     if bad:
         return None, [_parse_problem(a) for a in bad]
     GlobalHydra.instance().clear()
     try:
-        with initialize_config_module(config_module=CONFIG_MODULE, version_base=None):
+        if config_dir:  # the user's config directory first, our package's configs (train, groups) after it
+            init = initialize_config_dir(config_dir=os.path.abspath(config_dir), version_base=None)
+            overrides = overrides + [f"hydra.searchpath=[pkg://{CONFIG_MODULE}]"]
+        else:
+            init = initialize_config_module(config_module=CONFIG_MODULE, version_base=None)
+        with init:
             return hydra_compose(config_name, overrides=overrides, return_hydra_config=hydra_config), []
     except (HydraException, OmegaConfBaseException) as e:
-        return None, [_compose_problem(e, config_name, overrides)]
+        return None, [_compose_problem(e, config_name, list(args))]
     finally:
         GlobalHydra.instance().clear()
+
+
+_DIR_FLAGS = ("--config-dir", "-cd", "--config-path", "-cp")
+_NAME_FLAGS = ("--config-name", "-cn")
+
+
+def hydra_flags(args: Sequence[str]) -> Optional[Tuple[List[str], Optional[str], Optional[str]]]:
+    """(overrides, config dir, config name) of a Hydra command line (``--config-dir/-cd``, ``--config-path/-cp``,
+    ``--config-name/-cn``, as ``--flag value`` or ``--flag=value``); None when it holds another flag."""
+    overrides: List[str] = []
+    config_dir = config_name = None
+    it = iter(args)
+    for a in it:
+        if not a.startswith("-"):
+            overrides.append(a)
+            continue
+        flag, eq, value = a.partition("=")
+        if flag not in _DIR_FLAGS + _NAME_FLAGS:
+            return None
+        value = value if eq else next(it, "")
+        if flag in _DIR_FLAGS:
+            config_dir = value
+        else:
+            config_name = value
+    return overrides, config_dir, config_name
 
 
 def _parse_problem(arg: str) -> str:

@@ -81,8 +81,9 @@ def world(tmp_path_factory):
                            *[f"++model.{k}={v}" for k, v in L31_OVERRIDE.items()]], "train_llama_ring")
     qwen_args = [f"init_from={hf['qwen']}", f"output_dir={d['qwen']}", "cp=ulysses", "checkpoint.every_n_steps=2",
                  "data=documents", f"data.paths=[{docs}]", "model.rotary_base=100000", *COMMON]
-    qwen_out = _ok(CLI + ["train", *qwen_args, "trainer.max_steps=2"], "train_qwen_ulysses")
-    qwen_resumed = _ok(CLI + ["train", *qwen_args, "trainer.max_steps=3"], "resume_qwen")
+    # --verbose: the resume assertions read NeMo's own INFO lines (which checkpoint it restores, no selective restore)
+    qwen_out = _ok(CLI + ["train", "--verbose", *qwen_args, "trainer.max_steps=2"], "train_qwen_ulysses")
+    qwen_resumed = _ok(CLI + ["train", "--verbose", *qwen_args, "trainer.max_steps=3"], "resume_qwen")
     _ok(CLI + ["export", f"checkpoint={d['llama']}", f"output={d['exp_llama']}"], "export")
     _ok(CLI + ["export", f"checkpoint={d['qwen']}", f"output={d['exp_qwen']}"], "export_qwen")
 
@@ -173,6 +174,7 @@ def test_documents_data_and_resume_from_own_checkpoint(world):
     assert m and int(m.group(1)) == 40 and int(m.group(2)) > 3 * SEQ, out[-3000:]
     assert "data=documents:" not in resumed  # the indexed dataset is reused
     assert "Restoring states from the checkpoint path" in resumed and "step=1-" in resumed
+    assert re.search(r"nemo-longctx: resumed at step 2 from \S*step=1-", resumed), resumed[-3000:]
     assert "Doing selective restore" not in resumed  # its own checkpoint, not init_from's weights
     steps = _steps(world["dirs"]["qwen"])
     assert sorted(steps) == [1, 2, 3] and all(0 < v < 10 for v in steps.values()), steps

@@ -171,7 +171,7 @@ def preflight(args: List[str], config_name: str = "train", target_cuda: Optional
     from nemo_longctx.overrides import compose
 
     cfg, problems = compose(config_name, args, hydra_config=True)
-    if problems:
+    if problems or cfg is None:  # None: a Hydra flag it does not model (the run's own checks still apply)
         return problems
     return config_problems(cfg, options_of(cfg), choices=dict(cfg.hydra.runtime.choices), target_cuda=target_cuda)
 
