@@ -86,7 +86,9 @@ def _start_nemo(out: Path, hf: Path, prefix: Path) -> subprocess.Popen:
     """``nemo-longctx train`` of the NeMo venv (its own interpreter and packages: no variable of this one)."""
     out.mkdir(parents=True)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
-    cmd = [str(NEMO_CLI), "train", "--verbose", f"init_from={hf}",  # --verbose: NeMo's restore line is read below "data=indexed", f"data.paths=[{prefix}]", "data.tokenizer=null",
+    # --verbose: NeMo's own restore line is read below (the quiet console hides NeMo's INFO lines)
+    cmd = [str(NEMO_CLI), "train", "--verbose", f"init_from={hf}", "data=indexed", f"data.paths=[{prefix}]",
+           "data.tokenizer=null",
            f"data.split={SPLIT}", "data.num_workers=0", f"model.seq_length={SEQ}", "trainer.max_steps=1", *RING,
            f"output_dir={out}", "log.tensorboard=false", "launcher.threads_per_process=1"]
     return subprocess.Popen(cmd, cwd=ROOT, env={**env, "PYTHONUNBUFFERED": "1"}, stdout=open(out / "log.txt", "w"),
