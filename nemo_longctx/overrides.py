@@ -3,7 +3,7 @@ and compose API, with messages that name the key and the fix instead of a parser
 
 ``quote_path_values(args)``   ``checkpoint.resume=/ckpt/step=3-consumed_samples=6.0`` fails Hydra's grammar (a
                               second ``=``); such a value is a path, so it is passed on quoted (``key='...'``);
-``compose_problems(name, args)``  compose ``conf/<name>.yaml`` with the overrides the way the app will: a malformed
+``compose(name, args)``       compose ``conf/<name>.yaml`` with the overrides the way the app will: a malformed
                               override, an unknown group choice (``cp=rign``) or a key that is not in the config
                               (``cp.sise=4``) becomes one problem naming it, with the nearest valid name.
 """
@@ -41,12 +41,6 @@ def quote_path_values(args: Sequence[str]) -> List[str]:
                 a = quoted
         out.append(a)
     return out
-
-
-def compose_problems(config_name: str, args: Sequence[str]) -> List[str]:
-    """Problems Hydra finds composing ``config_name`` with ``args`` (flags and ``hydra.*`` overrides left to the
-    app's own Hydra run); empty when it composes."""
-    return compose(config_name, args)[1]
 
 
 def compose(config_name: str, args: Sequence[str], hydra_config: bool = False) -> Tuple[Any, List[str]]:
