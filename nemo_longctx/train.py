@@ -32,13 +32,13 @@ from nemo_longctx.integrations.nemo.app import (  # noqa: F401  (re-exported: th
     config_problems,
     dry_run,
     global_batch_size,
-    launch_problems,
     options_of,
     parallel_sizes,
     raise_problems,
     world_size_of,
 )
 from nemo_longctx.integrations.nemo.launch import (
+    CONFIG_ERROR_EXIT,
     Launch,
     detect_external_launch,
     die_with_parent,
@@ -147,32 +147,37 @@ def _refuse_multirun() -> None:
                          "per configuration (e.g. one sbatch job each)")
 
 
-def run(cfg: DictConfig) -> int:
-    _refuse_multirun()
-    options = options_of(cfg)  # the run's option model: built once, handed to every step below
-    # every config-level problem at once, before any process starts and before NeMo is imported (seconds)
-    raise_problems(config_problems(cfg, options))
+def _adapt_to_cpu() -> None:
     import torch
 
     if not torch.cuda.is_available():
         from nemo_longctx.integrations.nemo import compat
 
         compat.apply()  # Megatron-core then NeMo adapted to a CPU-only torch (integrations/nemo/compat.py)
-    from nemo_longctx.integrations.nemo import pretrained
 
-    external = detect_external_launch()
-    pretrained.prepare(cfg, rank=external.rank if external is not None else 0)  # init_from=<HF dir>: import once
+
+def run(cfg: DictConfig) -> int:
+    _refuse_multirun()
+    options = options_of(cfg)  # the run's option model: built once, handed to every step below
+    # every config-level problem at once, before any process starts and before NeMo is imported (seconds)
+    raise_problems(config_problems(cfg, options))
+    from nemo_longctx.integrations.nemo import documents, pretrained
+
     launch = detect_external_launch()
     world = world_size_of(cfg, launch)
-    if launch is None and world > 1 and not cfg.run.dry_run:  # the launching process: the model config's checks
-        raise_problems(launch_problems(cfg, options, world))  # once, before any rank starts
-    from nemo_longctx.integrations.nemo import documents
-
-    documents.prepare(cfg, rank=external.rank if external is not None else 0)  # data=documents: tokenize once
+    rank = launch.rank if launch is not None else 0
+    pretrained.prepare(cfg, rank=rank)  # init_from=<HF dir>: imported once, in a subprocess
+    spawns = launch is None and world > 1 and not cfg.run.dry_run
+    if not spawns or str(cfg.data.get("kind")) == "documents":
+        _adapt_to_cpu()  # what imports Megatron/NeMo below; a launching process otherwise imports neither
+    documents.prepare(cfg, rank=rank)  # data=documents: tokenize once
     if cfg.run.dry_run:
         dry_run(cfg, options)
         return 0
-    if launch is None and world > 1:
+    if spawns:
+        # the ranks build the model config and check it against the options (``build``) before any collective: a
+        # problem only it shows is rank 0's one message and exit 2 (the launching process stays free of NeMo's
+        # ~20 s of imports, which the ranks pay anyway)
         if int(cfg.trainer.num_nodes) != 1:
             raise ValueError("trainer.num_nodes > 1 needs torchrun or srun to start the processes")
         local = int(cfg.trainer.devices)
@@ -186,7 +191,8 @@ def run(cfg: DictConfig) -> int:
             env={"NEMO_LONGCTX_CONFIG_HASH": config_hash(cfg)},
             log_dir=os.path.join(str(cfg.output_dir), "rank_logs"),
         )
-        _print_summary(cfg, code, since=spawned_at, rank_logs=os.path.join(str(cfg.output_dir), "rank_logs"))
+        if code != CONFIG_ERROR_EXIT:  # (a refused configuration trained nothing: its message is the output)
+            _print_summary(cfg, code, since=spawned_at, rank_logs=os.path.join(str(cfg.output_dir), "rank_logs"))
         return code
     return train_rank(cfg, launch, options)
 
@@ -195,11 +201,12 @@ def run(cfg: DictConfig) -> int:
 def _hydra_main(cfg: DictConfig) -> None:
     try:
         _EXIT["code"] = run(cfg)
-    except ConfigError as e:  # a wrong config: one message (rank 0's where ranks run), no traceback, exit 2
+    except ConfigError as e:  # a wrong config: one message, no traceback, exit 2
         record_error(e)  # under the elastic agent / torchrun: the launcher names this rank's error
-        if _rank0():
+        # our local launcher prints it once (launch.config_error_of); under torchrun/srun, rank 0 does
+        if _rank0() and os.environ.get("NEMO_LONGCTX_SPAWNED") != "1":
             print(f"nemo-longctx train: {e}", file=sys.stderr, flush=True)
-        _EXIT["code"] = 2
+        _EXIT["code"] = CONFIG_ERROR_EXIT
     except BaseException as e:
         record_error(e)  # under the elastic agent / torchrun: the launcher prints this rank's error
         raise

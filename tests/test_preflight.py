@@ -120,14 +120,16 @@ def test_plan_refuses_a_length_train_would_refuse(tmp_path):
     assert "1000000" in out and seconds < 10
 
 
-def test_model_level_problems_are_found_once_in_the_launching_process(tmp_path):
-    """A problem only the model config shows (query groups vs heads) is found before the ranks start: one message,
-    exit 2, no rank log."""
+def test_model_level_problems_are_found_once_before_training(tmp_path):
+    """A problem only the model config shows (query groups vs heads) is found by the ranks as they build it, before
+    any collective or step: one message (the launcher prints the ConfigError a rank recorded; the ranks print
+    nothing), exit 2, no traceback, no table of failed ranks, no summary; the launching process imports no NeMo."""
     out_dir = tmp_path / "out"
     code, out, _ = _run([NL, "train", f"output_dir={out_dir}", "model.num_query_groups=3"], tmp_path, timeout=300)
-    assert code == 2 and "Traceback" not in out and "spawning" not in out, out[-3000:]
-    assert "model.num_query_groups=3" in out and out.count("invalid configuration") == 1
-    assert not (out_dir / "rank_logs").exists()
+    assert code == 2 and "Traceback" not in out and "spawning" in out, out[-3000:]
+    assert "model.num_query_groups=3" in out and out.count("invalid configuration") == 1, out[-3000:]
+    assert "Root Cause" not in out and "FAILED" not in out and "step 1" not in out, out[-3000:]
+    assert not (out_dir / "metrics.jsonl").exists()
 
 
 def test_path_values_holding_equals_are_passed_on_quoted():
@@ -183,3 +185,25 @@ def test_every_plan_the_planner_prints_is_one_train_accepts():
         problems = preflight(args, target_cuda=target == "gpu")
         assert problems == [], f"{model} seq {seq} on {gpus} x {mem} GB ({target}): train refuses {args}: {problems}"
     assert planned >= 10, f"only {planned} draws produced a plan: widen the draws"
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused_naming_both(tmp_path):
+    """``vocabulary_problems`` (run by ``build`` once the model config exists): a data tokenizer whose ids reach past
+    the embedding table is refused with both sizes; one that fits, and synthetic data, pass."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from hf_models import make_tokenizer
+    from nemo_longctx.integrations.nemo.app import vocabulary_problems
+
+    tok = tmp_path / "tok"
+    make_tokenizer(300).save_pretrained(str(tok))
+    size = len(make_tokenizer(300))
+    cfg = OmegaConf.create({"data": {"kind": "indexed", "tokenizer": str(tok)}, "init_from": None})
+    (problem,) = vocabulary_problems(cfg, SimpleNamespace(vocab_size=size - 1))
+    assert f"data.tokenizer ({tok}) has {size} tokens but the model's vocabulary (model.vocab_size) is {size - 1}" \
+        in problem, problem
+    assert vocabulary_problems(cfg, SimpleNamespace(vocab_size=size)) == []
+    synthetic = OmegaConf.create({"data": {"kind": "synthetic", "tokenizer": str(tok)}, "init_from": None})
+    assert vocabulary_problems(synthetic, SimpleNamespace(vocab_size=10)) == []

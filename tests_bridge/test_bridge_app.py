@@ -24,6 +24,7 @@ def demo_runs():
         "none": ["cp=none"], "ring": ["cp=ring", "cp.size=2"], "ulysses": ["cp=ulysses", "cp.size=2"]}.items()}
 
 
+@pytest.mark.smoke
 def test_ring_and_ulysses_cp2_match_one_rank(demo_runs):
     code, log, ref = demo_runs["none"]
     assert code == 0, log[-4000:]
@@ -41,6 +42,7 @@ def test_ring_and_ulysses_cp2_match_one_rank(demo_runs):
     assert list((shared_dir("cp=ring", "cp.size=2") / "tensorboard").glob("events.out.tfevents.*"))
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("args, message", [
     (["cp.size=2.5"], "cp.size=2.5 must be a positive int"),
     (["cp=hybrid", "cp.ulysses_size=3"], "cp.ulysses_size=3 must be a positive divisor of cp.size=4"),
@@ -106,6 +108,7 @@ def test_control_a_wrong_kernel_in_our_attention_changes_the_losses(tmp_path, de
     assert all(abs(a["loss"] - b["loss"]) > 1e-4 * abs(a["loss"]) for a, b in zip(ref, rows)), (ref, rows)
 
 
+@pytest.mark.smoke
 def test_python_api_enable_long_context_with_keyword_groups():
     """``enable_long_context(cfg, **groups)`` on a Bridge ConfigContainer (the demo's): the provider gets the CP size,
     our layer spec (core attention, tiled MLP) and Megatron's recompute fields, the callbacks exist; bad values raise

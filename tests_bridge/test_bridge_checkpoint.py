@@ -29,7 +29,7 @@ def _tagged_run(tmp, name, *args):
     rows, the tagged processes still alive after it ended)."""
     tag = uuid.uuid4().hex
     code, log, rows = run_bridge(tmp, name, *args, env={TAG: tag})
-    return code, log, rows, processes_with_env(TAG, tag, wait_s=5)
+    return code, log, rows, processes_with_env(TAG, tag, wait_s=30)
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +113,7 @@ def test_no_process_is_left_behind(runs):
         p.wait()
 
 
+@pytest.mark.smoke
 def test_resume_from_a_missing_directory_fails_before_any_rank(tmp_path):
     missing = tmp_path / "no_ckpt"
     code, log, _ = run_bridge(tmp_path, "missing", "cp=none", f"checkpoint.load={missing}", timeout=300)
@@ -120,6 +121,7 @@ def test_resume_from_a_missing_directory_fails_before_any_rank(tmp_path):
     assert "core attention:" not in log and "world 1" not in log  # no rank started
 
 
+@pytest.mark.smoke
 def test_checkpoint_problems_name_their_key(tmp_path):
     from nemo_longctx.integrations.bridge.checkpoint import checkpoint_problems
 

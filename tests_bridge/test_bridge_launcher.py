@@ -20,6 +20,7 @@ from runner import ROOT, processes_with_env, run_bridge  # noqa: E402
 MARK = "NEMO_LONGCTX_TEST_RUN"
 
 
+@pytest.mark.smoke
 def test_a_rank_raising_fails_the_run_and_names_the_rank(tmp_path):
     tag = uuid.uuid4().hex
     code, log, rows = run_bridge(tmp_path, "raise", "cp=ring", "cp.size=2", "run.fault=raise@2:1", timeout=300,

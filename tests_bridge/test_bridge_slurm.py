@@ -128,6 +128,7 @@ def _example_args(tmp_path):
     return argv[argv.index("nemo-longctx") + 1:]
 
 
+@pytest.mark.smoke
 def test_example_sbatch_arguments_build_the_real_bridge_recipe(tmp_path):
     """Every argument of the example job is taken: ours by the option model, Bridge's by Bridge's own parser on
     ``llama3_8b_pretrain_config`` (its config.json from the offline cache); the built container has the planned

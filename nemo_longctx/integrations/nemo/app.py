@@ -44,7 +44,7 @@ def options_of(cfg: DictConfig) -> LongContextOptions:
 def context_of(cfg: DictConfig, world_size: Optional[int] = None) -> Context:
     """What the option checks need from the app's other keys (their values as typed: checked as APP_OPTIONS).
     With ``init_from`` the sequence length is the checkpoint's unless the command line sets ``model.seq_length``
-    (unknown here otherwise: checked against the model config before the ranks start)."""
+    (unknown here otherwise: checked against the model config where it is built, ``build``)."""
     s = cfg.trainer.strategy
     every = (cfg.get("checkpoint") or {}).get("every_n_steps", 0)
     seq = cfg.model.get("seq_length")
@@ -176,25 +176,9 @@ def preflight(args: List[str], config_name: str = "train", target_cuda: Optional
     return config_problems(cfg, options_of(cfg), choices=dict(cfg.hydra.runtime.choices), target_cuda=target_cuda)
 
 
-def launch_problems(cfg: DictConfig, options: LongContextOptions, world_size: int) -> List[str]:
-    """The checks that need the model config (built here from the config or init_from's checkpoint, no weights):
-    the layout and options against the model (``model_problems``), and the tokenizer against its vocabulary. The
-    launching process runs them once before any rank starts (config-level problems already reported)."""
-    from nemo_longctx.integrations.megatron.validation import model_problems
-
-    problems: List[str] = []
-    config = _collect(problems, lambda: build_model_config(cfg, options))
-    if config is None:
-        return problems
-    p = parallel_sizes(cfg)
-    problems += model_problems(config, options, world_size, p["tp"], p["pp"], Context(keys=NEMO_KEYS))
-    problems += vocabulary_problems(cfg, config)
-    return problems
-
-
 def vocabulary_problems(cfg: DictConfig, config: Any) -> List[str]:
-    """A data tokenizer whose ids reach past the model's embedding table would fail in the ranks (an IndexError in
-    the embedding lookup): refused here, naming both sizes."""
+    """A data tokenizer whose ids reach past the model's embedding table would fail in the training step (an
+    IndexError in the embedding lookup): refused when the model config is built (``build``), naming both sizes."""
     if str(cfg.data.get("kind")) not in ("indexed", "documents", "packed_sft"):
         return []
     from nemo_longctx.integrations.nemo.documents import tokenizer_dir
@@ -427,6 +411,7 @@ def build(cfg: DictConfig, launch: Optional[Launch] = None, extra_callbacks: Opt
     gbs = _collect(problems, lambda: global_batch_size(cfg, world))
     if model_config is not None:
         problems += model_problems(model_config, options, world, p["tp"], p["pp"], Context(keys=NEMO_KEYS))
+        problems += vocabulary_problems(cfg, model_config)
     raise_problems(problems)
 
     backend = str(cfg.launcher.get("backend", "auto"))

@@ -132,10 +132,15 @@ def launch_local(nproc: int, argv: Sequence[str], threads_per_process: int, *, w
         elastic_launch(config, entrypoint=sys.executable)("-m", module, *argv)
         return 0
     except ChildFailedError as e:
-        print(e.format_msg(), file=sys.stderr, flush=True)
         ranked = sorted(e.failures.items(), key=lambda kv: _root_cause_key(*kv))
         rank, failure = ranked[0]
         config.logs_specs.stop()  # type: ignore[union-attr]  # every rank's stderr is on the console and on disk
+        refused = config_error_of(failure)
+        if refused is not None:  # the ranks refused the configuration: its one message, no table of tracebacks
+            print(f"nemo-longctx: {refused}", file=sys.stderr, flush=True)
+            _kill_process_groups(f.pid for f in e.failures.values())
+            return CONFIG_ERROR_EXIT
+        print(e.format_msg(), file=sys.stderr, flush=True)
         print(f"nemo-longctx: FAILED: rank {rank} {_describe(failure)}", file=sys.stderr, flush=True)
         for other, f in ranked[1:]:
             print(f"nemo-longctx:   then rank {other} {_describe(f)}", file=sys.stderr, flush=True)
@@ -207,6 +212,22 @@ def _rank_stderr_logs(log_dir: Optional[str]):
             return lines[-n:]
 
     return RankStderr()
+
+
+CONFIG_ERROR_EXIT = 2  # a rank (or the launching process) refused the configuration: ConfigError
+
+
+def config_error_of(failure: object) -> Optional[str]:
+    """The message of a rank that exited refusing the configuration (exit 2 with a ``ConfigError`` recorded by
+    ``record_error``), else None. Spawned ranks leave printing it to the launcher: one message, whichever rank found it
+    first."""
+    if getattr(failure, "exitcode", None) != CONFIG_ERROR_EXIT:
+        return None
+    message = getattr(failure, "message", "")
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    prefix = "ConfigError: "
+    return str(message)[len(prefix):] if str(message).startswith(prefix) else None
 
 
 def _killed(failure: object) -> bool:
