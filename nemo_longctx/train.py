@@ -176,8 +176,8 @@ def run(cfg: DictConfig) -> int:
         return 0
     if spawns:
         # the ranks build the model config and check it against the options (``build``) before any collective: a
-        # problem only it shows is rank 0's one message and exit 2 (the launching process stays free of NeMo's
-        # ~20 s of imports, which the ranks pay anyway)
+        # problem only it shows ends the run with one message (launch_local prints what the first refusing rank
+        # recorded) and exit 2; the launching process stays free of NeMo's ~20 s of imports (the ranks pay them)
         if int(cfg.trainer.num_nodes) != 1:
             raise ValueError("trainer.num_nodes > 1 needs torchrun or srun to start the processes")
         local = int(cfg.trainer.devices)
