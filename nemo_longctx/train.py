@@ -246,7 +246,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         if problems:
             if _rank0():
                 print(f"nemo-longctx train: {ConfigError(problems)}", file=sys.stderr, flush=True)
-            sys.exit(2)
+            sys.exit(CONFIG_ERROR_EXIT)
     _ARGV[:] = args
     sys.argv = [sys.argv[0], *args]
     _hydra_main()  # Hydra exits with 1 itself when the task raises (and prints the error)

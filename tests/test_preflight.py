@@ -197,9 +197,9 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused_naming_both(tm
     from hf_models import make_tokenizer
     from nemo_longctx.integrations.nemo.app import vocabulary_problems
 
-    tok = tmp_path / "tok"
-    make_tokenizer(300).save_pretrained(str(tok))
-    size = len(make_tokenizer(300))
+    tok, tokenizer = tmp_path / "tok", make_tokenizer(300)
+    tokenizer.save_pretrained(str(tok))
+    size = len(tokenizer)
     cfg = OmegaConf.create({"data": {"kind": "indexed", "tokenizer": str(tok)}, "init_from": None})
     (problem,) = vocabulary_problems(cfg, SimpleNamespace(vocab_size=size - 1))
     assert f"data.tokenizer ({tok}) has {size} tokens but the model's vocabulary (model.vocab_size) is {size - 1}" \

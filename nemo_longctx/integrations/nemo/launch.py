@@ -223,11 +223,8 @@ def config_error_of(failure: object) -> Optional[str]:
     first."""
     if getattr(failure, "exitcode", None) != CONFIG_ERROR_EXIT:
         return None
-    message = getattr(failure, "message", "")
-    if isinstance(message, dict):
-        message = message.get("message", "")
-    prefix = "ConfigError: "
-    return str(message)[len(prefix):] if str(message).startswith(prefix) else None
+    message, prefix = _recorded(getattr(failure, "message", "")), "ConfigError: "
+    return message[len(prefix):] if message.startswith(prefix) else None
 
 
 def _killed(failure: object) -> bool:
@@ -267,11 +264,17 @@ def _describe(failure: object) -> str:
     return f"{what}: {_first_line(getattr(failure, 'message', ''))}"
 
 
-def _first_line(message: object) -> str:
-    """The exception a rank recorded (the error file's ``message``), or the last line of a plain message."""
+def _recorded(message: object) -> str:
+    """The text of a failure's ``message``: the exception a rank recorded (the error file's ``{"message": ...}``
+    written by ``record_error``), or a plain message."""
     if isinstance(message, dict):
         message = message.get("message", message)
-    lines = [ln for ln in str(message or "").strip().splitlines() if ln.strip()]
+    return str(message or "")
+
+
+def _first_line(message: object) -> str:
+    """The exception a rank recorded, or the last line of a plain message."""
+    lines = [ln for ln in _recorded(message).strip().splitlines() if ln.strip()]
     return lines[-1].strip() if lines else "(no error recorded)"
 
 
