@@ -272,10 +272,14 @@ def human_bytes(n: float) -> str:
 def summary_lines(code: int, rows: Sequence[dict], wall_s: float, *, max_steps: Optional[int] = None,
                   paths: Optional[Sequence[Tuple[str, Optional[str]]]] = None,
                   prefix: str = "nemo-longctx") -> List[str]:
-    """The final summary: ``<prefix>: finished|FAILED (exit N) in W s from launch | steps S/M | final loss L |
+    """The final summary: ``<prefix>: finished|preempted, ...|FAILED (exit N) in W s from launch | steps S/M | final loss L |
     mean tokens/s T | peak P`` and one line per output path given (``(label, path)``; None paths left out)."""
+    from nemo_longctx.signals import PREEMPTED_EXIT
+
     s = summarize(rows)
-    parts = [f"{prefix}: {'finished' if code == 0 else f'FAILED (exit {code})'} in {wall_s:.1f} s from launch"]
+    state = {0: "finished", PREEMPTED_EXIT: f"preempted, checkpoint saved (exit {code}: run the same command to "
+             "resume)"}.get(code, f"FAILED (exit {code})")
+    parts = [f"{prefix}: {state} in {wall_s:.1f} s from launch"]
     last = s["last_step"] if s["last_step"] is not None else 0
     parts.append(f"steps {last}/{max_steps}" if max_steps else f"steps {last}")
     if s["final_loss"] is not None:

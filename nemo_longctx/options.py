@@ -114,7 +114,8 @@ class Option:
         if self.kind == "modules" and isinstance(value, (list, tuple)) and value:
             bad = [m for m in value if m not in self.choices]
             if bad:
-                return f"{self.key}: unknown module(s) {bad} (choose from {list(self.choices)})"
+                what = "module(s)" if self.name == "modules" else "value(s)"
+                return f"{self.key}: unknown {what} {bad} (choose from {list(self.choices)})"
         if self.kind == "tiles" and _is_int(value):
             return f"{self.key} must be a positive number of tiles (or 'off'/'auto'), got {value}"
         return f"{self.key}={_show(value)} must be {self.expectation()}"

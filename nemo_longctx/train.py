@@ -23,6 +23,7 @@ import hydra
 from omegaconf import DictConfig
 
 from nemo_longctx.options import LongContextOptions
+from nemo_longctx.signals import PREEMPTED_EXIT, signals_of
 
 from nemo_longctx.integrations.nemo.app import (  # noqa: F401  (re-exported: the app's public helpers)
     Built,
@@ -37,6 +38,7 @@ from nemo_longctx.integrations.nemo.app import (  # noqa: F401  (re-exported: th
     raise_problems,
     world_size_of,
 )
+from nemo_longctx.integrations.nemo.config_keys import save_on_signal
 from nemo_longctx.integrations.nemo.launch import (
     CONFIG_ERROR_EXIT,
     Launch,
@@ -86,9 +88,11 @@ def train_rank(cfg: DictConfig, launch: Optional[Launch], options: Optional[Long
         )
     fit(built)
     _finish_distributed()
+    saver = next((c for c in built.trainer.callbacks if type(c).__name__ == "SaveOnSignal"), None)
+    code = PREEMPTED_EXIT if saver is not None and saver.preempted is not None else 0
     if rank == 0 and os.environ.get("NEMO_LONGCTX_SPAWNED") != "1":  # the only process, or rank 0 of torchrun/srun
-        _print_summary(cfg, 0)  # (under the local launcher the launching process prints it)
-    return 0
+        _print_summary(cfg, code)  # (under the local launcher the launching process prints it)
+    return code
 
 
 def _print_summary(cfg: DictConfig, code: int, since: Optional[float] = None, rank_logs: Optional[str] = None) -> None:
@@ -190,6 +194,8 @@ def run(cfg: DictConfig) -> int:
             shutdown_timeout_s=int(cfg.launcher.get("shutdown_timeout_s", 30)),
             env={"NEMO_LONGCTX_CONFIG_HASH": config_hash(cfg)},
             log_dir=os.path.join(str(cfg.output_dir), "rank_logs"),
+            forward_signals=signals_of(cfg.run.signals) if save_on_signal(cfg.get("checkpoint")) else (),
+            signal_grace_s=float(cfg.run.signal_grace_s),
         )
         if code != CONFIG_ERROR_EXIT:  # (a refused configuration trained nothing: its message is the output)
             _print_summary(cfg, code, since=spawned_at, rank_logs=os.path.join(str(cfg.output_dir), "rank_logs"))

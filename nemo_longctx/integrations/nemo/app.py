@@ -21,9 +21,18 @@ from typing import Any, Dict, List, Optional
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from nemo_longctx.integrations.nemo.config_keys import APP_GROUPS, APP_OPTIONS, NEMO_KEYS, RESUME_MODES, parse_fault
+from nemo_longctx.integrations.nemo.config_keys import (
+    APP_GROUPS,
+    APP_OPTIONS,
+    NEMO_KEYS,
+    RESUME_MODES,
+    on_signal_problems,
+    parse_fault,
+    save_on_signal,
+)
 from nemo_longctx.integrations.nemo.launch import Launch
 from nemo_longctx.integrations.nemo.pretrained import init_from_of, init_from_problems
+from nemo_longctx.signals import signals_of
 from nemo_longctx.options import (  # noqa: F401  (ConfigError, raise_problems: the app's error type, re-exported)
     ConfigError,
     Context,
@@ -97,8 +106,8 @@ def checkpoint_dir(cfg: DictConfig) -> str:
 # ------------------------------------------------------------------------------------------------ validation
 def app_key_problems(cfg: DictConfig) -> List[str]:
     """The app's own keys (``APP_OPTIONS``), each checked by the option model's one checker."""
-    present = {o.key: v for o in APP_OPTIONS for v in [OmegaConf.select(cfg, o.key, default=KeyError)]
-               if v is not KeyError}
+    present = {o.key: OmegaConf.to_container(v) if OmegaConf.is_config(v) else v
+               for o in APP_OPTIONS for v in [OmegaConf.select(cfg, o.key, default=KeyError)] if v is not KeyError}
     p = [m for o in APP_OPTIONS if o.key in present for m in [o.problem(present[o.key])] if m]
     declared = {o.key for o in APP_OPTIONS + LongContextOptions.options()}
     for group in APP_GROUPS:  # a misspelt key (`+trainer.max_step=5`) is refused, not ignored
@@ -112,6 +121,7 @@ def app_key_problems(cfg: DictConfig) -> List[str]:
             parse_fault(fault)
         except ConfigError as e:
             p += e.problems
+    p += on_signal_problems(cfg.get("checkpoint"))
     resume = present.get("checkpoint.resume")
     if isinstance(resume, str) and resume and resume not in RESUME_MODES and not os.path.isdir(resume):
         p.append(f"checkpoint.resume={resume!r} is neither auto/never nor an existing checkpoint directory")
@@ -357,12 +367,45 @@ def build_checkpointing(cfg: DictConfig, tensorboard: bool = True) -> tuple:
     return log, resume, ckpt
 
 
+def newest_complete_checkpoint(directory: str) -> tuple:
+    """(the newest complete checkpoint directory of ``directory`` or None, the names of the unfinished ones skipped).
+
+    NeMo's ModelCheckpoint marks a checkpoint ``<name>-unfinished`` (a file beside it) until every rank has written
+    it; newest = the highest ``step=N`` in the name, NeMo's ``-last`` copy first on a tie, then the newest mtime."""
+    import re
+    from pathlib import Path
+
+    from nemo.lightning.pytorch.callbacks.model_checkpoint import ModelCheckpoint
+
+    complete, skipped = [], []
+    for d in sorted(Path(directory).iterdir()):
+        if not d.is_dir():
+            continue
+        if ModelCheckpoint.is_checkpoint_unfinished(d):
+            skipped.append(d.name)
+            continue
+        m = re.search(r"step=(\d+)", d.name)
+        complete.append(((int(m.group(1)) if m else -1), d.name.endswith("-last"), d.stat().st_mtime, d))
+    return (max(complete, key=lambda c: c[:3])[3] if complete else None), skipped
+
+
 def _auto_resume_class() -> type:
     """``nl.AutoResume`` that also works when this run saves no checkpoints (``checkpoint.every_n_steps=0``): NeMo's
     ``setup`` records the restored path on ``trainer.checkpoint_callback``, which is then absent."""
     from nemo import lightning as nl
 
     class AutoResume(nl.AutoResume):
+        def _find_trainer_ckpt_path(self) -> Any:
+            """``checkpoint.resume=auto``: the newest *complete* checkpoint of the directory, naming every unfinished
+            one it skips (NeMo's own search reads only ``*-last`` and gives up when that one is unfinished)."""
+            if not self.resume_from_directory or not os.path.isdir(str(self.resume_from_directory)):
+                return super()._find_trainer_ckpt_path()
+            path, skipped = newest_complete_checkpoint(str(self.resume_from_directory))
+            if skipped and int(os.environ.get("RANK", "0")) == 0:
+                for name in skipped:
+                    print(f"nemo-longctx: auto-resume skips {name}: unfinished (its save was cut off)", flush=True)
+            return path
+
         def setup(self, trainer: Any, model: Any = None) -> None:
             if trainer.checkpoint_callback is not None:
                 return super().setup(trainer, model)
@@ -470,6 +513,10 @@ def build(cfg: DictConfig, launch: Optional[Launch] = None, extra_callbacks: Opt
         callbacks.append(SaveFinalParameters(os.path.join(str(cfg.output_dir), "final_params.pt")))
     if cfg.run.get("fault"):
         callbacks.append(FaultInjection.parse(str(cfg.run.fault)))
+    if save_on_signal(cfg.get("checkpoint")):
+        from nemo_longctx.integrations.nemo.preemption import SaveOnSignal
+
+        callbacks.append(SaveOnSignal(signals_of(cfg.run.signals), float(cfg.run.signal_grace_s)))
     callbacks += list(extra_callbacks or [])
     if ckpt is not None:
         callbacks.append(ckpt)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Tuple
 
 from nemo_longctx.options import ConfigError, Option
+from nemo_longctx.signals import DEFAULT_GRACE_S, DEFAULT_SIGNALS, SIGNAL_NAMES
 
 RESUME_MODES = ("auto", "never")
 # the groups whose keys are all declared (here or in the option model): any other key in them is refused
@@ -39,6 +40,8 @@ APP_OPTIONS = (
     Option("checkpoint.resume", "str", "auto", "auto | never | a checkpoint directory"),
     Option("checkpoint.keep", "int", 2, "most recent checkpoints kept", low=1),
     Option("checkpoint.async_save", "bool", False, "NeMo's asynchronous save (GPU runs)"),
+    Option("checkpoint.on_signal", "bool", None, "on the first of run.signals: save this step's checkpoint and stop "
+           "(exit 75); null: when checkpoint.every_n_steps > 0", nullable=True),
     Option("launcher.backend", "choice", "auto", "auto (nccl with CUDA, gloo without) | gloo | nccl",
            choices=("auto", "gloo", "nccl")),
     Option("launcher.threads_per_process", "int", None, "null: CPU cores / local processes", low=1, nullable=True),
@@ -52,6 +55,10 @@ APP_OPTIONS = (
            above=0, nullable=True),
     Option("run.kernel_self_test", "bool", False, "check the attention kernel against float64 before training"),
     Option("run.fault", "str", None, "failure drills for tests: KIND@STEP:RANK", nullable=True),
+    Option("run.signals", "modules", list(DEFAULT_SIGNALS), "the signals that save and stop (checkpoint.on_signal)",
+           choices=SIGNAL_NAMES),
+    Option("run.signal_grace_s", "number", DEFAULT_GRACE_S, "seconds the ranks get to save and stop after a signal "
+           "before the local launcher stops them", above=0),
     Option("output_dir", "str", "outputs/train", "run directory (metrics, logs, checkpoints)"),
     Option("init_from", "str", None, "a pretrained checkpoint (NeMo or Hugging Face directory) to start from",
            nullable=True),
@@ -59,7 +66,7 @@ APP_OPTIONS = (
 )
 
 
-FAULT_KINDS = ("raise", "kill", "hang", "abort")
+FAULT_KINDS = ("raise", "kill", "hang", "abort", "SIGTERM", "SIGUSR1")
 
 
 def parse_fault(spec: str) -> Tuple[str, int, int]:
@@ -72,3 +79,22 @@ def parse_fault(spec: str) -> Tuple[str, int, int]:
     if kind not in FAULT_KINDS or step < 1 or rank < 0:
         raise ConfigError([f"run.fault={spec!r}: KIND must be one of {list(FAULT_KINDS)}, STEP >= 1, RANK >= 0"])
     return kind, step, rank
+
+
+def save_on_signal(checkpoint: object) -> bool:
+    """Whether the run saves and stops on a signal: ``checkpoint.on_signal``, by default whenever it saves
+    checkpoints (``checkpoint.every_n_steps > 0``); ``checkpoint`` is the config's checkpoint group (or None)."""
+    get = getattr(checkpoint, "get", None)
+    if get is None:
+        return False
+    every, on = get("every_n_steps", 0), get("on_signal", None)
+    return bool(on) if on is not None else isinstance(every, int) and every > 0
+
+
+def on_signal_problems(checkpoint: object) -> list:
+    """``checkpoint.on_signal=true`` without checkpoints to save is refused."""
+    get = getattr(checkpoint, "get", None)
+    every = get("every_n_steps", 0) if get is not None else 0
+    if get is not None and get("on_signal", None) is True and not (isinstance(every, int) and every > 0):
+        return ["checkpoint.on_signal=true needs checkpoint.every_n_steps > 0: the run saves no checkpoints"]
+    return []

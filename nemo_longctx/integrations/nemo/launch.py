@@ -21,6 +21,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Dict, Optional, Sequence
 
+from nemo_longctx.signals import PREEMPTED_EXIT
+
 
 @dataclass(frozen=True)
 class Launch:
@@ -90,7 +92,8 @@ def detect_external_launch() -> Optional[Launch]:
 
 def launch_local(nproc: int, argv: Sequence[str], threads_per_process: int, *, wall_timeout_s: Optional[float] = None,
                  shutdown_timeout_s: int = 30, env: Optional[Dict[str, str]] = None,
-                 log_dir: Optional[str] = None, module: str = "nemo_longctx.train") -> int:
+                 log_dir: Optional[str] = None, module: str = "nemo_longctx.train",
+                 forward_signals: Sequence[int] = (), signal_grace_s: float = 120.0) -> int:
     """Start ``python -m <module> *argv`` (default: ``nemo_longctx.train``) on ``nproc`` local ranks with PyTorch's
     elastic agent (the code ``torchrun --standalone`` runs: a c10d rendezvous on a port the OS picks, no restarts)
     and wait for them.
@@ -99,7 +102,14 @@ def launch_local(nproc: int, argv: Sequence[str], threads_per_process: int, *, w
     others (SIGTERM, SIGKILL after ``shutdown_timeout_s``); the failed rank, its exit code and its error (the
     traceback the rank recorded) are printed, and the exit code is returned (128 + signal for a killed rank).
     SIGTERM/SIGINT/SIGHUP to this process stop every rank (the agent's own signal handling) and return 128 + signal;
-    ``wall_timeout_s`` stops the run the same way and returns 124.
+    ``wall_timeout_s`` stops the run the same way and returns 124. The signals of ``forward_signals`` (the run saves
+    on them: ``signals``) are not the agent's: the first one is forwarded to every rank, which saves its step and
+    exits with ``PREEMPTED_EXIT`` (returned); a second one, or ``signal_grace_s`` seconds without the ranks gone,
+    stops every rank as above.
+
+    No process of the run outlives it: a small reaper process (``_Reaper``) SIGKILLs whatever still carries the run's
+    token in its environment (ranks and what they started, e.g. a checkpoint worker) once this process is gone,
+    however it went (a SIGKILL included: the reaper reads a pipe that only this process holds open).
 
     Each rank's stderr goes to ``<log_dir>/<run id>_*/attempt_0/<local rank>/stderr.log`` (torch's own
     ``DefaultLogsSpecs`` layout; a temporary directory when ``log_dir`` is None) and is copied to this process's stderr
@@ -113,28 +123,37 @@ def launch_local(nproc: int, argv: Sequence[str], threads_per_process: int, *, w
     for k in [k for k in os.environ if k.startswith("SLURM_")]:
         os.environ.pop(k)  # a single-task Slurm allocation: the ranks are our processes, not Slurm's
     os.environ.update(OMP_NUM_THREADS=str(threads_per_process), NEMO_LONGCTX_SPAWNED="1", **(env or {}))
+    forward = tuple(signal.Signals(s) for s in forward_signals)
+    # the agent handles the signals it knows, except those forwarded (its handler would stop the ranks at once)
+    agent_signals = ",".join(n for n in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT") if signal.Signals[n] not in forward)
+    reaper = _Reaper()
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"nemo-longctx-{uuid.uuid4().hex[:12]}",
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.5,
         start_method="spawn", shutdown_timeout=int(shutdown_timeout_s), logs_specs=_rank_stderr_logs(log_dir),
+        signals_to_handle=agent_signals,
     )
     timed_out = threading.Event()
     timer = None
     if wall_timeout_s:
         def _expire() -> None:
             timed_out.set()
-            os.kill(os.getpid(), signal.SIGTERM)  # the agent's handler stops every rank
+            os.kill(os.getpid(), signal.SIGINT)  # the agent's handler stops every rank
 
         timer = threading.Timer(float(wall_timeout_s), _expire)
         timer.daemon = True
         timer.start()
+    forwarding = _SignalForwarding(forward, float(signal_grace_s), exclude=(reaper.pid,), timed_out=timed_out)
     try:
+        forwarding.install()
         elastic_launch(config, entrypoint=sys.executable)("-m", module, *argv)
         return 0
     except ChildFailedError as e:
         ranked = sorted(e.failures.items(), key=lambda kv: _root_cause_key(*kv))
         rank, failure = ranked[0]
         config.logs_specs.stop()  # type: ignore[union-attr]  # every rank's stderr is on the console and on disk
+        if _preempted(e.failures.values()):
+            return PREEMPTED_EXIT  # every rank saved and stopped (rank 0 printed where the checkpoint is)
         refused = config_error_of(failure)
         if refused is not None:  # the ranks refused the configuration: its one message, no table of tracebacks
             print(f"nemo-longctx: {refused}", file=sys.stderr, flush=True)
@@ -159,13 +178,148 @@ def launch_local(nproc: int, argv: Sequence[str], threads_per_process: int, *, w
             print(f"nemo-longctx: FAILED: run.timeout_s={wall_timeout_s} exceeded; all ranks were stopped",
                   file=sys.stderr, flush=True)
             return 124
-        print(f"nemo-longctx: stopped by {signal.Signals(e.sigval).name}; all ranks were stopped", file=sys.stderr,
-              flush=True)
+        why = forwarding.why_stopped()
+        print(f"nemo-longctx: stopped by {signal.Signals(e.sigval).name}{why}; all ranks were stopped",
+              file=sys.stderr, flush=True)
         return 128 + int(e.sigval)
     finally:
+        forwarding.uninstall()
         if timer is not None:
             timer.cancel()
         config.logs_specs.stop()  # type: ignore[union-attr]
+        reaper.release()
+
+
+def _preempted(failures) -> bool:
+    """Every rank either exited with ``PREEMPTED_EXIT`` or was stopped by the agent once another one had (the
+    agent stops the others with SIGTERM when the first rank exits non-zero), and at least one saved."""
+    codes = [getattr(f, "exitcode", 1) for f in failures]
+    return PREEMPTED_EXIT in codes and all(c in (PREEMPTED_EXIT, -int(signal.SIGTERM)) for c in codes)
+
+
+class _SignalForwarding:
+    """The launcher's side of save-on-signal: the first of ``signals`` goes to every rank (the processes this one
+    started, but ``exclude``); a second signal, or ``grace_s`` seconds later, the agent's stop (SignalException)."""
+
+    def __init__(self, signals: Sequence[signal.Signals], grace_s: float, exclude: Sequence[int],
+                 timed_out: threading.Event) -> None:
+        self.signals, self.grace_s, self.exclude, self.timed_out = tuple(signals), grace_s, set(exclude), timed_out
+        self.received: Optional[signal.Signals] = None
+        self.grace_over = threading.Event()
+        self._previous: Dict[signal.Signals, object] = {}
+        self._timer: Optional[threading.Timer] = None
+
+    def install(self) -> None:
+        for s in self.signals:
+            self._previous[s] = signal.signal(s, self._handle)
+
+    def uninstall(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        for s, previous in self._previous.items():
+            signal.signal(s, previous)  # type: ignore[arg-type]
+        self._previous.clear()
+
+    def why_stopped(self) -> str:
+        if self.grace_over.is_set():
+            return (f": the ranks had not saved and stopped run.signal_grace_s={self.grace_s:g} s after "
+                    f"{self.received.name if self.received else 'the signal'}")
+        if self.received is not None:
+            return f" (a second signal after {self.received.name}: no checkpoint waited for)"
+        return ""
+
+    def _handle(self, signum: int, frame: object) -> None:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        sig = signal.Signals(signum)
+        if self.received is not None or self.timed_out.is_set():
+            raise SignalException(f"Process {os.getpid()} got signal: {sig}", sigval=sig)
+        self.received = sig
+        ranks = [pid for pid in _children(os.getpid()) if pid not in self.exclude]
+        for pid in ranks:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        print(f"nemo-longctx: {sig.name}: {len(ranks)} rank(s) save this step's checkpoint and stop (a second signal "
+              f"stops them at once; run.signal_grace_s={self.grace_s:g} s)", file=sys.stderr, flush=True)
+
+        def _expire() -> None:
+            self.grace_over.set()
+            os.kill(os.getpid(), sig)  # as a second signal: the agent's stop
+
+        self._timer = threading.Timer(self.grace_s, _expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+
+def _children(pid: int) -> list:
+    """The live processes whose parent is ``pid`` (from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(entry))
+    return found
+
+
+RUN_TOKEN_VAR = "NEMO_LONGCTX_RUN_TOKEN"
+_REAPER = r"""
+import os, signal, sys, time
+token = ("%s=" + sys.argv[1]).encode()
+sys.stdin.buffer.read()  # returns at EOF: the launcher closed the pipe or is gone
+for _ in range(50):
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open("/proc/%%s/environ" %% entry, "rb") as f:
+                    if token in f.read().split(b"\0"):
+                        found.append(int(entry))
+            except OSError:
+                pass
+    for pid in found:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    if not found:
+        break
+    time.sleep(0.1)
+""" % RUN_TOKEN_VAR
+
+
+class _Reaper:
+    """A process that outlives the launcher by a moment to SIGKILL every process still carrying this run's token
+    (``RUN_TOKEN_VAR``, set in this process's environment, so every rank and every process a rank starts inherits
+    it). It waits for EOF on a pipe whose write end only the launcher holds: the kernel closes it however the launcher
+    ends. ``release()`` (the launcher's normal end) closes it now and waits for the sweep."""
+
+    def __init__(self) -> None:
+        import subprocess
+
+        token = uuid.uuid4().hex
+        env = {k: v for k, v in os.environ.items() if k != RUN_TOKEN_VAR}
+        self._proc = subprocess.Popen([sys.executable, "-I", "-c", _REAPER, token], stdin=subprocess.PIPE, env=env,
+                                      start_new_session=True, close_fds=True)
+        os.environ[RUN_TOKEN_VAR] = token
+        self.pid = self._proc.pid
+
+    def release(self) -> None:
+        import subprocess
+
+        os.environ.pop(RUN_TOKEN_VAR, None)
+        try:
+            self._proc.stdin.close()  # type: ignore[union-attr]
+            self._proc.wait(timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
 
 
 def _rank_stderr_logs(log_dir: Optional[str]):
@@ -302,8 +456,10 @@ def die_with_parent() -> None:
 def inject_fault(kind: str, step: int, rank: int) -> None:
     """A failure drill (``run.fault=KIND@STEP:RANK``, parsed by ``config_keys.parse_fault``) on this rank now, at the
     start of training step STEP (both apps call it from their step-start hook): ``raise`` a RuntimeError, ``kill``
-    itself with SIGKILL, ``abort`` like a C++ fatal error (a marker on stderr, then SIGABRT), or ``hang`` (the peers
-    block in their next collective until the collective timeout or the launcher stops the run)."""
+    itself with SIGKILL, ``abort`` like a C++ fatal error (a marker on stderr, then SIGABRT), ``hang`` (the peers
+    block in their next collective until the collective timeout or the launcher stops the run), or ``SIGTERM`` /
+    ``SIGUSR1``: send that signal to its launcher (the parent process: the local launcher or torchrun's agent), as
+    a scheduler would, and train on (a preemption drill)."""
     import time
 
     print(f"run.fault: rank {rank} injects '{kind}' at step {step} (unix time {time.time():.2f})", flush=True)
@@ -314,5 +470,9 @@ def inject_fault(kind: str, step: int, rank: int) -> None:
     if kind == "abort":
         print(f"run.fault: rank {rank} aborts now (C++-style fatal error marker)", file=sys.stderr, flush=True)
         os.abort()
+    if kind.startswith("SIG"):  # a preemption drill: the signal comes to the launcher (this rank's parent) from
+        os.kill(os.getppid(), signal.Signals[kind])  # outside, as from scancel/kill; the launcher forwards it, and
+        time.sleep(1.0)  # it reaches every rank before this step ends
+        return
     while True:
         time.sleep(1)

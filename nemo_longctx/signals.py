@@ -1,0 +1,71 @@
+"""Preemption signals, the same for every front end and launcher (standard library only).
+
+A run that saves checkpoints treats the signals of ``run.signals`` (default SIGTERM and SIGUSR1: Slurm's
+``--signal=B:USR1@<grace>`` and plain ``scancel``/``kill``) as "save and stop": each rank latches the first one
+(``SignalLatch``), the ranks agree at the next step boundary (one small collective per step, done by the front
+end), save a complete checkpoint of that step, print ``preempted_line`` and exit with ``PREEMPTED_EXIT``. A second
+signal restores the default action and delivers itself again: the process stops at once. The local launcher
+forwards the first signal to its ranks and gives them ``run.signal_grace_s`` seconds (``launch.launch_local``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Dict, Iterable, Optional, Tuple
+
+PREEMPTED_EXIT = 75  # EX_TEMPFAIL (sysexits.h): stopped by a signal after saving; run the same command again
+SIGNAL_NAMES = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP")
+DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
+DEFAULT_GRACE_S = 120.0
+
+
+def signals_of(names: Iterable[str]) -> Tuple[signal.Signals, ...]:
+    """``["SIGTERM", "SIGUSR1"]`` -> the signals (names checked by the option model: ``run.signals``)."""
+    return tuple(signal.Signals[str(n)] for n in names)
+
+
+class SignalLatch:
+    """Remembers the first of ``signals`` this process receives instead of dying of it; a second one (any of them)
+    puts the default action back and delivers itself again, so the process stops at once."""
+
+    def __init__(self, signals: Iterable[int]) -> None:
+        self.signals = tuple(signal.Signals(s) for s in signals)
+        self.received: Optional[signal.Signals] = None
+        self.received_at: Optional[float] = None
+        self._previous: Dict[signal.Signals, object] = {}
+
+    def install(self) -> "SignalLatch":
+        for s in self.signals:
+            if s not in self._previous:
+                self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def uninstall(self) -> None:
+        for s, previous in self._previous.items():
+            signal.signal(s, previous)  # type: ignore[arg-type]
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.received is None:
+            self.received, self.received_at = signal.Signals(signum), time.monotonic()
+            return
+        for s in self.signals:  # the second signal: stop now, as without the latch
+            signal.signal(s, signal.SIG_DFL)
+        self._previous.clear()
+        os.kill(os.getpid(), signum)
+
+
+def preempted_line(step: int, path: str, seconds: float) -> str:
+    """The one line a preempted run prints (rank 0) once its checkpoint is complete on disk."""
+    return f"nemo-longctx: preempted at step {step}, checkpoint {path} saved in {seconds:.1f} s"
+
+
+def slow_save_warning(seconds: float, grace_s: float, what: str = "saving") -> Optional[str]:
+    """A warning when ``seconds`` (measured or estimated) of ``what`` exceed the grace the launcher gives the
+    ranks after a signal (``run.signal_grace_s``), else None."""
+    if seconds <= grace_s:
+        return None
+    return (f"nemo-longctx: WARNING: {what} took {seconds:.0f} s, more than run.signal_grace_s={grace_s:g}: a "
+            "preemption save may be cut off (raise run.signal_grace_s and the sbatch --signal=B:USR1@<grace>)")
