@@ -21,6 +21,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Dict, Optional, Sequence
 
+from nemo_longctx.reaper import RUN_TOKEN_VAR
 from nemo_longctx.signals import PREEMPTED_EXIT
 
 
@@ -269,45 +270,20 @@ def _children(pid: int) -> list:
     return found
 
 
-RUN_TOKEN_VAR = "NEMO_LONGCTX_RUN_TOKEN"
-_REAPER = r"""
-import os, signal, sys, time
-token = ("%s=" + sys.argv[1]).encode()
-sys.stdin.buffer.read()  # returns at EOF: the launcher closed the pipe or is gone
-for _ in range(50):
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid():
-            try:
-                with open("/proc/%%s/environ" %% entry, "rb") as f:
-                    if token in f.read().split(b"\0"):
-                        found.append(int(entry))
-            except OSError:
-                pass
-    for pid in found:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-    if not found:
-        break
-    time.sleep(0.1)
-""" % RUN_TOKEN_VAR
-
-
 class _Reaper:
-    """A process that outlives the launcher by a moment to SIGKILL every process still carrying this run's token
-    (``RUN_TOKEN_VAR``, set in this process's environment, so every rank and every process a rank starts inherits
-    it). It waits for EOF on a pipe whose write end only the launcher holds: the kernel closes it however the launcher
-    ends. ``release()`` (the launcher's normal end) closes it now and waits for the sweep."""
+    """``python -m nemo_longctx.reaper``: a process that outlives the launcher by a moment to SIGKILL every process
+    still carrying this run's token (``RUN_TOKEN_VAR``, set in this process's environment, so every rank and every
+    process a rank starts inherits it). It waits for EOF on a pipe whose write end only the launcher holds: the kernel
+    closes it however the launcher ends. ``release()`` (the launcher's normal end) closes it now and waits for the
+    sweep."""
 
     def __init__(self) -> None:
         import subprocess
 
         token = uuid.uuid4().hex
         env = {k: v for k, v in os.environ.items() if k != RUN_TOKEN_VAR}
-        self._proc = subprocess.Popen([sys.executable, "-I", "-c", _REAPER, token], stdin=subprocess.PIPE, env=env,
-                                      start_new_session=True, close_fds=True)
+        self._proc = subprocess.Popen([sys.executable, "-m", "nemo_longctx.reaper", token], stdin=subprocess.PIPE,
+                                      env=env, start_new_session=True, close_fds=True)
         os.environ[RUN_TOKEN_VAR] = token
         self.pid = self._proc.pid
 
