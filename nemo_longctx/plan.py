@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from nemo_longctx.memory.model_shapes import shape_from_config
+from nemo_longctx.signals import DEFAULT_GRACE_S
 from nemo_longctx.options import ConfigError, Context, raise_problems  # noqa: F401  (ConfigError: main's refusal)
 from nemo_longctx.plan_keys import PLAN_OPTIONS, plan_key_problems  # noqa: F401  (PLAN_OPTIONS: plan's keys)
 from nemo_longctx.memory.planner import (  # noqa: F401  (RECOMPUTE_GROUP, option_model: the contract's names)
@@ -497,6 +498,21 @@ def key_problems(cfg: Any) -> List[str]:
     return plan_key_problems(plan_node)
 
 
+def checkpoint_estimate(shape: Any, precision: Any, write_gb_s: float, grace_s: float = DEFAULT_GRACE_S) -> dict:
+    """One save's size and time (``planner.checkpoint_save_seconds``) against the preemption grace."""
+    from nemo_longctx.memory.planner import checkpoint_bytes, checkpoint_save_seconds
+
+    size, seconds = checkpoint_bytes(shape, precision), checkpoint_save_seconds(shape, precision, write_gb_s)
+    fits = seconds <= grace_s
+    line = (f"checkpoint: {size / 1e9:.1f} GB per save (weights + fp32 master + Adam moments), ~{seconds:.0f} s at "
+            f"{write_gb_s:g} GB/s (plan.checkpoint_write_gb_s); " + (
+                f"within the preemption grace (run.signal_grace_s={grace_s:g}, sbatch --signal=B:USR1@{grace_s:g})"
+                if fits else f"MORE than the preemption grace run.signal_grace_s={grace_s:g}: raise it and the "
+                "sbatch's --signal=B:USR1@<grace>"))
+    return {"bytes": size, "save_s": seconds, "write_gb_s": write_gb_s, "grace_s": grace_s, "fits_grace": fits,
+            "line": line}
+
+
 def run(cfg: Any, out=sys.stdout) -> int:
     raise_problems(key_problems(cfg))  # ConfigError: every bad plan.* value at once (main: exit 2)
     shape, seq, hw, precision, coef, cost, search = inputs_from_config(cfg)
@@ -512,6 +528,7 @@ def run(cfg: Any, out=sys.stdout) -> int:
         d["limited_by"] = limited_by(p)
         d["caveats"] = caveats(chosen, train_precision(p.precision), str(_get(cfg.plan, "target", "gpu")),
                                str(_get(cfg.plan, "frontend", "nemo"))) if chosen else None
+        d["checkpoint"] = checkpoint_estimate(shape, precision, float(_get(cfg.plan, "checkpoint_write_gb_s", 2.0)))
         d["candidates"] = d["candidates"][: int(_get(cfg.plan, "json_candidates", 50))]
         print(json.dumps(d, indent=1), file=out)
     else:
@@ -527,6 +544,8 @@ def run(cfg: Any, out=sys.stdout) -> int:
         if chosen:
             print(format_caveats(caveats(chosen, train_precision(p.precision), str(_get(cfg.plan, "target", "gpu")),
                                          str(_get(cfg.plan, "frontend", "nemo")))), file=out, flush=True)
+        est = checkpoint_estimate(shape, precision, float(_get(cfg.plan, "checkpoint_write_gb_s", 2.0)))
+        print(est["line"], file=out, flush=True)
     if chosen is None:
         print(f"\nno fitting plan: {missing}", file=sys.stderr if bool(_get(cfg.plan, "json", False)) else out)
         return 2

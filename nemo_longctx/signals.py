@@ -28,13 +28,21 @@ def signals_of(names: Iterable[str]) -> Tuple[signal.Signals, ...]:
 
 class SignalLatch:
     """Remembers the first of ``signals`` this process receives instead of dying of it; a second one (any of them)
-    puts the default action back and delivers itself again, so the process stops at once."""
+    puts the default action back and delivers itself again, so the process stops at once -- until the checkpoint is
+    saved (``mark_saved``)."""
 
     def __init__(self, signals: Iterable[int]) -> None:
         self.signals = tuple(signal.Signals(s) for s in signals)
         self.received: Optional[signal.Signals] = None
         self.received_at: Optional[float] = None
+        self.saved = False
         self._previous: Dict[signal.Signals, object] = {}
+
+    def mark_saved(self) -> None:
+        """The checkpoint is complete and the process is on its way out with ``PREEMPTED_EXIT``: from now on the
+        signals are ignored, so that a launcher stopping the other ranks (srun --kill-on-bad-exit, torch's agent)
+        cannot turn this rank's exit code into a death by signal. SIGKILL still ends it."""
+        self.saved = True
 
     def install(self) -> "SignalLatch":
         for s in self.signals:
@@ -43,11 +51,15 @@ class SignalLatch:
         return self
 
     def uninstall(self) -> None:
+        if self.saved:
+            return  # keep ignoring until the process exits
         for s, previous in self._previous.items():
             signal.signal(s, previous)  # type: ignore[arg-type]
         self._previous.clear()
 
     def _handle(self, signum: int, frame: object) -> None:
+        if self.saved:
+            return
         if self.received is None:
             self.received, self.received_at = signal.Signals(signum), time.monotonic()
             return

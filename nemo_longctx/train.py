@@ -36,6 +36,7 @@ from nemo_longctx.integrations.nemo.app import (  # noqa: F401  (re-exported: th
     options_of,
     parallel_sizes,
     raise_problems,
+    save_time_warning,
     world_size_of,
 )
 from nemo_longctx.integrations.nemo.config_keys import save_on_signal
@@ -79,6 +80,9 @@ def train_rank(cfg: DictConfig, launch: Optional[Launch], options: Optional[Long
     if cfg.run.get("kernel_self_test"):
         kernel_self_test(str(cfg.trainer.precision), local_rank=launch.local_rank if launch is not None else 0)
     if built.trainer.global_rank == 0:
+        warning = save_time_warning(cfg)
+        if warning:
+            print(warning, flush=True)
         print(
             f"nemo-longctx train: {type(built.model_config).__name__} {built.model_config.num_layers} layers, "
             f"seq {built.model_config.seq_length}, config {config_hash(cfg)[:12]}, "

@@ -10,14 +10,18 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import pytest
 
 from slurm_cluster import slurm as _slurm
 from slurm_cluster import slurm_cluster  # noqa: F401  (the fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "examples" / "slurm" / "cpu_demo.sbatch"
-MAX_STEPS = 3
+MAX_STEPS = 16  # the CPU demo's jobs (uninterrupted, and preempted + requeued)
+PLAN_STEPS = 3
 
 
 def _submit(script, tmp_path, env, wait_s=420):
@@ -31,19 +35,32 @@ def _submit(script, tmp_path, env, wait_s=420):
     return job, waited, log.read_text() if log else "(no job output file)"
 
 
-def test_cpu_demo_sbatch_trains_under_srun(slurm_cluster, tmp_path):
-    out_dir = tmp_path / "out"
+def _demo_env(out_dir, steps, overrides="model.seq_length=1024"):
     nemo_longctx = Path(sys.executable).with_name("nemo-longctx")
     assert nemo_longctx.exists(), f"console script missing next to {sys.executable}"
-    env = dict(os.environ, NEMO_LONGCTX=str(nemo_longctx), OUTPUT_DIR=str(out_dir), MAX_STEPS=str(MAX_STEPS),
-               EXTRA_OVERRIDES="model.seq_length=1024", MEM_LIMIT_KB=str(8 * 1024 * 1024))
-    job, waited, log_text = _submit(DEMO, tmp_path, env)
+    return dict(os.environ, NEMO_LONGCTX=str(nemo_longctx), OUTPUT_DIR=str(out_dir), MAX_STEPS=str(steps),
+                EXTRA_OVERRIDES=overrides, MEM_LIMIT_KB=str(8 * 1024 * 1024), SAVE_EVERY="100")
+
+
+def _rows(out_dir):
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def demo_job(slurm_cluster, tmp_path_factory):
+    """The CPU demo sbatch, uninterrupted: (job id, wait result, output text, metrics rows)."""
+    tmp_path = tmp_path_factory.mktemp("demo")
+    job, waited, log_text = _submit(DEMO, tmp_path, _demo_env(tmp_path / "out", MAX_STEPS))
     assert waited.returncode == 0, f"job {job} failed: {waited.stderr}\n--- job output (tail):\n{log_text[-5000:]}"
+    return job, waited, log_text, _rows(tmp_path / "out")
+
+
+def test_cpu_demo_sbatch_trains_under_srun(demo_job):
+    job, waited, log_text, rows = demo_job
 
     # the ranks were the two srun tasks: the app did not fall back to spawning its own processes
     assert "spawning" not in log_text, log_text[-3000:]
     assert "2 tasks" in log_text
-    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert [r["step"] for r in rows] == list(range(1, MAX_STEPS + 1))
     for r in rows:
         assert math.isfinite(r["loss"]) and 0 < r["loss"] < 20
@@ -53,11 +70,8 @@ def test_cpu_demo_sbatch_trains_under_srun(slurm_cluster, tmp_path):
 
 def test_a_failing_rank_fails_the_slurm_job(slurm_cluster, tmp_path):
     """A rank raising at step 2 under srun: the job ends FAILED with a non-zero exit code (not COMPLETED)."""
-    out_dir = tmp_path / "out"
-    nemo_longctx = Path(sys.executable).with_name("nemo-longctx")
-    env = dict(os.environ, NEMO_LONGCTX=str(nemo_longctx), OUTPUT_DIR=str(out_dir), MAX_STEPS="4",
-               EXTRA_OVERRIDES="model.seq_length=1024 run.fault=raise@2:1", MEM_LIMIT_KB=str(8 * 1024 * 1024))
-    job, waited, log_text = _submit(DEMO, tmp_path, env)
+    job, waited, log_text = _submit(DEMO, tmp_path, _demo_env(tmp_path / "out", 4,
+                                                              "model.seq_length=1024 run.fault=raise@2:1"))
     assert waited.returncode not in (0, 124), f"job {job}: {waited.stderr}\n{log_text[-3000:]}"
     assert "FAILED" in waited.stderr or "FAILED" in waited.stdout, waited.stderr
     assert "injected failure (run.fault) on rank 1 at step 2" in log_text, log_text[-3000:]
@@ -76,7 +90,7 @@ def test_planner_written_sbatch_installs_the_plugin_and_trains(slurm_cluster, tm
     text = sb.read_text()
     assert "pip install --no-deps" in text and "--gpus-per-node" not in text and "IMAGE=${IMAGE-}" in text
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(PYTHON=sys.executable, OUTPUT_DIR=str(out_dir), EXTRA_OVERRIDES=f"trainer.max_steps={MAX_STEPS}")
+    env.update(PYTHON=sys.executable, OUTPUT_DIR=str(out_dir), EXTRA_OVERRIDES=f"trainer.max_steps={PLAN_STEPS}")
     job, waited, log_text = _submit(sb, tmp_path, env, wait_s=480)
     assert waited.returncode == 0, f"job {job} failed: {waited.stderr}\n--- job output (tail):\n{log_text[-5000:]}"
     site = out_dir / ".nemo_longctx_site"
@@ -84,5 +98,54 @@ def test_planner_written_sbatch_installs_the_plugin_and_trains(slurm_cluster, tm
     assert f"from {site}/nemo_longctx/__init__.py" in log_text, log_text[-3000:]  # the job imported its install
     assert "spawning" not in log_text
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    assert [row["step"] for row in rows] == list(range(1, MAX_STEPS + 1))
+    assert [row["step"] for row in rows] == list(range(1, PLAN_STEPS + 1))
     assert all(math.isfinite(row["loss"]) and row["world_size"] == 2 for row in rows)
+
+
+def _job_field(job, name):
+    info = subprocess.run(["scontrol", "-o", "show", "job", job], capture_output=True, text=True, timeout=30).stdout
+    return next((f.split("=", 1)[1] for f in info.split() if f.startswith(name + "=")), "")
+
+
+def test_a_preempted_demo_job_saves_requeues_and_resumes(demo_job, tmp_path):
+    """`scancel --signal=USR1 --batch` mid-run (what Slurm's --signal=B:USR1@30 does before the time limit): the
+    batch script passes USR1 to srun, the ranks save the step they are in and exit 75, the script requeues the job,
+    and the requeued job resumes from that checkpoint and finishes. Its metrics read as one run equal to the
+    uninterrupted job's (<= 1e-6). Slurm holds a requeued batch job ~2 min before it may start again; the test
+    releases it at once (scontrol update StartTime=now)."""
+    out_dir = tmp_path / "out"
+    env = _demo_env(out_dir, MAX_STEPS, "model.seq_length=1024 memory.track=false")
+    # SAVE_EVERY=100 (_demo_env): checkpointing on, no periodic save: the only checkpoint is the preemption's
+    sub = subprocess.run(["sbatch", "--parsable", f"--chdir={tmp_path}", str(DEMO)], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert sub.returncode == 0, sub.stderr
+    job = sub.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if (out_dir / "metrics.jsonl").exists() and len(_rows(out_dir)) >= 2:
+            break
+        time.sleep(0.2)
+    signalled = subprocess.run(["scancel", "--signal=USR1", "--batch", job], capture_output=True, text=True, timeout=30)
+    assert signalled.returncode == 0, signalled.stderr
+    while time.monotonic() < deadline + 300:
+        if _job_field(job, "Restarts") not in ("", "0") and _job_field(job, "JobState") == "PENDING":
+            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], timeout=30)
+            break
+        if _job_field(job, "JobState") not in ("RUNNING", "COMPLETING", "PENDING", "REQUEUED", "CONFIGURING"):
+            break  # ended without a requeue: the assertions below say why
+        time.sleep(0.5)
+    waited = _slurm("wait", job, "420", timeout=480)
+    log_text = next(tmp_path.glob(f"*-{job}.out")).read_text()
+    assert waited.returncode == 0, f"job {job}: {waited.stderr}\n{log_text[-5000:]}"
+    assert _job_field(job, "Restarts") == "1", log_text[-3000:]
+    line = next((ln for ln in log_text.splitlines() if ln.startswith("nemo-longctx: preempted at step")), None)
+    assert line is not None, log_text[-5000:]
+    step = int(line.split("preempted at step ")[1].split(",")[0])
+    assert 1 <= step < MAX_STEPS, line
+    assert f"job {job}: preempted, checkpoint saved: requeueing it to resume" in log_text
+    assert f"job {job} (restart 1):" in log_text and f"nemo-longctx: resumed at step {step} from " in log_text
+    rows = _rows(out_dir)
+    assert [r["step"] for r in rows] == list(range(1, MAX_STEPS + 1))  # one run
+    ref = {r["step"]: r["loss"] for r in demo_job[3]}
+    for r in rows:
+        assert abs(r["loss"] - ref[r["step"]]) <= 1e-6 * abs(ref[r["step"]]), (r["step"], r["loss"], ref[r["step"]])

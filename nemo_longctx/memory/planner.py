@@ -505,6 +505,22 @@ def model_state_bytes(shape: ModelShape, c: Candidate, dp: int, precision: Preci
     return {"weights": weights, "grads": grads, "optimizer": on_device * opt_params, "host": host * opt_params}
 
 
+CHECKPOINT_WRITE_GB_S = 2.0  # GB/s the ranks of a job write to the checkpoint filesystem, all together (default)
+
+
+def checkpoint_bytes(shape: ModelShape, precision: Precision = Precision()) -> float:
+    """Bytes of one checkpoint of the model and its optimizer, all ranks together (Megatron's distributed checkpoint
+    writes each shard once): the weights, the fp32 master copy (none with fp32 weights) and Adam's two moments."""
+    master = 4.0 if precision.param_bytes < 4 else 0.0
+    return shape.parameters() * (precision.param_bytes + master + (precision.optimizer_bytes - 4))
+
+
+def checkpoint_save_seconds(shape: ModelShape, precision: Precision = Precision(),
+                            write_gb_s: float = CHECKPOINT_WRITE_GB_S) -> float:
+    """The planner's estimate of one save: ``checkpoint_bytes`` at ``write_gb_s`` GB/s."""
+    return checkpoint_bytes(shape, precision) / (float(write_gb_s) * 1e9)
+
+
 def memory_breakdown(shape: ModelShape, seq_length: int, hw: Hardware, c: Candidate,
                      precision: Precision = Precision(), coef: ActivationCoefficients | None = None
                      ) -> MemoryBreakdown:

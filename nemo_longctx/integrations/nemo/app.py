@@ -186,6 +186,24 @@ def preflight(args: List[str], config_name: str = "train", target_cuda: Optional
     return config_problems(cfg, options_of(cfg), choices=dict(cfg.hydra.runtime.choices), target_cuda=target_cuda)
 
 
+def save_time_warning(cfg: DictConfig) -> Optional[str]:
+    """With save-on-signal: a warning when the planner's estimate of one checkpoint save (``plan.checkpoint_estimate``
+    at its default write bandwidth) exceeds ``run.signal_grace_s``, else None."""
+    if not save_on_signal(cfg.get("checkpoint")):
+        return None
+    from nemo_longctx.memory.model_shapes import shape_from_config
+    from nemo_longctx.memory.planner import Precision
+    from nemo_longctx.plan import checkpoint_estimate
+
+    try:
+        shape = shape_from_config(OmegaConf.to_container(cfg.model, resolve=True))
+    except ValueError:  # a model the planner cannot size (the measured save time is still reported)
+        return None
+    param_bytes = 4 if str(cfg.trainer.precision) == "32" else 2
+    est = checkpoint_estimate(shape, Precision(param_bytes=param_bytes), 2.0, float(cfg.run.signal_grace_s))
+    return None if est["fits_grace"] else "nemo-longctx: WARNING: " + est["line"]
+
+
 def vocabulary_problems(cfg: DictConfig, config: Any) -> List[str]:
     """A data tokenizer whose ids reach past the model's embedding table would fail in the training step (an
     IndexError in the embedding lookup): refused when the model config is built (``build``), naming both sizes."""

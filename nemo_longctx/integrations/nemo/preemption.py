@@ -67,6 +67,7 @@ class SaveOnSignal(PreemptionCallback):
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
         seconds = time.perf_counter() - start
+        self.latch.mark_saved()
         path = str(ckpt_to_dir(ckpt.last_model_path))
         self.preempted = (step, path, seconds)
         trainer.should_stop = True  # the periodic save of this step is skipped: _last_global_step_saved == step
