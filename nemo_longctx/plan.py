@@ -393,6 +393,8 @@ def write_sbatch(path: str, p: Plan, ev: Evaluation, model: str, container_image
         "from HF_HOME's\n#                       cache with HF_HUB_OFFLINE=1; no weights are read)")
     src = source_checkout() if source is None else source
     gpu_lines = "" if cpu else (f"#SBATCH --gpus-per-node={hw.gpus_on_a_node}\n#SBATCH --exclusive\n")
+    # the signal's lead time: the default grace, or twice the planner's save estimate when that is longer
+    grace = int(max(DEFAULT_GRACE_S, 2 * checkpoint_estimate(p.shape, p.precision, 2.0)["save_s"]))
     image = "" if cpu else container_image
     extra_kind = "arguments (ours or Bridge's KEY=VALUE)" if bridge else "Hydra overrides"
     image_kind = "a Megatron-Bridge-era NGC NeMo image" if bridge else "the stock NGC NeMo image"
@@ -412,6 +414,12 @@ def write_sbatch(path: str, p: Plan, ev: Evaluation, model: str, container_image
 #SBATCH --ntasks-per-node={hw.gpus_on_a_node}
 {gpu_lines}#SBATCH --time=04:00:00
 #SBATCH --output=%x-%j.out
+#SBATCH --open-mode=append
+#SBATCH --requeue
+#SBATCH --signal=B:USR1@{grace}
+# Preemption: USR1 (Slurm, {grace} s before the time limit; or scancel --signal=USR1 --batch) and TERM go to srun, which
+# signals every rank; with checkpoints on (checkpoint.every_n_steps > 0) the ranks save their step and exit 75, and the
+# job requeues itself to resume from it (README "Preemption and requeue").
 set -euo pipefail
 
 IMAGE=${{IMAGE-{image}}}
@@ -449,7 +457,23 @@ srun --nodes=1 --ntasks=1 "${{container[@]}}" env PYTHONPATH="$SITE${{PYTHONPATH
 srun --kill-on-bad-exit=1 "${{container[@]}}" \\
   env PYTHONPATH="$SITE${{PYTHONPATH:+:$PYTHONPATH}}" "$SITE/bin/nemo-longctx" {command} \\
     {overrides} \\
-    output_dir="$OUTPUT_DIR" "${{extra_overrides[@]}}"
+    output_dir="$OUTPUT_DIR" "${{extra_overrides[@]}}" &
+srun_pid=$!
+# shellcheck disable=SC2317  # called from the traps below
+forward() {{ kill -s "$1" "$srun_pid" 2>/dev/null || true; }}
+trap 'forward USR1' USR1
+trap 'forward TERM' TERM
+rc=0
+wait "$srun_pid" || rc=$?
+while kill -0 "$srun_pid" 2>/dev/null; do  # a trapped signal ended `wait` early: wait for srun itself
+  rc=0
+  wait "$srun_pid" || rc=$?
+done
+if [ "$rc" -eq 75 ]; then
+  echo "job $SLURM_JOB_ID: preempted, checkpoint saved: requeueing it to resume"
+  scontrol requeue "$SLURM_JOB_ID"
+fi
+exit "$rc"
 """
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(text)
