@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from nemo_longctx.memory.model_shapes import shape_from_config
-from nemo_longctx.signals import DEFAULT_GRACE_S
 from nemo_longctx.options import ConfigError, Context, raise_problems  # noqa: F401  (ConfigError: main's refusal)
 from nemo_longctx.plan_keys import PLAN_OPTIONS, plan_key_problems  # noqa: F401  (PLAN_OPTIONS: plan's keys)
+from nemo_longctx.memory.planner import checkpoint_estimate
 from nemo_longctx.memory.planner import (  # noqa: F401  (RECOMPUTE_GROUP, option_model: the contract's names)
     GIB,
     RECOMPUTE,
@@ -520,21 +520,6 @@ def key_problems(cfg: Any) -> List[str]:
     except Exception as e:  # an interpolation that does not resolve
         return [f"plan: {e}"]
     return plan_key_problems(plan_node)
-
-
-def checkpoint_estimate(shape: Any, precision: Any, write_gb_s: float, grace_s: float = DEFAULT_GRACE_S) -> dict:
-    """One save's size and time (``planner.checkpoint_save_seconds``) against the preemption grace."""
-    from nemo_longctx.memory.planner import checkpoint_bytes, checkpoint_save_seconds
-
-    size, seconds = checkpoint_bytes(shape, precision), checkpoint_save_seconds(shape, precision, write_gb_s)
-    fits = seconds <= grace_s
-    line = (f"checkpoint: {size / 1e9:.1f} GB per save (weights + fp32 master + Adam moments), ~{seconds:.0f} s at "
-            f"{write_gb_s:g} GB/s (plan.checkpoint_write_gb_s); " + (
-                f"within the preemption grace (run.signal_grace_s={grace_s:g}, sbatch --signal=B:USR1@{grace_s:g})"
-                if fits else f"MORE than the preemption grace run.signal_grace_s={grace_s:g}: raise it and the "
-                "sbatch's --signal=B:USR1@<grace>"))
-    return {"bytes": size, "save_s": seconds, "write_gb_s": write_gb_s, "grace_s": grace_s, "fits_grace": fits,
-            "line": line}
 
 
 def run(cfg: Any, out=sys.stdout) -> int:

@@ -70,6 +70,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Iterable
 
 from nemo_longctx.options import Context, LongContextOptions, auto_tiles, layout_problems
+from nemo_longctx.signals import DEFAULT_GRACE_S
 
 from .model_shapes import ModelShape
 
@@ -519,6 +520,21 @@ def checkpoint_save_seconds(shape: ModelShape, precision: Precision = Precision(
                             write_gb_s: float = CHECKPOINT_WRITE_GB_S) -> float:
     """The planner's estimate of one save: ``checkpoint_bytes`` at ``write_gb_s`` GB/s."""
     return checkpoint_bytes(shape, precision) / (float(write_gb_s) * 1e9)
+
+
+def checkpoint_estimate(shape: ModelShape, precision: Precision, write_gb_s: float = CHECKPOINT_WRITE_GB_S,
+                        grace_s: float = DEFAULT_GRACE_S) -> dict:
+    """One save's size and time (``checkpoint_save_seconds``) against the preemption grace, with the line
+    ``nemo-longctx plan`` prints (and the train app warns with when the save would not fit the grace)."""
+    size, seconds = checkpoint_bytes(shape, precision), checkpoint_save_seconds(shape, precision, write_gb_s)
+    fits = seconds <= grace_s
+    line = (f"checkpoint: {size / 1e9:.1f} GB per save (weights + fp32 master + Adam moments), ~{seconds:.0f} s at "
+            f"{write_gb_s:g} GB/s (plan.checkpoint_write_gb_s); " + (
+                f"within the preemption grace (run.signal_grace_s={grace_s:g}, sbatch --signal=B:USR1@{grace_s:g})"
+                if fits else f"MORE than the preemption grace run.signal_grace_s={grace_s:g}: raise it and the "
+                "sbatch's --signal=B:USR1@<grace>"))
+    return {"bytes": size, "save_s": seconds, "write_gb_s": write_gb_s, "grace_s": grace_s, "fits_grace": fits,
+            "line": line}
 
 
 def memory_breakdown(shape: ModelShape, seq_length: int, hw: Hardware, c: Candidate,

@@ -192,8 +192,7 @@ def save_time_warning(cfg: DictConfig) -> Optional[str]:
     if not save_on_signal(cfg.get("checkpoint")):
         return None
     from nemo_longctx.memory.model_shapes import shape_from_config
-    from nemo_longctx.memory.planner import Precision
-    from nemo_longctx.plan import checkpoint_estimate
+    from nemo_longctx.memory.planner import Precision, checkpoint_estimate
 
     try:
         shape = shape_from_config(OmegaConf.to_container(cfg.model, resolve=True))

@@ -55,7 +55,7 @@ APP_OPTIONS = (
            above=0, nullable=True),
     Option("run.kernel_self_test", "bool", False, "check the attention kernel against float64 before training"),
     Option("run.fault", "str", None, "failure drills for tests: KIND@STEP:RANK", nullable=True),
-    Option("run.signals", "modules", list(DEFAULT_SIGNALS), "the signals that save and stop (checkpoint.on_signal)",
+    Option("run.signals", "modules", DEFAULT_SIGNALS, "the signals that save and stop (checkpoint.on_signal)",
            choices=SIGNAL_NAMES),
     Option("run.signal_grace_s", "number", DEFAULT_GRACE_S, "seconds the ranks get to save and stop after a signal "
            "before the local launcher stops them", above=0),
