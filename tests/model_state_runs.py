@@ -26,16 +26,17 @@ RC_OFF = ["recompute=full", "offload=layer_input"]
 # the precision-aware optimizer as it runs without TE: Megatron's HybridDeviceOptimizer (fp32 moments), bf16 main grads
 PA = ["optim=precision_aware", "optim.optimizer_cpu_offload=true", "optim.exp_avg_dtype=fp32",
       "optim.exp_avg_sq_dtype=fp32", "optim.main_grads_dtype=bf16"]
+# The distributed optimizer and Megatron-FSDP run in bf16 with recompute + offload only (the plain bf16 runs of both,
+# 1.04e-5 and 9.6e-6 from DDP when they were in the suite, added CI time and no path of their own: the distributed
+# optimizer's plain path runs in fp32 below, and model-state bytes do not depend on the activation options).
 RUNS = {  # name: (overrides, baseline run, relative tolerance of its losses against the baseline's)
     "ddp": ([], None, None),
     "ddp_rc": (RC_OFF, None, None),
-    "distributed": (["optim=distributed"], "ddp", 1e-4),
     "distributed_rc": (["optim=distributed", *RC_OFF], "ddp_rc", 1e-4),
     "cpu_offload": (["optim=cpu_offload"], "ddp", 1e-4),
     "cpu_offload_half_rc": (["optim=cpu_offload", "optim.optimizer_offload_fraction=0.5", *RC_OFF], "ddp_rc", 1e-4),
     "precision_aware": (PA, "ddp", 1e-4),
     "precision_aware_half_rc": ([*PA, "optim.optimizer_offload_fraction=0.5", *RC_OFF], "ddp_rc", 1e-4),
-    "fsdp": (["optim=fsdp"], "ddp", 1e-4),
     "fsdp_rc": (["optim=fsdp", *RC_OFF], "ddp_rc", 1e-4),
     # the default job's own precision (fp32): the distributed optimizer against DDP
     "ddp_fp32": (["trainer.precision=32"], None, None),

@@ -164,8 +164,8 @@ def test_model_state_bytes_match_megatron(name, tmp_path_factory):
 
 
 def test_megatron_fsdp_state_bytes_match_the_planner(tmp_path_factory):
-    ranks = _rank_bytes("fsdp", tmp_path_factory)
-    pred, shape, S = _planned("fsdp", ModelState("fsdp"))
+    ranks = _rank_bytes("fsdp_rc", tmp_path_factory)
+    pred, shape, S = _planned("fsdp_rc", ModelState("fsdp"))
     P = shape.parameters()
     unit = 2 * shape.layer_parameters() + (P - shape.num_layers * shape.layer_parameters())
     assert unit == P and S == 2  # 2 layers: the gathered unit is the whole model
