@@ -26,6 +26,7 @@ from nemo_longctx.memory.model_shapes import shape_from_config
 from nemo_longctx.options import ConfigError, Context, raise_problems  # noqa: F401  (ConfigError: main's refusal)
 from nemo_longctx.plan_keys import PLAN_OPTIONS, plan_key_problems  # noqa: F401  (PLAN_OPTIONS: plan's keys)
 from nemo_longctx.memory.planner import checkpoint_estimate
+from nemo_longctx.signals import DEFAULT_GRACE_S
 from nemo_longctx.memory.planner import (  # noqa: F401  (RECOMPUTE_GROUP, option_model: the contract's names)
     GIB,
     RECOMPUTE,
