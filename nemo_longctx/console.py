@@ -272,8 +272,9 @@ def human_bytes(n: float) -> str:
 def summary_lines(code: int, rows: Sequence[dict], wall_s: float, *, max_steps: Optional[int] = None,
                   paths: Optional[Sequence[Tuple[str, Optional[str]]]] = None,
                   prefix: str = "nemo-longctx") -> List[str]:
-    """The final summary: ``<prefix>: finished|preempted, ...|FAILED (exit N) in W s from launch | steps S/M | final loss L |
-    mean tokens/s T | peak P`` and one line per output path given (``(label, path)``; None paths left out)."""
+    """The final summary: ``<prefix>: finished|preempted, ...|FAILED (exit N) in W s from launch | steps S/M |
+    final loss L | mean tokens/s T | peak P`` and one line per output path given (``(label, path)``; None paths left
+    out)."""
     from nemo_longctx.signals import PREEMPTED_EXIT
 
     s = summarize(rows)

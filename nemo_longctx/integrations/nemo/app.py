@@ -32,7 +32,6 @@ from nemo_longctx.integrations.nemo.config_keys import (
 )
 from nemo_longctx.integrations.nemo.launch import Launch
 from nemo_longctx.integrations.nemo.pretrained import init_from_of, init_from_problems
-from nemo_longctx.signals import signals_of
 from nemo_longctx.options import (  # noqa: F401  (ConfigError, raise_problems: the app's error type, re-exported)
     ConfigError,
     Context,
@@ -40,6 +39,7 @@ from nemo_longctx.options import (  # noqa: F401  (ConfigError, raise_problems: 
     raise_problems,
     unknown_keys,
 )
+from nemo_longctx.signals import signals_of
 
 
 # ------------------------------------------------------------------------------------------------ config helpers
@@ -187,8 +187,8 @@ def preflight(args: List[str], config_name: str = "train", target_cuda: Optional
 
 
 def save_time_warning(cfg: DictConfig) -> Optional[str]:
-    """With save-on-signal: a warning when the planner's estimate of one checkpoint save (``plan.checkpoint_estimate``
-    at its default write bandwidth) exceeds ``run.signal_grace_s``, else None."""
+    """With save-on-signal: a warning when the planner's estimate of one checkpoint save
+    (``planner.checkpoint_estimate`` at its default write bandwidth) exceeds ``run.signal_grace_s``, else None."""
     if not save_on_signal(cfg.get("checkpoint")):
         return None
     from nemo_longctx.memory.model_shapes import shape_from_config
