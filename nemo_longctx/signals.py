@@ -43,6 +43,13 @@ class SignalLatch:
         signals are ignored, so that a launcher stopping the other ranks (srun --kill-on-bad-exit, torch's agent)
         cannot turn this rank's exit code into a death by signal. SIGKILL still ends it."""
         self.saved = True
+        self.keep_ignoring()
+
+    def keep_ignoring(self) -> None:
+        """Ignore the signals at the OS level (again: a framework's teardown may have restored its own earlier
+        handlers, e.g. Lightning's signal connector at the end of ``fit``)."""
+        for s in self.signals:
+            signal.signal(s, signal.SIG_IGN)
 
     def install(self) -> "SignalLatch":
         for s in self.signals:
