@@ -91,11 +91,11 @@ def train_rank(cfg: DictConfig, launch: Optional[Launch], options: Optional[Long
             flush=True,
         )
     fit(built)
-    _finish_distributed()
     saver = next((c for c in built.trainer.callbacks if type(c).__name__ == "SaveOnSignal"), None)
     code = PREEMPTED_EXIT if saver is not None and saver.preempted is not None else 0
     if code == PREEMPTED_EXIT:  # saved: exit 75 even when the launcher now stops the ranks (Lightning's fit teardown
         saver.latch.keep_ignoring()  # put its pre-fit handlers back; srun --kill-on-bad-exit sends SIGTERM)
+    _finish_distributed()
     if rank == 0 and os.environ.get("NEMO_LONGCTX_SPAWNED") != "1":  # the only process, or rank 0 of torchrun/srun
         _print_summary(cfg, code)  # (under the local launcher the launching process prints it)
     return code
