@@ -25,9 +25,10 @@ from typing import Any, Dict, List, Optional, Tuple
 from nemo_longctx.memory.model_shapes import shape_from_config
 from nemo_longctx.options import ConfigError, Context, raise_problems  # noqa: F401  (ConfigError: main's refusal)
 from nemo_longctx.plan_keys import PLAN_OPTIONS, plan_key_problems  # noqa: F401  (PLAN_OPTIONS: plan's keys)
-from nemo_longctx.memory.planner import checkpoint_estimate
 from nemo_longctx.signals import DEFAULT_GRACE_S
 from nemo_longctx.memory.planner import (  # noqa: F401  (RECOMPUTE_GROUP, option_model: the contract's names)
+    CHECKPOINT_WRITE_GB_S,
+    checkpoint_estimate,
     GIB,
     RECOMPUTE,
     RECOMPUTE_GROUP,
@@ -366,7 +367,8 @@ def source_checkout() -> str:
 
 
 def write_sbatch(path: str, p: Plan, ev: Evaluation, model: str, container_image: str, target: str = "gpu",
-                 source: Optional[str] = None, frontend: str = "nemo") -> str:
+                 source: Optional[str] = None, frontend: str = "nemo",
+                 write_gb_s: float = CHECKPOINT_WRITE_GB_S) -> str:
     """An sbatch script for the chosen candidate: the stock NGC NeMo image through pyxis (NeMo, Megatron-core and
     torch come from the image); the job installs nemo_longctx at start with ``pip install --no-deps`` from a
     checkout visible on the nodes (``NEMO_LONGCTX_SRC``, default: the one that wrote the script) or a wheel
@@ -395,7 +397,7 @@ def write_sbatch(path: str, p: Plan, ev: Evaluation, model: str, container_image
     src = source_checkout() if source is None else source
     gpu_lines = "" if cpu else (f"#SBATCH --gpus-per-node={hw.gpus_on_a_node}\n#SBATCH --exclusive\n")
     # the signal's lead time: the default grace, or twice the planner's save estimate when that is longer
-    grace = int(max(DEFAULT_GRACE_S, 2 * checkpoint_estimate(p.shape, p.precision, 2.0)["save_s"]))
+    grace = int(max(DEFAULT_GRACE_S, 2 * checkpoint_estimate(p.shape, p.precision, write_gb_s)["save_s"]))
     image = "" if cpu else container_image
     extra_kind = "arguments (ours or Bridge's KEY=VALUE)" if bridge else "Hydra overrides"
     image_kind = "a Megatron-Bridge-era NGC NeMo image" if bridge else "the stock NGC NeMo image"
@@ -527,6 +529,7 @@ def run(cfg: Any, out=sys.stdout) -> int:
     raise_problems(key_problems(cfg))  # ConfigError: every bad plan.* value at once (main: exit 2)
     shape, seq, hw, precision, coef, cost, search = inputs_from_config(cfg)
     name = model_name(cfg)
+    write_gb_s = float(_get(cfg.plan, "checkpoint_write_gb_s", CHECKPOINT_WRITE_GB_S))
     p = make_plan(shape, seq, hw, precision, coef, cost, float(_get(cfg.plan, "cost_tolerance", 0.01)), **search)
     chosen = p.chosen
     missing = None if chosen else what_is_missing(p, coef, cost)
@@ -538,7 +541,7 @@ def run(cfg: Any, out=sys.stdout) -> int:
         d["limited_by"] = limited_by(p)
         d["caveats"] = caveats(chosen, train_precision(p.precision), str(_get(cfg.plan, "target", "gpu")),
                                str(_get(cfg.plan, "frontend", "nemo"))) if chosen else None
-        d["checkpoint"] = checkpoint_estimate(shape, precision, float(_get(cfg.plan, "checkpoint_write_gb_s", 2.0)))
+        d["checkpoint"] = checkpoint_estimate(shape, precision, write_gb_s)
         d["candidates"] = d["candidates"][: int(_get(cfg.plan, "json_candidates", 50))]
         print(json.dumps(d, indent=1), file=out)
     else:
@@ -554,8 +557,7 @@ def run(cfg: Any, out=sys.stdout) -> int:
         if chosen:
             print(format_caveats(caveats(chosen, train_precision(p.precision), str(_get(cfg.plan, "target", "gpu")),
                                          str(_get(cfg.plan, "frontend", "nemo")))), file=out, flush=True)
-        est = checkpoint_estimate(shape, precision, float(_get(cfg.plan, "checkpoint_write_gb_s", 2.0)))
-        print(est["line"], file=out, flush=True)
+        print(checkpoint_estimate(shape, precision, write_gb_s)["line"], file=out, flush=True)
     if chosen is None:
         print(f"\nno fitting plan: {missing}", file=sys.stderr if bool(_get(cfg.plan, "json", False)) else out)
         return 2
@@ -564,6 +566,7 @@ def run(cfg: Any, out=sys.stdout) -> int:
         frontend = str(_get(cfg.plan, "frontend", "nemo"))
         image = _get(cfg.plan, "bridge_container_image" if frontend == "bridge" else "container_image", "")
         write_sbatch(str(sbatch), p, chosen, name, str(image), target=str(_get(cfg.plan, "target", "gpu")),
+                     write_gb_s=write_gb_s,
                      frontend=frontend)
         print(f"wrote {sbatch}", file=sys.stderr)
     plot = _get(cfg.plan, "plot", None)

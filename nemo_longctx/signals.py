@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from typing import Dict, Iterable, Optional, Tuple
 
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL (sysexits.h): stopped by a signal after saving; run the same command again
@@ -34,7 +33,6 @@ class SignalLatch:
     def __init__(self, signals: Iterable[int]) -> None:
         self.signals = tuple(signal.Signals(s) for s in signals)
         self.received: Optional[signal.Signals] = None
-        self.received_at: Optional[float] = None
         self.saved = False
         self._previous: Dict[signal.Signals, object] = {}
 
@@ -68,7 +66,7 @@ class SignalLatch:
         if self.saved:
             return
         if self.received is None:
-            self.received, self.received_at = signal.Signals(signum), time.monotonic()
+            self.received = signal.Signals(signum)
             return
         for s in self.signals:  # the second signal: stop now, as without the latch
             signal.signal(s, signal.SIG_DFL)

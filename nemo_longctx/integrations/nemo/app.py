@@ -199,7 +199,7 @@ def save_time_warning(cfg: DictConfig) -> Optional[str]:
     except ValueError:  # a model the planner cannot size (the measured save time is still reported)
         return None
     param_bytes = 4 if str(cfg.trainer.precision) == "32" else 2
-    est = checkpoint_estimate(shape, Precision(param_bytes=param_bytes), 2.0, float(cfg.run.signal_grace_s))
+    est = checkpoint_estimate(shape, Precision(param_bytes=param_bytes), grace_s=float(cfg.run.signal_grace_s))
     return None if est["fits_grace"] else "nemo-longctx: WARNING: " + est["line"]
 
 

@@ -81,20 +81,25 @@ def parse_fault(spec: str) -> Tuple[str, int, int]:
     return kind, step, rank
 
 
+def _on_signal_and_saving(checkpoint: object) -> Tuple[object, bool]:
+    """(``checkpoint.on_signal``, whether ``checkpoint.every_n_steps > 0``) of the config's checkpoint group (or None)."""
+    get = getattr(checkpoint, "get", None)
+    if get is None:
+        return None, False
+    every = get("every_n_steps", 0)
+    return get("on_signal", None), isinstance(every, int) and every > 0
+
+
 def save_on_signal(checkpoint: object) -> bool:
     """Whether the run saves and stops on a signal: ``checkpoint.on_signal``, by default whenever it saves
     checkpoints (``checkpoint.every_n_steps > 0``); ``checkpoint`` is the config's checkpoint group (or None)."""
-    get = getattr(checkpoint, "get", None)
-    if get is None:
-        return False
-    every, on = get("every_n_steps", 0), get("on_signal", None)
-    return bool(on) if on is not None else isinstance(every, int) and every > 0
+    on, saving = _on_signal_and_saving(checkpoint)
+    return bool(on) if on is not None else saving
 
 
 def on_signal_problems(checkpoint: object) -> list:
     """``checkpoint.on_signal=true`` without checkpoints to save is refused."""
-    get = getattr(checkpoint, "get", None)
-    every = get("every_n_steps", 0) if get is not None else 0
-    if get is not None and get("on_signal", None) is True and not (isinstance(every, int) and every > 0):
+    on, saving = _on_signal_and_saving(checkpoint)
+    if on is True and not saving:
         return ["checkpoint.on_signal=true needs checkpoint.every_n_steps > 0: the run saves no checkpoints"]
     return []
