@@ -24,6 +24,8 @@ from typing import Any, List, Optional, Tuple
 
 OUR_KEYS = ("cp", "optim", "recompute", "offload", "tiling", "memory", "recipe", "init_from", "output_dir", "launcher",
             "run")
+# our keys under a root that is Bridge's (checkpoint.on_signal is mapped onto Bridge's train.exit_signal_handler)
+OUR_EXACT_KEYS = ("checkpoint.on_signal",)
 # the optim group's schedule keys: on this front end Bridge's own optimizer/scheduler keys rule
 BRIDGE_OWNS = {"optim.lr": "optimizer.lr", "optim.min_lr": "optimizer.min_lr",
                "optim.warmup_steps": "scheduler.lr_warmup_iters", "optim.weight_decay": "optimizer.weight_decay",
@@ -49,11 +51,12 @@ def recipe_flag(argv: List[str]) -> List[str]:
 
 
 def split_args(argv: List[str]) -> Tuple[List[str], List[str]]:
-    """(our Hydra overrides, Bridge's overrides): by the root of each KEY=VALUE's key."""
+    """(our Hydra overrides, Bridge's overrides): by the root of each KEY=VALUE's key (or the whole key:
+    ``OUR_EXACT_KEYS``)."""
     ours, bridge = [], []
     for a in argv:
         key = a.lstrip("+~").split("=", 1)[0]
-        (ours if key.split(".", 1)[0] in OUR_KEYS else bridge).append(a)
+        (ours if key.split(".", 1)[0] in OUR_KEYS or key in OUR_EXACT_KEYS else bridge).append(a)
     return ours, bridge
 
 
@@ -83,8 +86,10 @@ def options_of(cfg: Any) -> Any:
 def _app_options() -> Tuple[Any, ...]:
     """This app's own keys (``conf/bridge.yaml`` outside the option model's groups), typed and checked by the option
     model's one checker, like the NeMo app's ``APP_OPTIONS``."""
+    from nemo_longctx.integrations.nemo.config_keys import APP_OPTIONS
     from nemo_longctx.options import Option
 
+    shared = {o.key: o for o in APP_OPTIONS}  # the NeMo 2 app's keys with the same meaning here
     return (
         Option("recipe", "str", None, "a Bridge recipe function (megatron.bridge.recipes.<name>); null: the CPU demo",
                nullable=True),
@@ -98,6 +103,11 @@ def _app_options() -> Tuple[Any, ...]:
         Option("run.timeout_s", "number", None, "local launch only: stop all ranks after this many seconds (exit 124)",
                above=0, nullable=True),
         Option("run.fault", "str", None, "failure drills for tests: KIND@STEP:RANK", nullable=True),
+        Option("checkpoint.on_signal", "bool", None, "on the first of run.signals: save this step's checkpoint "
+               "(Bridge's train.exit_signal_handler) and stop (exit 75); null: when checkpoint.save is set",
+               nullable=True),
+        shared["run.signals"],
+        shared["run.signal_grace_s"],
     )
 
 
@@ -113,10 +123,10 @@ def app_problems(ours: List[str], options: Any, cfg: Any = None) -> List[str]:
     if cfg is None:
         return p
     declared = _app_options()
-    present = {o.key: v for o in declared for v in [OmegaConf.select(cfg, o.key, default=KeyError)]
-               if v is not KeyError}
+    present = {o.key: OmegaConf.to_container(v) if OmegaConf.is_config(v) else v
+               for o in declared for v in [OmegaConf.select(cfg, o.key, default=KeyError)] if v is not KeyError}
     p += [m for o in declared if o.key in present for m in [o.problem(present[o.key])] if m]
-    for group in ("launcher", "run"):  # a misspelt key (`+run.timout_s=5`) is refused, not ignored
+    for group in ("launcher", "run", "checkpoint"):  # a misspelt key (`+run.timout_s=5`) is refused, not ignored
         node = OmegaConf.select(cfg, group, default=None) or {}
         p += unknown_keys(group, {k: 0 for k in node}, [o.name for o in declared if o.key.startswith(group + ".")])
     fault = present.get("run.fault")
@@ -195,7 +205,9 @@ def build(cfg: Any, bridge_overrides: List[str], options: Any, output_dir: str) 
 
     from nemo_longctx.integrations.bridge import cpu_compat
     from nemo_longctx.integrations.bridge import hf as bridge_hf
+    from nemo_longctx.integrations.bridge.checkpoint import override_keys
     from nemo_longctx.integrations.bridge.config import enable_long_context
+    from nemo_longctx.integrations.bridge.preemption import apply_on_signal, on_signal_problems
     from nemo_longctx.options import raise_problems
 
     container = demo_config() if cfg.recipe is None else recipe_config(str(cfg.recipe))
@@ -212,6 +224,9 @@ def build(cfg: Any, bridge_overrides: List[str], options: Any, output_dir: str) 
         container.dataset.seq_length = container.model.seq_length
     if cfg.get("init_from") is not None:
         raise_problems(bridge_hf.model_problems(container, cfg.init_from, options))
+    keys, on_signal = override_keys(bridge_overrides), cfg.checkpoint.on_signal
+    raise_problems(on_signal_problems(container, on_signal, keys))
+    apply_on_signal(container, on_signal, list(cfg.run.signals), keys)
     return enable_long_context(container, options)
 
 
@@ -305,6 +320,7 @@ def run_rank(cfg: Any, bridge_overrides: List[str], options: Any, container: Any
     from nemo_longctx.integrations.bridge.checkpoint import quiet_planned_exit
     from nemo_longctx.integrations.bridge.config import long_context_callbacks
     from nemo_longctx.integrations.bridge.memory import memory_of
+    from nemo_longctx.integrations.bridge.preemption import SaveOnSignal, latched_signals
 
     from nemo_longctx import console
 
@@ -317,8 +333,20 @@ def run_rank(cfg: Any, bridge_overrides: List[str], options: Any, container: Any
     quiet_planned_exit()  # train.exit_interval's sys.exit(0) is not a failure
     # ours first: the memory callback closes the step's tracker before the metrics line reads it
     drills = [FaultDrill(str(cfg.run.fault)).callback()] if cfg.run.get("fault") else []
-    pretrain(container, forward_step, callbacks=long_context_callbacks(container) + [metrics.callback()] + drills)
-    return 0
+    signals = latched_signals(container, list(cfg.run.signals))
+    saver = (SaveOnSignal(signals, container.train.exit_signal, float(cfg.run.signal_grace_s),
+                          str(container.checkpoint.save)).install() if signals else None)
+    callbacks = long_context_callbacks(container) + [metrics.callback()] + drills
+    try:
+        pretrain(container, forward_step, callbacks=callbacks + ([saver.callback()] if saver else []))
+    except SystemExit as e:  # Bridge's own stop (a signal, train.exit_interval, ...): sys.exit(0)
+        if saver is None or e.code not in (0, None):
+            raise
+        code = saver.outcome(int(container.train.train_iters), console.rank_from_env())
+        if code == 0:
+            raise
+        return code
+    return saver.outcome(int(container.train.train_iters), console.rank_from_env()) if saver else 0
 
 
 def external_rank(cfg: Any, bridge_overrides: List[str], options: Any, launch: Any) -> int:
@@ -328,7 +356,7 @@ def external_rank(cfg: Any, bridge_overrides: List[str], options: Any, launch: A
     for the real world size, before any process group exists), then trains."""
     from nemo_longctx.integrations.bridge import cpu_compat
     from nemo_longctx.integrations.bridge.checkpoint import checkpoint_problems
-    from nemo_longctx.integrations.bridge.config import model_problems_of
+    from nemo_longctx.integrations.bridge.config import cpu_problems, model_problems_of
     from nemo_longctx.options import ConfigError, raise_problems
 
     cpu_compat.apply()
@@ -336,7 +364,7 @@ def external_rank(cfg: Any, bridge_overrides: List[str], options: Any, launch: A
     try:
         container = build(cfg, bridge_overrides, options, output_dir)
         raise_problems(model_problems_of(container, options, launch.world_size)
-                       + checkpoint_problems(container, bridge_overrides))
+                       + checkpoint_problems(container, bridge_overrides) + cpu_problems(container, options))
     except ConfigError as e:
         print(f"nemo-longctx bridge: rank {launch.rank}: {e}", file=sys.stderr)
         return 2
@@ -378,27 +406,34 @@ def main(argv: Optional[List[str]] = None) -> None:
     # the launching process: the container once (every problem before any rank starts), then the ranks
     from nemo_longctx.integrations.bridge import cpu_compat
     from nemo_longctx.integrations.bridge.checkpoint import checkpoint_problems
-    from nemo_longctx.integrations.bridge.config import model_problems_of
+    from nemo_longctx.integrations.bridge.config import cpu_problems, model_problems_of
     from nemo_longctx.integrations.bridge.memory import memory_of
+    from nemo_longctx.integrations.bridge.preemption import latched_signals, save_time_warning
 
     cpu_compat.apply()
     output_dir = os.path.abspath(str(cfg.output_dir))
     try:
         container = build(cfg, bridge, options, output_dir)
         world = int(cfg.launcher.devices or world_of(container))
-        raise_problems(model_problems_of(container, options, world) + checkpoint_problems(container, bridge))
+        raise_problems(model_problems_of(container, options, world) + checkpoint_problems(container, bridge)
+                       + cpu_problems(container, options))
     except ConfigError as e:
         print(f"nemo-longctx bridge: {e}", file=sys.stderr)
         sys.exit(2)
     os.makedirs(output_dir, exist_ok=True)
     print(f"nemo-longctx bridge: {'recipe ' + str(cfg.recipe) if cfg.recipe else 'CPU demo'}, "
           f"cp={options.cp.describe()}, {memory_of(container).describe(container)}, world {world}", flush=True)
+    signals = latched_signals(container, list(cfg.run.signals))
+    warning = save_time_warning(container, float(cfg.run.signal_grace_s)) if signals else None
+    if warning:
+        print(warning, flush=True)
     spawned_at = time.time()
     code = launch_local(world, args + ([console.VERBOSE_FLAG] if verbose else []),
                         max(1, (os.cpu_count() or 1) // world), wall_timeout_s=cfg.run.timeout_s,
                         shutdown_timeout_s=int(cfg.launcher.shutdown_timeout_s),
                         log_dir=os.path.join(output_dir, "rank_logs"), module="nemo_longctx.bridge_app",
-                        env={"NEMO_LONGCTX_BRIDGE_RANK": "1"})
+                        env={"NEMO_LONGCTX_BRIDGE_RANK": "1"}, forward_signals=signals,
+                        signal_grace_s=float(cfg.run.signal_grace_s))
     metrics = os.path.join(output_dir, "metrics.jsonl")
     save = getattr(getattr(container, "checkpoint", None), "save", None)
     print("\n".join(console.summary_lines(

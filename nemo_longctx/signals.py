@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
-from typing import Dict, Iterable, Optional, Tuple
+from typing import Callable, Dict, Iterable, Optional, Tuple
 
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL (sysexits.h): stopped by a signal after saving; run the same command again
 SIGNAL_NAMES = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP")
@@ -28,12 +28,15 @@ def signals_of(names: Iterable[str]) -> Tuple[signal.Signals, ...]:
 class SignalLatch:
     """Remembers the first of ``signals`` this process receives instead of dying of it; a second one (any of them)
     puts the default action back and delivers itself again, so the process stops at once -- until the checkpoint is
-    saved (``mark_saved``)."""
+    saved (``mark_saved``). ``on_first(signal, frame)``, if given, runs in the handler of the first signal (a
+    framework's own flag to set, e.g. Megatron-Bridge's exit-signal handler)."""
 
-    def __init__(self, signals: Iterable[int]) -> None:
+    def __init__(self, signals: Iterable[int],
+                 on_first: Optional[Callable[[signal.Signals, object], None]] = None) -> None:
         self.signals = tuple(signal.Signals(s) for s in signals)
         self.received: Optional[signal.Signals] = None
         self.saved = False
+        self.on_first = on_first
         self._previous: Dict[signal.Signals, object] = {}
 
     def mark_saved(self) -> None:
@@ -55,6 +58,10 @@ class SignalLatch:
                 self._previous[s] = signal.signal(s, self._handle)
         return self
 
+    def retake(self, sig: int) -> object:
+        """Handle ``sig`` again after a framework installed its own handler over this latch's; returns that handler."""
+        return signal.signal(signal.Signals(sig), self._handle)
+
     def uninstall(self) -> None:
         if self.saved:
             return  # keep ignoring until the process exits
@@ -67,6 +74,8 @@ class SignalLatch:
             return
         if self.received is None:
             self.received = signal.Signals(signum)
+            if self.on_first is not None:
+                self.on_first(self.received, frame)
             return
         for s in self.signals:  # the second signal: stop now, as without the latch
             signal.signal(s, signal.SIG_DFL)

@@ -67,12 +67,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, replace
-from typing import Iterable
+from typing import Any, Iterable, Mapping, Optional
 
 from nemo_longctx.options import Context, LongContextOptions, auto_tiles, layout_problems
 from nemo_longctx.signals import DEFAULT_GRACE_S
 
-from .model_shapes import ModelShape
+from .model_shapes import ModelShape, shape_from_config
 
 GIB = float(2**30)
 CP_ALGORITHMS = ("none", "ring", "ulysses", "hybrid")
@@ -535,6 +535,18 @@ def checkpoint_estimate(shape: ModelShape, precision: Precision, write_gb_s: flo
                 "sbatch's --signal=B:USR1@<grace>"))
     return {"bytes": size, "save_s": seconds, "write_gb_s": write_gb_s, "grace_s": grace_s, "fits_grace": fits,
             "line": line}
+
+
+def save_time_warning(model: Mapping[str, Any], param_bytes: int, grace_s: float) -> Optional[str]:
+    """A run's start-up warning when the estimate of one save (``checkpoint_estimate`` at the default write
+    bandwidth) of the model (a model config mapping: ``shape_from_config``) exceeds the preemption grace, else None
+    (also for a model the planner cannot size: the measured save time is still reported)."""
+    try:
+        shape = shape_from_config(model)
+    except ValueError:
+        return None
+    est = checkpoint_estimate(shape, Precision(param_bytes=param_bytes), grace_s=float(grace_s))
+    return None if est["fits_grace"] else "nemo-longctx: WARNING: " + est["line"]
 
 
 def memory_breakdown(shape: ModelShape, seq_length: int, hw: Hardware, c: Candidate,

@@ -123,5 +123,14 @@ def model_problems_of(cfg: Any, options: LongContextOptions, world_size: int) ->
                           Context(keys=BRIDGE_KEYS))
 
 
+def cpu_problems(cfg: Any, options: LongContextOptions) -> List[str]:
+    """Without CUDA: the model-state options that cannot run on a CPU (``cpu_compat.model_state_cpu_problems``);
+    the run saves checkpoints whenever ``checkpoint.save`` is set (at its interval, at the end, on a signal)."""
+    from nemo_longctx.integrations.megatron.cpu_compat import model_state_cpu_problems
+
+    return model_state_cpu_problems(options.optim.state, checkpointing=cfg.checkpoint.save is not None,
+                                    saving="checkpoint.save=<dir>", no_saving="checkpoint.save=null")
+
+
 def describe(cfg: Any, options: LongContextOptions) -> Dict[str, str]:
     return {"cp": options.cp.describe(), **options.describe(), "seq_length": str(cfg.model.seq_length)}

@@ -62,7 +62,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -330,10 +330,12 @@ def _patch_optimizer_config_te_version() -> None:
 # --------------------------------------------------------------------------------------------------------------
 # refusals: model-state options that cannot run without CUDA (checked by the app's validation pass)
 def model_state_cpu_problems(opts: Any, force: bool = False, checkpointing: bool = False,
-                             checkpoint_key: str = "checkpoint interval") -> list:
+                             checkpoint_key: str = "checkpoint interval", saving: Optional[str] = None,
+                             no_saving: Optional[str] = None) -> list:
     """Problems (each naming its ``optim.*`` field) of model-state options that cannot run on a CPU-only build;
     empty when CUDA is available (unless ``force``). ``opts``: ``model_state.ModelStateOptions``; ``checkpointing``:
-    a checkpoint interval > 0 is set (``checkpoint_key``: the front end's name for it)."""
+    the run saves checkpoints, by default said as "``checkpoint_key`` > 0" (the front end's name for its interval)
+    and undone by "``checkpoint_key``=0"; ``saving`` / ``no_saving`` say both otherwise."""
     if not (force or needed()):
         return []
     out = []
@@ -343,10 +345,10 @@ def model_state_cpu_problems(opts: Any, force: bool = False, checkpointing: bool
         # per-parameter ``step``: dp_reshardable saving asserts on it ((torch.Size([]), 0, n)); the fully_reshardable
         # format saves it, but resuming asserts in DistributedOptimizer.state_dict (one ``step`` over the still
         # empty state, a branch taken before its HybridDeviceOptimizer case)
-        out.append(f"optim.use_distributed_optimizer=true with {checkpoint_key} > 0: without "
+        out.append(f"optim.use_distributed_optimizer=true with {saving or checkpoint_key + ' > 0'}: without "
                    "TransformerEngine/Apex Megatron's distributed optimizer runs torch AdamW, whose per-parameter "
                    "'step' state its checkpoint formats do not handle (saving or resuming fails) (CPU only; set "
-                   f"{checkpoint_key}=0)")
+                   f"{no_saving or checkpoint_key + '=0'})")
     if getattr(opts, "use_precision_aware_optimizer", False) is True and not getattr(opts, "optimizer_cpu_offload",
                                                                                    False):
         # TE's FusedAdam (master_weight_dtype / exp_avg_dtype / use_decoupled_grad) is a CUDA kernel

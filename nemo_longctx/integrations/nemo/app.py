@@ -187,20 +187,14 @@ def preflight(args: List[str], config_name: str = "train", target_cuda: Optional
 
 
 def save_time_warning(cfg: DictConfig) -> Optional[str]:
-    """With save-on-signal: a warning when the planner's estimate of one checkpoint save
-    (``planner.checkpoint_estimate`` at its default write bandwidth) exceeds ``run.signal_grace_s``, else None."""
+    """With save-on-signal: a warning when the planner's estimate of one checkpoint save exceeds
+    ``run.signal_grace_s`` (``planner.save_time_warning``), else None."""
     if not save_on_signal(cfg.get("checkpoint")):
         return None
-    from nemo_longctx.memory.model_shapes import shape_from_config
-    from nemo_longctx.memory.planner import Precision, checkpoint_estimate
+    from nemo_longctx.memory.planner import save_time_warning as estimated
 
-    try:
-        shape = shape_from_config(OmegaConf.to_container(cfg.model, resolve=True))
-    except ValueError:  # a model the planner cannot size (the measured save time is still reported)
-        return None
     param_bytes = 4 if str(cfg.trainer.precision) == "32" else 2
-    est = checkpoint_estimate(shape, Precision(param_bytes=param_bytes), grace_s=float(cfg.run.signal_grace_s))
-    return None if est["fits_grace"] else "nemo-longctx: WARNING: " + est["line"]
+    return estimated(OmegaConf.to_container(cfg.model, resolve=True), param_bytes, float(cfg.run.signal_grace_s))
 
 
 def vocabulary_problems(cfg: DictConfig, config: Any) -> List[str]:
