@@ -64,7 +64,8 @@ def test_sigterm_with_ulysses(tmp_path):
 @pytest.mark.smoke
 def test_settings_that_cannot_save_on_a_signal_are_refused(tmp_path):
     from nemo_longctx.bridge_app import demo_config
-    from nemo_longctx.integrations.bridge.preemption import apply_on_signal, latched_signals, on_signal_problems
+    from nemo_longctx.integrations.bridge.preemption import (apply_on_signal, latched_signals, on_signal_problems,
+                                                             save_time_warning)
 
     c = demo_config()
     c.checkpoint.save = None  # as the app builds the demo (it saves only when asked)
@@ -82,6 +83,9 @@ def test_settings_that_cannot_save_on_a_signal_are_refused(tmp_path):
     apply_on_signal(c, None, ["SIGUSR1", "SIGTERM"], [])
     assert c.train.exit_signal_handler is True and c.train.exit_signal.name == "SIGUSR1"
     assert [s.name for s in latched_signals(c, ["SIGUSR1", "SIGTERM"])] == ["SIGUSR1", "SIGTERM"]
+    # the start-up warning: the planner's estimate of one save of the container's model against the grace
+    assert save_time_warning(c, 120) is None
+    assert "MORE than the preemption grace run.signal_grace_s=1e-09" in save_time_warning(c, 1e-9)
     # the launching process refuses before any rank starts, naming the key
     code, log, rows = run_bridge(tmp_path, "refused", "checkpoint.on_signal=true", timeout=300)
     assert code == 2 and "checkpoint.on_signal=true needs checkpoint.save=<dir>" in log and rows == [], log[-2000:]
