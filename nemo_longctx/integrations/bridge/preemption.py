@@ -15,8 +15,9 @@ and ends with ``sys.exit(0)``. The same keys as the NeMo 2 app map onto it:
 ``run.signal_grace_s``   -> the local launcher's grace, as on the NeMo 2 app.
 
 What is added after Bridge's save: the save is timed (from the end of the step to Bridge's ``on_checkpoint_save``,
-which fires after the tracker file is written and every rank passed a barrier), the rank ignores further signals
-from then on, rank 0 prints ``signals.preempted_line`` and the rank exits with ``signals.PREEMPTED_EXIT`` instead of
+which fires on every rank after the tracker file is written and every rank passed a barrier; there one more
+all-gather of Bridge's flag, per save, tells every rank alike that this was the signal's save), the rank ignores
+further signals from then on, rank 0 prints ``signals.preempted_line`` and the rank exits with ``signals.PREEMPTED_EXIT`` instead of
 Bridge's 0 -- unless the signal's save was the last step's (the run is finished: exit 0).
 """
 
@@ -115,9 +116,12 @@ class SaveOnSignal:
                 outer.step_end = time.perf_counter()  # Bridge's checkpoint_and_decide_exit comes next
 
             def on_checkpoint_save(self, context: Any) -> None:
-                if outer.latch.received is not None and outer.saved is None:
+                # fired on every rank once the save is complete (tracker written, barrier passed): Bridge's own
+                # all-gather of its handler's flag says whether this is the signal's save, the same on every rank
+                # (also for a rank that got no signal itself, or got Bridge's signal before training started)
+                if any(context.state.signal_handler.signals_received()):
                     outer.saved = (int(context.state.train_state.step), time.perf_counter() - outer.step_end)
-                    outer.latch.mark_saved()  # complete on every rank: a launcher's stop signal cannot undo it
+                    outer.latch.mark_saved()  # a launcher's stop signal cannot turn the exit into a death now
 
         return _SaveOnSignal()
 
