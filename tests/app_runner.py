@@ -6,6 +6,7 @@ import json
 import os
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 from typing import Callable, Sequence, Tuple
 
@@ -56,3 +57,39 @@ def leftover_processes() -> list:
     NEMO_LONGCTX_SPAWNED=1 and this test's PYTEST_CURRENT_TEST in their environment)."""
     ours = f"PYTEST_CURRENT_TEST={os.environ.get('PYTEST_CURRENT_TEST', '').rsplit(' (', 1)[0]} (".encode()
     return live_processes(lambda _, env: b"NEMO_LONGCTX_SPAWNED=1" in env and any(v.startswith(ours) for v in env))
+
+
+DRY_RUNS = r"""
+import json, sys, traceback
+from hydra import compose, initialize_config_module
+from hydra.core.global_hydra import GlobalHydra
+from nemo_longctx import train
+results = []
+for n, args in enumerate(json.loads(sys.argv[1])):
+    print(f"@@RUN {n}", flush=True)
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_module(config_module="nemo_longctx.conf", version_base=None):
+            cfg = compose("train", overrides=args)
+        results.append([args, train.run(cfg), ""])
+    except BaseException as e:
+        results.append([args, 1, "".join(traceback.format_exception_only(type(e), e))])
+print("@@RESULTS " + json.dumps(results))
+"""
+
+
+def dry_runs_in_one_process(runs: Sequence[Sequence[str]], cwd: Path, timeout: float = 600) -> list:
+    """Compose and run each argument list of ``runs`` (``nemo-longctx train`` overrides; add ``run.dry_run=true``)
+    in ONE Python process (NeMo imported once); returns [(args, exit code, exception text, the run's stdout)]."""
+    r = subprocess.run([sys.executable, "-c", DRY_RUNS, json.dumps([list(a) for a in runs])], cwd=cwd,
+                       capture_output=True, text=True, timeout=timeout)
+    marker = next((ln for ln in r.stdout.splitlines() if ln.startswith("@@RESULTS ")), None)
+    assert marker is not None, r.stdout[-3000:] + r.stderr[-3000:]
+    outputs = [""] * len(runs)
+    n = None
+    for ln in r.stdout.splitlines():
+        if ln.startswith("@@RUN "):
+            n = int(ln.split()[1])
+        elif n is not None and not ln.startswith("@@RESULTS "):
+            outputs[n] += ln + "\n"
+    return [(args, code, err, outputs[i]) for i, (args, code, err) in enumerate(json.loads(marker[len("@@RESULTS "):]))]

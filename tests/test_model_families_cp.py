@@ -80,7 +80,9 @@ def _train(config, batches, cp_group, state=None, local_only=False):
         per_token = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
         loss_sum = (per_token * b["loss_mask"]).sum()
         total = batch["loss_mask"].sum()
-        (loss_sum / total).backward()
+        # as Megatron with NeMo's loss reduction: each rank's own token mean, gradients averaged over the CP group
+        # (DDP over dp x cp); MoE auxiliary losses get their CP factor from our layer spec (integrations.megatron.moe)
+        (loss_sum / b["loss_mask"].sum()).backward()
         with torch.no_grad():
             report = loss_sum.detach().clone()
             if cp > 1:
@@ -88,6 +90,7 @@ def _train(config, batches, cp_group, state=None, local_only=False):
                 for p in params:
                     if p.grad is not None:
                         dist.all_reduce(p.grad, group=cp_group)
+                        p.grad /= cp
             for p in params:
                 if p.grad is not None:
                     p.add_(p.grad, alpha=-LR)

@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shlex
@@ -25,6 +24,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from app_runner import dry_runs_in_one_process
 
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = re.compile(r"<!--\s*readme-test:\s*skip\b(.*?)-->")
@@ -86,22 +87,6 @@ def readme_commands():
     return runnable, skipped
 
 
-DRY_RUNS = r"""
-import json, sys, traceback
-from hydra import compose, initialize_config_module
-from hydra.core.global_hydra import GlobalHydra
-from nemo_longctx import train
-results = []
-for args in json.loads(sys.argv[1]):
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_module(config_module="nemo_longctx.conf", version_base=None):
-            cfg = compose("train", overrides=args)
-        results.append([args, train.run(cfg), ""])
-    except BaseException as e:
-        results.append([args, 1, "".join(traceback.format_exception_only(type(e), e))])
-print("RESULTS " + json.dumps(results))
-"""
 
 
 def test_readme_lists_runnable_commands():
@@ -119,11 +104,7 @@ def test_readme_train_commands_dry_run(tmp_path):
             args = [a for a in args if not a.startswith("output_dir=")]
             runs.append(args + ["run.dry_run=true", f"output_dir={tmp_path / f'run{n}'}"])
     assert runs
-    r = subprocess.run([sys.executable, "-c", DRY_RUNS, json.dumps(runs)], cwd=tmp_path, capture_output=True,
-                       text=True, timeout=600)
-    line = next((l for l in r.stdout.splitlines() if l.startswith("RESULTS ")), None)
-    assert line is not None, r.stdout[-3000:] + r.stderr[-3000:]
-    failed = [(args, code, err) for args, code, err in json.loads(line[len("RESULTS "):]) if code != 0]
+    failed = [(args, code, err) for args, code, err, _ in dry_runs_in_one_process(runs, tmp_path) if code != 0]
     assert not failed, failed
 
 

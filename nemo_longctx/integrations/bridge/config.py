@@ -3,7 +3,7 @@ validation of any option: ``nemo_longctx.options`` checks them, ``integrations/m
 
 ``enable_long_context(cfg, options)``  checks the options against the container (ConfigError naming every problem)
                                        and writes them onto it: the provider's CP size and a layer spec with our core
-                                       attention (``LongContextSpec``; ``cp_comm_type`` stays None), the memory
+                                       attention (``LongContextSpec``; ``cp_comm_type`` aligned with cp.algorithm), the memory
                                        options (``integrations.bridge.memory``: Megatron's recompute fields, the
                                        tiled MLP spec, a pre-wrap hook wiring offload / kept attention / chunked
                                        loss into the built model), and the model-state options on Bridge's own
@@ -18,10 +18,12 @@ Bridge's own keys keep their names in messages (``BRIDGE_KEYS``: ``model.tensor_
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from typing import Any, Dict, List, Mapping, Union
 
 from nemo_longctx.integrations.bridge.memory import LongContextMemory, memory_of
+from nemo_longctx.integrations.megatron.cp_algorithms import align_cp_comm_type
 from nemo_longctx.integrations.megatron.spec import LongContextSpec
 from nemo_longctx.integrations.megatron.tiled_mlp_layer import TiledMLPLayerSpec
 from nemo_longctx.options import Context, LongContextOptions, raise_problems
@@ -76,7 +78,11 @@ def enable_long_context(cfg: Any, options: Union[LongContextOptions, Mapping[str
     m = cfg.model
     cp = options.cp
     m.context_parallel_size = cp.size
-    m.cp_comm_type = None  # our algorithms are chosen by cp.algorithm, not by TE's comm type
+    # our algorithms are chosen by cp.algorithm: a provider's TE comm-type hint yields to it, a contradicting value
+    # the user set is refused (ValueError naming both keys)
+    note = align_cp_comm_type(m, cp.algorithm)
+    if note is not None:
+        logging.getLogger(__name__).info(note)
     base = m.transformer_layer_spec
     while isinstance(base, (LongContextSpec, TiledMLPLayerSpec)):  # enable_long_context again: from the user's base
         base = base.base

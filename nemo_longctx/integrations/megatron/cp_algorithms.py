@@ -63,6 +63,56 @@ def get_cp_algorithm(name: str) -> CPAlgorithm:
         ) from None
 
 
+def canonical_cp_comm_type(algorithm: str) -> Optional[str]:
+    """Megatron/TE's name for ``algorithm``'s communication scheme (``ring`` -> ``"p2p"``, ``ulysses`` -> ``"a2a"``,
+    ``hybrid`` -> ``"a2a+p2p"``): the value a model config's ``cp_comm_type`` is set to for it."""
+    names = sorted(t for t in get_cp_algorithm(algorithm).cp_comm_types if t is not None)
+    return names[0] if len(names) == 1 else None
+
+
+def class_default(config: Any, name: str) -> Any:
+    """The default of dataclass field ``name`` in ``type(config)`` (what the model config class itself sets);
+    a sentinel object when the class has no such field or default."""
+    import dataclasses
+
+    missing = object()
+    if dataclasses.is_dataclass(config):
+        for f in dataclasses.fields(config):
+            if f.name == name:
+                if f.default is not dataclasses.MISSING:
+                    return f.default
+                if f.default_factory is not dataclasses.MISSING:
+                    return f.default_factory()
+    return missing
+
+
+def align_cp_comm_type(config: Any, algorithm: str, explicit: Optional[bool] = None) -> Optional[str]:
+    """Make ``config.cp_comm_type`` agree with ``cp.algorithm``. NVIDIA's model configs carry a TransformerEngine
+    hint (``MistralConfig7B``: ``"a2a"``); the CP algorithm is the user's choice (``cp.algorithm``), so a value the
+    user did not set (``explicit`` False: a class default, a checkpoint's config) is replaced by the algorithm's name
+    and a message saying so is returned (None when nothing changed). A value the user set that contradicts
+    ``cp.algorithm`` (or a per-layer list, which our core attention cannot honour) raises ValueError naming both
+    keys. ``explicit`` None: the user set it when it differs from the config class's own default. The caller assigns
+    nothing: ``config.cp_comm_type`` is set here (front ends that record the config for a checkpoint record the new
+    value themselves)."""
+    algo = get_cp_algorithm(algorithm)
+    current = getattr(config, "cp_comm_type", None)
+    if not isinstance(current, list) and current in algo.cp_comm_types:
+        return None
+    if explicit is None:
+        explicit = current != class_default(config, "cp_comm_type")
+    if explicit:
+        raise ValueError(
+            f"model.cp_comm_type={current!r} contradicts cp.algorithm={algorithm!r} (which is "
+            f"{sorted(map(str, algo.cp_comm_types))}): the CP algorithm is chosen by cp.algorithm; drop the "
+            "model.cp_comm_type override or choose the matching cp.algorithm")
+    new = canonical_cp_comm_type(algorithm)
+    config.cp_comm_type = new
+    return (f"model.cp_comm_type: {current!r} from {type(config).__name__} replaced by {new!r} for "
+            f"cp.algorithm={algorithm} (a TransformerEngine hint of the model config; nemo_longctx's {algorithm} "
+            "attention runs the context parallelism)")
+
+
 def check_cp_options(cp_algorithm: str, cp_size: Any, kwargs: Dict[str, Any]) -> None:
     """Config-level checks of the ``cp`` options given as (algorithm, size, the attention function's kwargs):
     ``ConfigError`` naming the keys (``nemo_longctx.options.CPOptions.problems``)."""

@@ -50,6 +50,11 @@ list). NeMo's fixes keep their numbers and live in ``integrations/nemo/compat.py
     bound in ``optimizer_config`` answers False when TE is not installed -- "TE is not at least 2.1", so
     ``store_param_remainders=False`` (the hybrid optimizer keeps whole fp32 master params; the int16 remainders are
     a TE FusedAdam format). With TE installed the original function answers.
+15. MoE grouped GEMM (``moe_grouped_gemm=True``: NVIDIA's DeepSeek-V2/V3, Qwen3-MoE, GPT-OSS, Llama 4 configs) needs
+    the ``grouped_gemm`` package or TE's grouped linear (CUDA): Megatron's ``GroupedMLP`` asserts "Grouped GEMM is not
+    available". Where it is missing, the same ``TransformerConfig.__post_init__`` wrapper as fix 10 turns the flag
+    off before the layer spec reads it, so the experts are Megatron's ``SequentialMLP`` (the same math, one GEMM per
+    expert), with one warning per process. Never on CUDA (``apply()`` does nothing there).
 
 Megatron-FSDP (``optim=fsdp``) has its own fixes (device, DTensor mesh, gradient scaling, exit) in
 ``cpu_compat_fsdp.py``, applied from ``apply()``.
@@ -70,6 +75,7 @@ from torch.overrides import TorchFunctionMode
 log = logging.getLogger(__name__)
 
 _APPLIED = False
+_GROUPED_GEMM_NOTED = False
 _MODE: "TorchFunctionMode | None" = None
 CPU = torch.device("cpu")
 
@@ -365,10 +371,13 @@ def _patch_rope_fusion_without_te() -> None:
     from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from megatron.core.transformer.moe import grouped_gemm_util
+
     no_fused_rope = rope_utils.fused_apply_rotary_pos_emb is None and rope_utils.fused_apply_rotary_pos_emb_thd is None
     no_apex_norm = not fused_layer_norm.HAVE_FUSED_LAYER_NORM  # the local spec then builds WrappedTorchNorm
-    if not (no_fused_rope or no_apex_norm):
-        return  # TE and Apex present: the fused kernels exist, nothing to change
+    no_grouped_gemm = not grouped_gemm_util.grouped_gemm_is_available()
+    if not (no_fused_rope or no_apex_norm or no_grouped_gemm):
+        return  # TE, Apex and grouped GEMM present: the fused kernels exist, nothing to change
     original = TransformerConfig.__post_init__
     if getattr(original, "_nemo_longctx", False):
         return
@@ -378,6 +387,14 @@ def _patch_rope_fusion_without_te() -> None:
             self.apply_rope_fusion = False  # fix 10: the unfused RoPE (same values) instead of a refusal
         if no_apex_norm and self.persist_layer_norm:
             self.persist_layer_norm = False  # fix 10: torch's norm instead of an assertion in WrappedTorchNorm
+        if no_grouped_gemm and getattr(self, "moe_grouped_gemm", False):
+            self.moe_grouped_gemm = False  # fix 15: sequential experts instead of "Grouped GEMM is not available"
+            global _GROUPED_GEMM_NOTED
+            if not _GROUPED_GEMM_NOTED:
+                _GROUPED_GEMM_NOTED = True
+                log.warning("CPU stand-in: %s sets moe_grouped_gemm=True, which needs the grouped_gemm/TE kernels; "
+                            "its experts run as Megatron's SequentialMLP (one GEMM per expert: the same math, "
+                            "per-expert parameter names in checkpoints)", type(self).__name__)
         original(self)
 
     __post_init__._nemo_longctx = True  # type: ignore[attr-defined]

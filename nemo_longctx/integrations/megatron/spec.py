@@ -4,7 +4,10 @@
 (or of a block spec, ``TransformerBlockSubmodules`` with ``layer_specs``) whose every
 ``submodules.self_attention.submodules.core_attention`` is
 ``ModuleSpec(module=LongContextCoreAttention, params={"cp_algorithm": ..., "cp_algorithm_kwargs": {...}})``.
-Only ``core_attention`` changes: the projections, norms and MLP stay as the original spec built them.
+Only ``core_attention`` changes: the projections, norms and MLP stay as the original spec built them -- except
+that on a Megatron-core older than 0.17 (0.19 with ``calculate_per_token_loss``) Megatron's own ``MoELayer`` becomes
+``moe.CPScaledAuxLossMoELayer``, which gives the MoE auxiliary losses the CP-size gradient factor those versions
+leave out (same parameters, same state dict).
 """
 
 from __future__ import annotations
@@ -59,7 +62,22 @@ def long_context_layer_spec(spec: Any, cp_algorithm: str = "ring", **algorithm_k
                 f"{getattr(attn, 'module', attn)!r}); only standard (GQA/MHA) self-attention layers are supported"
             )
         attn_sub.core_attention = core_attention_spec(cp_algorithm, **algorithm_kwargs)
+        _fix_moe_aux_loss_for_cp(layer)
     return new
+
+
+def _fix_moe_aux_loss_for_cp(layer: ModuleSpec) -> None:
+    """Megatron's own ``MoELayer`` -> ``moe.CPScaledAuxLossMoELayer`` where this Megatron-core leaves the CP factor
+    out of the auxiliary-loss gradient (see ``integrations.megatron.moe``); any other MLP module stays."""
+    mlp = getattr(getattr(layer, "submodules", None), "mlp", None)
+    if not isinstance(mlp, ModuleSpec):
+        return
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from .moe import CPScaledAuxLossMoELayer, needs_cp_aux_loss_layer
+
+    if mlp.module is MoELayer and needs_cp_aux_loss_layer():
+        mlp.module = CPScaledAuxLossMoELayer
 
 
 class LongContextSpec:

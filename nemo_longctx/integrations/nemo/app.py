@@ -243,8 +243,12 @@ def te_available() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
-def build_model_config(cfg: DictConfig, options: LongContextOptions) -> Any:
-    from nemo_longctx.integrations.nemo.model import enable_long_context
+def build_model_config(cfg: DictConfig, options: LongContextOptions, notes: Optional[List[str]] = None) -> Any:
+    """The model config ``cfg.model`` (or ``init_from``'s) describes, extended with our layer spec; what was changed
+    on the way that the user should know (``model.cp_comm_type`` aligned with ``cp.algorithm``) is appended to
+    ``notes``."""
+    from nemo_longctx.integrations.megatron.cp_algorithms import align_cp_comm_type
+    from nemo_longctx.integrations.nemo.model import enable_long_context, set_with_io
 
     kwargs = {}
     if cfg.model.get("apply_rope_fusion", True) and not te_available():
@@ -266,6 +270,11 @@ def build_model_config(cfg: DictConfig, options: LongContextOptions) -> Any:
         # gradients by the tokens of the whole batch) weighs every real token the same, as at cp=none. NeMo
         # requires the same for packed fine-tuning under CP.
         config.calculate_per_token_loss = True
+    note = align_cp_comm_type(config, options.cp.algorithm, explicit="cp_comm_type" in cfg.model)
+    if note is not None:
+        set_with_io(config, "cp_comm_type", config.cp_comm_type)  # what NeMo's checkpoint context records, too
+        if notes is not None:
+            notes.append(note)
     return enable_long_context(config, options.cp.algorithm, **options.cp.attention_kwargs)
 
 
@@ -461,7 +470,11 @@ def build(cfg: DictConfig, launch: Optional[Launch] = None, extra_callbacks: Opt
     world = world_size_of(cfg, launch)
     p = parallel_sizes(cfg)
     cp = options.cp
-    model_config = _collect(problems, lambda: build_model_config(cfg, options))
+    notes: List[str] = []
+    model_config = _collect(problems, lambda: build_model_config(cfg, options, notes))
+    if launch is None or launch.rank == 0:
+        for note in notes:
+            print(f"nemo-longctx: {note}", flush=True)
     gbs = _collect(problems, lambda: global_batch_size(cfg, world))
     if model_config is not None:
         problems += model_problems(model_config, options, world, p["tp"], p["pp"], Context(keys=NEMO_KEYS))

@@ -5,16 +5,19 @@ recipes) build its layers with nemo_longctx core attention.
 (a ModuleSpec or a spec function such as NeMo's ``default_layer_spec``/``local_layer_spec``) in
 ``LongContextLayerSpec``, which builds the original spec and swaps ``core_attention`` in every layer, and sets the
 config's ``data_step_fn`` / ``forward_step_fn`` to the zigzag-sharding data step and mask-free forward step.
-Idempotent: a config already extended is re-targeted, not wrapped twice.
+Idempotent: a config already extended is re-targeted, not wrapped twice. ``cp_comm_type`` is aligned with the CP
+algorithm (``cp_algorithms.align_cp_comm_type``).
 """
 
 from __future__ import annotations
 
+import logging
 from copy import deepcopy
 from typing import Any
 
 from nemo.lightning import io
 
+from nemo_longctx.integrations.megatron.cp_algorithms import align_cp_comm_type
 from nemo_longctx.integrations.megatron.spec import LongContextSpec
 
 from .steps import long_context_data_step, long_context_forward_step
@@ -26,7 +29,13 @@ class LongContextLayerSpec(LongContextSpec, io.IOMixin):
 
 
 def enable_long_context(config: Any, cp_algorithm: str = "ring", **algorithm_kwargs: Any) -> Any:
-    """Extend ``config`` in place (and return it) so every layer uses nemo_longctx core attention."""
+    """Extend ``config`` in place (and return it) so every layer uses nemo_longctx core attention. A
+    ``cp_comm_type`` the config class sets (NVIDIA's ``MistralConfig7B``: ``"a2a"``) yields to ``cp_algorithm``
+    (logged); one the user set that contradicts it raises ValueError (``cp_algorithms.align_cp_comm_type``)."""
+    note = align_cp_comm_type(config, cp_algorithm)
+    if note is not None:
+        set_with_io(config, "cp_comm_type", config.cp_comm_type)  # what NeMo's checkpoint context records, too
+        logging.getLogger(__name__).info(note)
     base = config.transformer_layer_spec
     if isinstance(base, LongContextLayerSpec):
         if (base.cp_algorithm, base.algorithm_kwargs) == (cp_algorithm, dict(algorithm_kwargs)) and (
