@@ -23,6 +23,7 @@ def _cli(*args, timeout=60):
     return r, time.perf_counter() - t0
 
 
+@pytest.mark.serial  # asserts its wall time: runs alone
 @pytest.mark.parametrize("flag", ["--help", "-h"])
 def test_train_help_lists_every_group_choice_and_declared_key(flag):
     from nemo_longctx.help import defaults_of, group_choices
@@ -48,6 +49,7 @@ def test_train_help_lists_every_group_choice_and_declared_key(flag):
     assert "--hydra-help" in out and "Traceback" not in r.stderr
 
 
+@pytest.mark.serial  # asserts its wall time: runs alone
 def test_plan_help_lists_plan_keys_not_train_groups():
     from nemo_longctx.plan_keys import PLAN_OPTIONS
 

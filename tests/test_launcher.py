@@ -23,6 +23,9 @@ import pytest
 
 from app_runner import MEMORY_LIMIT_KB, ROOT, live_processes, metrics_rows, run_app
 
+# timing-bound (signals, timeouts, bounded shutdown): run after the parallel part of the suite, alone
+pytestmark = pytest.mark.serial
+
 BIN = Path(sys.executable).parent
 APP = [str(BIN / "nemo-longctx"), "train"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",

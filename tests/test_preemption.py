@@ -28,6 +28,9 @@ import pytest
 
 from app_runner import ROOT, leftover_processes, metrics_rows, run_app
 
+# timing-bound (signals, timeouts, bounded shutdown): run after the parallel part of the suite, alone
+pytestmark = pytest.mark.serial
+
 BIN = Path(sys.executable).parent
 APP = [str(BIN / "nemo-longctx"), "train"]
 STEPS = 6

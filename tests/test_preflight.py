@@ -100,6 +100,7 @@ def _run(args, cwd, timeout=60):
     return p.returncode, p.stdout + p.stderr, time.perf_counter() - t0
 
 
+@pytest.mark.serial  # asserts its wall time: runs alone
 @pytest.mark.parametrize("name", sorted(MISTAKES))
 def test_newcomer_mistake_stops_before_launch(name, tmp_path):
     args, words = MISTAKES[name]
@@ -114,6 +115,7 @@ def test_newcomer_mistake_stops_before_launch(name, tmp_path):
     assert out.count("invalid configuration") == 1, out
 
 
+@pytest.mark.serial  # asserts its wall time: runs alone
 def test_plan_refuses_a_length_train_would_refuse(tmp_path):
     code, out, seconds = _run([NL, "plan", "plan.seq_length=1000001"], tmp_path)
     assert code == 2 and "Traceback" not in out and "plan.seq_length=1000001" in out, out[-3000:]

@@ -18,6 +18,9 @@ import pytest
 from slurm_cluster import slurm as _slurm
 from slurm_cluster import slurm_cluster  # noqa: F401  (the fixture)
 
+# timing-bound (signals, timeouts, bounded shutdown): run after the parallel part of the suite, alone
+pytestmark = pytest.mark.serial
+
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "examples" / "slurm" / "cpu_demo.sbatch"
 MAX_STEPS = 16  # the CPU demo's jobs (uninterrupted, and preempted + requeued)

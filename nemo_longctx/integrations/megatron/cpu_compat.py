@@ -32,7 +32,10 @@ list). NeMo's fixes keep their numbers and live in ``integrations/nemo/compat.py
    grad copies and the copy-back hooks all run as on a GPU.
 10. NeMo's model configs default two fused-kernel flags on that Megatron refuses without the kernels:
     ``apply_rope_fusion`` (``TransformerConfig.__post_init__`` raises without TransformerEngine) and
-    ``persist_layer_norm`` (``WrappedTorchNorm``, the norm used without Apex, asserts it off). So NeMo's HF
+    ``persist_layer_norm`` (``WrappedTorchNorm``, the norm used without Apex, asserts it off); NVIDIA's DeepSeek
+    configs add ``gradient_accumulation_fusion`` (Megatron's linear layers raise without Apex's
+    ``fused_weight_gradient_mlp_cuda``) and ``cross_entropy_loss_fusion`` with TE's implementation (the loss raises
+    "Trying to use a TE block when it's not present"). So NeMo's HF
     importers/exporters (``LlamaConfig``/``Qwen2Config`` built from a Hugging Face config) and configs restored from
     a checkpoint's context could not be constructed or built. Where the kernel is missing, the flag is turned off
     before the checks (kernel choices: the unfused RoPE and torch's norm compute the same values).
@@ -66,6 +69,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib.util
 import logging
 from typing import Any, Callable, Dict, Optional
 
@@ -371,12 +375,15 @@ def _patch_rope_fusion_without_te() -> None:
     from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from megatron.core.tensor_parallel import layers as tp_layers
     from megatron.core.transformer.moe import grouped_gemm_util
 
+    no_grad_accum_fusion = not tp_layers._grad_accum_fusion_available  # Apex's fused_weight_gradient_mlp_cuda
+    no_te = importlib.util.find_spec("transformer_engine") is None  # TE's fused cross entropy
     no_fused_rope = rope_utils.fused_apply_rotary_pos_emb is None and rope_utils.fused_apply_rotary_pos_emb_thd is None
     no_apex_norm = not fused_layer_norm.HAVE_FUSED_LAYER_NORM  # the local spec then builds WrappedTorchNorm
     no_grouped_gemm = not grouped_gemm_util.grouped_gemm_is_available()
-    if not (no_fused_rope or no_apex_norm or no_grouped_gemm):
+    if not (no_fused_rope or no_apex_norm or no_grouped_gemm or no_grad_accum_fusion or no_te):
         return  # TE, Apex and grouped GEMM present: the fused kernels exist, nothing to change
     original = TransformerConfig.__post_init__
     if getattr(original, "_nemo_longctx", False):
@@ -387,6 +394,10 @@ def _patch_rope_fusion_without_te() -> None:
             self.apply_rope_fusion = False  # fix 10: the unfused RoPE (same values) instead of a refusal
         if no_apex_norm and self.persist_layer_norm:
             self.persist_layer_norm = False  # fix 10: torch's norm instead of an assertion in WrappedTorchNorm
+        if no_grad_accum_fusion and self.gradient_accumulation_fusion:
+            self.gradient_accumulation_fusion = False  # fix 10: the weight-gradient GEMM unfused (same values)
+        if no_te and self.cross_entropy_loss_fusion and getattr(self, "cross_entropy_fusion_impl", "te") == "te":
+            self.cross_entropy_loss_fusion = False  # fix 10: Megatron's vocab-parallel cross entropy (same values)
         if no_grouped_gemm and getattr(self, "moe_grouped_gemm", False):
             self.moe_grouped_gemm = False  # fix 15: sequential experts instead of "Grouped GEMM is not available"
             global _GROUPED_GEMM_NOTED

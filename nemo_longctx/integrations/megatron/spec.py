@@ -52,7 +52,13 @@ def resolve_layer_spec(base: Any, config: Any, vp_stage: Optional[int] = None) -
 
 def long_context_layer_spec(spec: Any, cp_algorithm: str = "ring", **algorithm_kwargs: Any) -> Any:
     """Copy of ``spec`` (layer ModuleSpec or block spec) with our core attention in every layer."""
-    new = copy.deepcopy(spec)
+    try:
+        new = copy.deepcopy(spec)
+    except (TypeError, copy.Error) as e:  # e.g. "cannot pickle 'cell' object": placeholders of missing TE modules
+        raise ValueError(
+            f"model.transformer_layer_spec cannot be copied to put our core attention in ({type(e).__name__}: {e}): "
+            "this model config builds its layers from modules that are placeholders here (NeMo's Gemma 2/3 specs "
+            "need TransformerEngine layers); it cannot be trained without TransformerEngine") from e
     for i, layer in enumerate(layer_specs_of(new)):
         attn = getattr(getattr(layer, "submodules", None), "self_attention", None)
         attn_sub = getattr(attn, "submodules", None)
