@@ -247,8 +247,7 @@ def build_model_config(cfg: DictConfig, options: LongContextOptions, notes: Opti
     """The model config ``cfg.model`` (or ``init_from``'s) describes, extended with our layer spec; what was changed
     on the way that the user should know (``model.cp_comm_type`` aligned with ``cp.algorithm``) is appended to
     ``notes``."""
-    from nemo_longctx.integrations.megatron.cp_algorithms import align_cp_comm_type
-    from nemo_longctx.integrations.nemo.model import enable_long_context, set_with_io
+    from nemo_longctx.integrations.nemo.model import align_cp_comm_type_with_io, enable_long_context
 
     kwargs = {}
     if cfg.model.get("apply_rope_fusion", True) and not te_available():
@@ -270,11 +269,9 @@ def build_model_config(cfg: DictConfig, options: LongContextOptions, notes: Opti
         # gradients by the tokens of the whole batch) weighs every real token the same, as at cp=none. NeMo
         # requires the same for packed fine-tuning under CP.
         config.calculate_per_token_loss = True
-    note = align_cp_comm_type(config, options.cp.algorithm, explicit="cp_comm_type" in cfg.model)
-    if note is not None:
-        set_with_io(config, "cp_comm_type", config.cp_comm_type)  # what NeMo's checkpoint context records, too
-        if notes is not None:
-            notes.append(note)
+    note = align_cp_comm_type_with_io(config, options.cp.algorithm, explicit="cp_comm_type" in cfg.model)
+    if note is not None and notes is not None:
+        notes.append(note)
     return enable_long_context(config, options.cp.algorithm, **options.cp.attention_kwargs)
 
 

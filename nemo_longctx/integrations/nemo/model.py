@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from copy import deepcopy
-from typing import Any
+from typing import Any, Optional
 
 from nemo.lightning import io
 
@@ -32,9 +32,8 @@ def enable_long_context(config: Any, cp_algorithm: str = "ring", **algorithm_kwa
     """Extend ``config`` in place (and return it) so every layer uses nemo_longctx core attention. A
     ``cp_comm_type`` the config class sets (NVIDIA's ``MistralConfig7B``: ``"a2a"``) yields to ``cp_algorithm``
     (logged); one the user set that contradicts it raises ValueError (``cp_algorithms.align_cp_comm_type``)."""
-    note = align_cp_comm_type(config, cp_algorithm)
+    note = align_cp_comm_type_with_io(config, cp_algorithm)
     if note is not None:
-        set_with_io(config, "cp_comm_type", config.cp_comm_type)  # what NeMo's checkpoint context records, too
         logging.getLogger(__name__).info(note)
     base = config.transformer_layer_spec
     if isinstance(base, LongContextLayerSpec):
@@ -46,6 +45,15 @@ def enable_long_context(config: Any, cp_algorithm: str = "ring", **algorithm_kwa
     set_with_io(config, "data_step_fn", long_context_data_step)
     set_with_io(config, "forward_step_fn", long_context_forward_step)
     return config
+
+
+def align_cp_comm_type_with_io(config: Any, cp_algorithm: str, explicit: Optional[bool] = None) -> Optional[str]:
+    """``cp_algorithms.align_cp_comm_type`` on a NeMo config, the new value recorded in NeMo's checkpoint context
+    too; returns the note (None when nothing changed)."""
+    note = align_cp_comm_type(config, cp_algorithm, explicit)
+    if note is not None:
+        set_with_io(config, "cp_comm_type", config.cp_comm_type)
+    return note
 
 
 def set_with_io(obj: Any, attr: str, value: Any) -> None:
