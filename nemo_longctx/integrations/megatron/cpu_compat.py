@@ -368,6 +368,17 @@ def model_state_cpu_problems(opts: Any, force: bool = False, checkpointing: bool
     return out
 
 
+def _legacy_grouped_gemm_available() -> bool:
+    """Whether Megatron's grouped-GEMM experts can be built. Megatron-core < 0.19 has ``moe.grouped_gemm_util`` (the
+    ``grouped_gemm`` package behind GroupedMLP); 0.19 removed it and its local backend builds SequentialMLP whatever
+    ``moe_grouped_gemm`` says, so there is nothing to stand in for."""
+    try:
+        from megatron.core.transformer.moe import grouped_gemm_util
+    except ImportError:
+        return True
+    return bool(grouped_gemm_util.grouped_gemm_is_available())
+
+
 # --------------------------------------------------------------------------------------------------------------
 # 10: NeMo's configs default apply_rope_fusion / persist_layer_norm on; Megatron refuses them without TE/Apex
 def _patch_rope_fusion_without_te() -> None:
@@ -376,13 +387,12 @@ def _patch_rope_fusion_without_te() -> None:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron.core.tensor_parallel import layers as tp_layers
-    from megatron.core.transformer.moe import grouped_gemm_util
 
     no_grad_accum_fusion = not tp_layers._grad_accum_fusion_available  # Apex's fused_weight_gradient_mlp_cuda
     no_te = importlib.util.find_spec("transformer_engine") is None  # TE's fused cross entropy
     no_fused_rope = rope_utils.fused_apply_rotary_pos_emb is None and rope_utils.fused_apply_rotary_pos_emb_thd is None
     no_apex_norm = not fused_layer_norm.HAVE_FUSED_LAYER_NORM  # the local spec then builds WrappedTorchNorm
-    no_grouped_gemm = not grouped_gemm_util.grouped_gemm_is_available()
+    no_grouped_gemm = not _legacy_grouped_gemm_available()
     if not (no_fused_rope or no_apex_norm or no_grouped_gemm or no_grad_accum_fusion or no_te):
         return  # TE, Apex and grouped GEMM present: the fused kernels exist, nothing to change
     original = TransformerConfig.__post_init__
