@@ -21,6 +21,11 @@ the longctx stack (Megatron's DotProductAttention is not in its search space).
     python bench/max_seqlen.py --layers 8      # fewer layers (same per-layer shape), faster steps
     python bench/max_seqlen.py --time-budget-s 240   # bounded search (an 8B step at 256K tokens takes minutes)
     python bench/max_seqlen.py --cpu-tiny      # CPU: 2 layers, hidden 64, fp32, 8 MiB cap (seconds)
+    python bench/max_seqlen.py --layers 2 --peak-breakdown 262144   # CUDA: what is live at one step's peak, by site
+
+Every parameter is cast to the activation dtype after the build, as Megatron's Float16Module does in training (the
+first H200 measurement, 2026-11-26, did not: the torch norms then kept fp32 weights and promoted their outputs to fp32,
+~52 KiB/token more at the peak; bench/results/h200_2026-11-26b/).
 
 Status: the CPU tiny form is tested (tests/test_gpu_bench.py); the CUDA form has not run yet (no GPU in the session
 that wrote it): a GPU session runs it (scripts/gpu_check.sh runs it with GPU_CHECK_BENCH=1).
@@ -103,6 +108,7 @@ def build(shape: ModelShape, stack: str, *, device, dtype, max_len: int, recompu
         spec = tiled_mlp_layer_spec(long_context_layer_spec(spec, "ring"), "auto", tile_tokens=tile_tokens)
     model = GPTModel(cfg, spec, vocab_size=shape.vocab_size, max_sequence_length=max_len,
                      position_embedding_type="rope", share_embeddings_and_output_weights=False).to(device)
+    model = model.to(dtype)  # as Megatron's Float16Module does: every parameter (the norms' too) in bf16
     if stack == "longctx":
         from nemo_longctx.integrations.megatron.gpt_chunked_loss import use_chunked_loss
 
@@ -195,6 +201,69 @@ def planner_max(shape, cand_for, budget: float, granularity: int, max_len: int, 
     return lo * granularity
 
 
+def live_at_peak(events, base: int = 0, top: int = 20):
+    """Replay a CUDA allocator trace (``torch.cuda.memory._snapshot()["device_traces"][i]``: dicts with ``action``,
+    ``addr``, ``size``, ``frames``) and return (peak bytes above ``base``, index of the event that reached it, rows)
+    where rows are the allocations live at that moment grouped by allocation site: (bytes, count, site), largest
+    first, at most ``top``. A block counts from ``alloc`` until ``free_completed`` (the allocator's own accounting).
+    Site = the innermost frame in nemo_longctx or megatron code (else the innermost frame)."""
+    def site(frames):
+        frames = frames or []
+        for f in frames:
+            if "nemo_longctx" in f.get("filename", "") or "megatron" in f.get("filename", ""):
+                return f"{Path(f['filename']).name}:{f['line']} {f['name']}"
+        return f"{Path(frames[0]['filename']).name}:{frames[0]['line']} {frames[0]['name']}" if frames else "?"
+
+    live, total, peak, peak_i = {}, base, base, -1
+    for i, e in enumerate(events):
+        if e["action"] == "alloc":
+            live[e["addr"]] = i
+            total += e["size"]
+        elif e["action"] == "free_completed" and e["addr"] in live:
+            del live[e["addr"]]
+            total -= e["size"]
+        if total > peak:
+            peak, peak_i = total, i
+    live = {}
+    for e in events[:peak_i + 1]:  # the live set at the peak, by replaying again up to it
+        if e["action"] == "alloc":
+            live[e["addr"]] = e
+        elif e["action"] == "free_completed":
+            live.pop(e["addr"], None)
+    groups = {}
+    for e in live.values():
+        key = site(e.get("frames"))
+        b, n = groups.get(key, (0, 0))
+        groups[key] = (b + e["size"], n + 1)
+    rows = sorted(((b, n, k) for k, (b, n) in groups.items()), reverse=True)[:top]
+    return peak - base, peak_i, rows
+
+
+def peak_breakdown(model, runtime, seq: int, device, vocab: int) -> None:
+    """CUDA: one step of ``seq`` tokens with the allocator's history recorded; prints what is live at the peak,
+    grouped by allocation site, and the site whose allocation reached it (the phase)."""
+    torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python", max_entries=2_000_000)
+    try:
+        peak = step(model, runtime, seq, device, vocab, track=False)
+        snap = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    events = snap["device_traces"][device.index or 0]
+    gained, peak_i, rows = live_at_peak(events)
+    at = events[peak_i] if peak_i >= 0 else {}
+    frames = at.get("frames") or []
+    print(f"peak breakdown at seq {seq}: allocator peak {peak / 2**20:.1f} MiB above the step's start "
+          f"({peak / seq / 1024:.1f} KiB/token); trace replay {gained / 2**20:.1f} MiB over {len(events)} events")
+    print("allocation that reached the peak: " + " <- ".join(
+        f"{Path(f['filename']).name}:{f['line']} {f['name']}" for f in frames[:8]))
+    print()
+    print("| live at the peak, by site | MiB | bytes/token | blocks |")
+    print("|---|---:|---:|---:|")
+    for b, n, k in rows:
+        print(f"| {k} | {b / 2**20:.1f} | {b / seq:.1f} | {n} |")
+    print()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu-tiny", action="store_true", help="tiny model on CPU, memory cap emulated (for tests)")
@@ -215,6 +284,9 @@ def main(argv=None) -> int:
     ap.add_argument("--host-gib", type=float, default=None,
                     help="host memory for offload in the planner's prediction (default: 90%% of MemAvailable on "
                          "CUDA, unlimited on CPU)")
+    ap.add_argument("--peak-breakdown", type=int, default=None, metavar="SEQ",
+                    help="CUDA: instead of the search, one longctx step of SEQ tokens with the allocator's history "
+                         "recorded; prints what is live at the peak by allocation site, and the planner's breakdown")
     a = ap.parse_args(argv)
 
     cuda = torch.cuda.is_available() and not a.cpu_tiny
@@ -245,6 +317,22 @@ def main(argv=None) -> int:
     def cand_for(s):
         return Candidate("none", 1, 1, 1, a.recompute, "layer_input", math.ceil(s / tile_tokens),
                          math.ceil(s / chunk_tokens))
+
+    if a.peak_breakdown:
+        if not cuda:
+            print("max_seqlen: --peak-breakdown needs CUDA (the allocator's history)", file=sys.stderr)
+            return 2
+        model, runtime = build(shape, "longctx", device=device, dtype=dtype, max_len=max_len, recompute=a.recompute,
+                               tile_tokens=tile_tokens, chunk_tokens=chunk_tokens)
+        step(model, runtime, min(a.peak_breakdown, 8192), device, shape.vocab_size, track=False)  # warm-up
+        peak_breakdown(model, runtime, a.peak_breakdown, device, shape.vocab_size)
+        s = a.peak_breakdown
+        br = memory_breakdown(shape, s, Hardware(gpus=1), cand_for(s), Precision(activation_bytes=b), LOCAL_CPU)
+        print(f"planner (local_cpu coefficients) at seq {s}: peak phase {br.peak_phase}, GiB "
+              + ", ".join(f"{k} {v:.2f}" for k, v in br.gib().items()))
+        print(f"planner predicted_peak_bytes {predicted_peak_bytes(shape, s, cand_for(s), LOCAL_CPU, b) / 2**20:.1f}"
+              f" MiB")
+        return 0
 
     rows = []
     budget = None

@@ -78,3 +78,26 @@ def test_max_seqlen_failed_step_is_recovered():
                                                     (640, "ok"), (704, "no")], trail
     assert all(info == "OOM" for _, ok, info in steps if ok == "no"), trail
     assert re.search(r"^\| longctx \| 640 \|", proc.stdout, re.M), proc.stdout
+
+
+def test_peak_breakdown_replays_the_allocator_trace():
+    """bench/max_seqlen.py --peak-breakdown reads the CUDA allocator's trace; its replay (live_at_peak) is checked on
+    a hand-written trace: the peak, the event reaching it, and the live set grouped by site (freed blocks excluded,
+    a block counts until free_completed)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from max_seqlen import live_at_peak
+
+    def fr(name, line):
+        return [{"filename": "/x/torch/autograd/function.py", "line": 1, "name": "apply"},
+                {"filename": f"/x/nemo_longctx/{name}.py", "line": line, "name": name}]
+
+    ev = [dict(action="alloc", addr=1, size=100, frames=fr("a", 1)),
+          dict(action="alloc", addr=2, size=50, frames=fr("b", 2)),
+          dict(action="free_requested", addr=1, size=100, frames=[]),
+          dict(action="alloc", addr=3, size=30, frames=fr("b", 2)),  # 180 live: 1 not yet free_completed
+          dict(action="free_completed", addr=1, size=100, frames=[]),
+          dict(action="alloc", addr=4, size=60, frames=fr("c", 3)),  # 140
+          dict(action="free_completed", addr=2, size=50, frames=[])]
+    peak, i, rows = live_at_peak(ev, base=10)
+    assert (peak, i) == (180, 3)
+    assert rows == [(100, 1, "a.py:1 a"), (80, 2, "b.py:2 b")]
