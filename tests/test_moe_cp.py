@@ -5,11 +5,11 @@ and NeMo's loss reduction (``nvidia_configs.train``).
 The cause this guards (``integrations/megatron/moe.py``): Megatron's router gives each CP rank its share of the
 auxiliary losses and DDP averages the gradients over the CP group, so before Megatron-core 0.17 the auxiliary
 gradient under CP=c was 1/c of cp=none's. Types: ``aux_loss`` (NVIDIA's Mixtral default, coefficient 0.01),
-``seq_aux_loss``, ``global_aux_loss``, ``aux_loss`` with the z-loss (1e-3) and ``none``. ``sinkhorn`` is refused under
-CP before anything is built (Megatron's Sinkhorn balances over each rank's own tokens, so routing depends on the CP
-layout: measured 1.5e-4 from cp=none at step 1 under ring). Controls: the same ``aux_loss`` run with Megatron's own ``MoELayer`` (the
-factor left out) must differ from cp=none by more than the tolerance, and one run without CP communication must
-differ by far more.
+``seq_aux_loss``, ``global_aux_loss``, ``aux_loss`` with the z-loss (1e-3), ``sinkhorn`` and ``none``. Sinkhorn: Megatron
+balances the experts over each rank's own tokens, so under CP its routing depends on the layout; our router
+(``moe.GroupSinkhornRouter``) all-reduces the expert sums over the TP×CP group. Controls: the same ``aux_loss`` run
+with Megatron's own ``MoELayer`` (the factor left out) and the ``sinkhorn`` run with Megatron's own router must each
+differ from cp=none by more than the tolerance, and one run without CP communication must differ by far more.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ VARIANTS = {  # name: MixtralConfig fields (at tiny sizes; every other field as 
     "seq_aux_loss": {"moe_router_load_balancing_type": "seq_aux_loss"},
     "global_aux_loss": {"moe_router_load_balancing_type": "global_aux_loss"},
     "aux_loss+z_loss": {"moe_z_loss_coeff": 1e-3},
+    "sinkhorn": {"moe_router_load_balancing_type": "sinkhorn", "moe_aux_loss_coeff": 0.0},
     "none": {"moe_router_load_balancing_type": "none", "moe_aux_loss_coeff": 0.0},
 }
 
@@ -49,8 +50,9 @@ def _job(rank, world):
     from megatron.core import parallel_state as ps
     from nvidia_configs import CP_MODES, train
 
+    from megatron.core.transformer.moe.router import TopKRouter
+
     from nemo_longctx.integrations.megatron import moe
-    from nemo_longctx.integrations.megatron.validation import long_context_problems
     from nemo_longctx.integrations.nemo import compat
 
     compat.apply()
@@ -67,12 +69,13 @@ def _job(rank, world):
     for name, fields in VARIANTS.items():
         for mode, algo, kwargs in CP_MODES:
             out[(name, mode)] = train(_config(fields, world, algo, kwargs), states[name])[0]
-    sinkhorn = _config({"moe_router_load_balancing_type": "sinkhorn", "moe_aux_loss_coeff": 0.0}, world, "ring", {})
-    out["sinkhorn_problems"] = long_context_problems(sinkhorn, world, "ring")
-    out["sinkhorn_cp1_problems"] = long_context_problems(
-        _config({"moe_router_load_balancing_type": "sinkhorn", "moe_aux_loss_coeff": 0.0}, 1, "ring", {}), 1, "ring")
-    with mock.patch.object(moe, "needs_cp_aux_loss_layer", lambda: False):  # Megatron's own MoELayer
+    with mock.patch.object(moe, "aux_loss_cp_factor", lambda *a, **k: 1):  # Megatron's own auxiliary-loss scale
         out["unscaled"] = train(_config({}, world, "ring", {}), states["aux_loss"])[0]
+    # Megatron's own router: neither the spec entry (>= 0.19) nor the rebuilt router (< 0.19)
+    with mock.patch.object(moe, "GroupSinkhornRouter", TopKRouter), mock.patch.object(moe, "_is_sinkhorn",
+                                                                                      lambda c: False):
+        model_config = _config(VARIANTS["sinkhorn"], world, "ring", {})
+        out["sinkhorn_megatron"] = train(model_config, states["sinkhorn"])[0]
     out["local_only"] = train(_config({}, world, "ring", {}), states["aux_loss"], local_only=True)[0]
     ps.destroy_model_parallel()
     out["ref"] = ref
@@ -111,7 +114,11 @@ def test_nvidia_defaults_and_the_controls(runs):
     assert _worst(runs["local_only"], ref) > 1e-4, (runs["local_only"], ref)
 
 
-def test_sinkhorn_is_refused_under_cp_naming_the_field(runs):
-    problems = runs["sinkhorn_problems"]
-    assert any("model.moe_router_load_balancing_type='sinkhorn' with cp.size=2" in p for p in problems), problems
-    assert not any("sinkhorn" in p for p in runs["sinkhorn_cp1_problems"]), runs["sinkhorn_cp1_problems"]
+def test_sinkhorn_control_megatron_router_differs(runs):
+    """Megatron's own Sinkhorn router under CP (each rank balances its own tokens) does not give cp=none's losses:
+    what GroupSinkhornRouter fixes is visible at this size."""
+    from nvidia_configs import TOL
+
+    ref = runs["ref"]["sinkhorn"]
+    megatron, ours = _worst(runs["sinkhorn_megatron"], ref), _worst(runs[("sinkhorn", "ring")], ref)
+    assert megatron > 2 * TOL and megatron > 20 * ours, (megatron, ours, runs["sinkhorn_megatron"], ref)

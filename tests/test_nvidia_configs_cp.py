@@ -6,8 +6,9 @@ quickest whose shrunk config differs from the others), each shrunk to a tiny siz
 NeMo (``enable_long_context`` + ``configure_model``) and trained 3 SGD steps through Megatron-core's DDP and
 ``get_forward_backward_func`` with NeMo's ``MaskedTokenLossReduction``. Every CP mode must match cp=none (5e-6
 relative per step) or be refused with a message naming the field (``REFUSED``); the no-communication control must
-differ from cp=none by > 1e-4. The same job discovers every config class: each family module must be found (and no
-new one may appear unnoticed), and every discovered class must land in a sweep group, so the bench covers them all.
+differ from cp=none by more than 2x the tolerance and 20x the CP modes' own difference. The same job discovers every
+config class: each family module must be found (and no new one may appear unnoticed), and every discovered class must
+land in a sweep group, so the bench covers them all.
 
 Known failures expected to be fixed go into ``KNOWN_FAILURES`` (``xfail(strict=True)``): delete the entry when the
 fix lands (strict: an entry that passes fails the run).
@@ -26,7 +27,7 @@ SUBSET = {
     "base": "GPTConfig126M",  # learned absolute positions, GELU, tied embeddings; NVIDIA's dropout 0.1 set to 0
     "chatglm": "ChatGLM2Config6B",  # GQA, rotary_percent 0.5, interleaved RoPE, QKV bias
     "deepseek": "DeepSeekV2LiteConfig",  # MLA, MoE (seq_aux_loss, shared experts, first layer dense), grouped GEMM
-    "gemma": "GemmaConfig2B",  # MQA, head dim 256 (-> 32), zero-centred norm
+    "gemma": "GemmaConfig2B",  # MQA, head dim 256 (-> 32), zero-centred RMSNorm (cpu_compat fix 12)
     "gemma2": "Gemma2Config2B",  # attention logit soft-capping (refused)
     "gemma3": "Gemma3Config1B",  # local/global layers (5, 1)
     "gpt_oss": "GPTOSSConfig20B",
@@ -48,8 +49,6 @@ SUBSET = {
 # listed must match (cp=none: train).
 _ALL, _CP = nc.MODES, nc.MODES[1:]
 REFUSED = {
-    # zero-centred RMSNorm: cpu_compat's torch stand-in exists for LayerNorm only
-    **{("GemmaConfig2B", m): "layernorm_zero_centered_gamma" for m in _ALL},
     # NeMo's Gemma 2/3 layer specs use TransformerEngine layers: without TE they are Mock placeholders, which our
     # spec refuses to copy, naming TE (Gemma 2's soft-capping refusal is not reached); NeMo refuses CP for Gemma 3
     **{("Gemma2Config2B", m): "cannot be trained without TransformerEngine" for m in _ALL},
@@ -105,7 +104,7 @@ def test_config_trains_under_cp_as_under_none(sweep, name, mode):
 
 
 def test_no_communication_control_differs(sweep):
-    assert nc.check_control(sweep["control"]) > nc.CONTROL_MIN
+    nc.check_control(sweep["control"])  # asserts the control differs (see its docstring)
 
 
 def test_discovery_covers_every_family_and_every_class(sweep):

@@ -35,16 +35,18 @@ list). NeMo's fixes keep their numbers and live in ``integrations/nemo/compat.py
     ``persist_layer_norm`` (``WrappedTorchNorm``, the norm used without Apex, asserts it off); NVIDIA's DeepSeek
     configs add ``gradient_accumulation_fusion`` (Megatron's linear layers raise without Apex's
     ``fused_weight_gradient_mlp_cuda``) and ``cross_entropy_loss_fusion`` with TE's implementation (the loss raises
-    "Trying to use a TE block when it's not present"). So NeMo's HF
+    "Trying to use a TE block when it's not present"); Qwen3-MoE's ``moe_permute_fusion`` (TE's fused token
+    permutation: "fused permutation is not available"). So NeMo's HF
     importers/exporters (``LlamaConfig``/``Qwen2Config`` built from a Hugging Face config) and configs restored from
     a checkpoint's context could not be constructed or built. Where the kernel is missing, the flag is turned off
     before the checks (kernel choices: the unfused RoPE and torch's norm compute the same values).
 11. MoE without TransformerEngine: ``moe_utils.RouterGatingLinearFunction`` tests ``te_general_gemm is not None``, but
     the name is only bound when TE imports (NameError: Mixtral, Qwen3-MoE, DeepSeek die in the router). It is bound
     to None, so the router's own torch matmul (already written there for that case) runs.
-12. Zero-centred LayerNorm (``layernorm_zero_centered_gamma``, Nemotron): ``WrappedTorchNorm`` (the norm without
-    TE/Apex) asserts it off. It builds ``ZeroCenteredLayerNorm`` instead: torch's LayerNorm with the weight stored as
-    gamma - 1 (initialized to 0) and applied as 1 + weight -- TE's definition of the option.
+12. Zero-centred norms (``layernorm_zero_centered_gamma``: Nemotron's LayerNorm, Gemma's RMSNorm): ``WrappedTorchNorm``
+    (the norm without TE/Apex) asserts it off. It builds ``ZeroCenteredLayerNorm`` / ``ZeroCenteredRMSNorm`` instead:
+    torch's norm with the weight stored as gamma - 1 (initialized to 0) and applied as 1 + weight -- TE's definition
+    of the option (and Hugging Face Gemma's RMSNorm).
 13. NeMo's (HF converters' norm keys without TE): moved to ``integrations/nemo/compat.py``.
 14. ``OptimizerConfig.__post_init__`` (precision-aware optimizer) asks ``is_te_min_version("2.1.0")`` to decide
     ``store_param_remainders``; without TransformerEngine ``get_te_version()`` is None and the comparison raises
@@ -393,7 +395,10 @@ def _patch_rope_fusion_without_te() -> None:
     no_fused_rope = rope_utils.fused_apply_rotary_pos_emb is None and rope_utils.fused_apply_rotary_pos_emb_thd is None
     no_apex_norm = not fused_layer_norm.HAVE_FUSED_LAYER_NORM  # the local spec then builds WrappedTorchNorm
     no_grouped_gemm = not _legacy_grouped_gemm_available()
-    if not (no_fused_rope or no_apex_norm or no_grouped_gemm or no_grad_accum_fusion or no_te):
+    from megatron.core.transformer.moe import moe_utils
+
+    no_fused_permute = getattr(moe_utils, "fused_permute", None) is None  # TE's fused MoE token permutation
+    if not (no_fused_rope or no_apex_norm or no_grouped_gemm or no_grad_accum_fusion or no_te or no_fused_permute):
         return  # TE, Apex and grouped GEMM present: the fused kernels exist, nothing to change
     original = TransformerConfig.__post_init__
     if getattr(original, "_nemo_longctx", False):
@@ -408,6 +413,8 @@ def _patch_rope_fusion_without_te() -> None:
             self.gradient_accumulation_fusion = False  # fix 10: the weight-gradient GEMM unfused (same values)
         if no_te and self.cross_entropy_loss_fusion and getattr(self, "cross_entropy_fusion_impl", "te") == "te":
             self.cross_entropy_loss_fusion = False  # fix 10: Megatron's vocab-parallel cross entropy (same values)
+        if no_fused_permute and getattr(self, "moe_permute_fusion", False):
+            self.moe_permute_fusion = False  # fix 10: Megatron's unfused token permutation (same values)
         if no_grouped_gemm and getattr(self, "moe_grouped_gemm", False):
             self.moe_grouped_gemm = False  # fix 15: sequential experts instead of "Grouped GEMM is not available"
             global _GROUPED_GEMM_NOTED
@@ -432,7 +439,7 @@ def _patch_moe_router_without_te() -> None:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# 12: zero-centred LayerNorm without TE/Apex
+# 12: zero-centred LayerNorm / RMSNorm without TE/Apex
 class ZeroCenteredLayerNorm(torch.nn.LayerNorm):
     """LayerNorm whose affine weight is stored zero-centred: y = norm(x) * (1 + weight) + bias, weight init 0."""
 
@@ -445,6 +452,21 @@ class ZeroCenteredLayerNorm(torch.nn.LayerNorm):
         return torch.nn.functional.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
 
 
+class ZeroCenteredRMSNorm(torch.nn.RMSNorm):
+    """RMSNorm whose weight is stored zero-centred: y = x / rms(x) * (1 + weight), weight init 0."""
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if self.elementwise_affine:
+            torch.nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.rms_norm(x, self.normalized_shape, self.weight + 1, self.eps)
+
+
+_ZERO_CENTERED = {"LayerNorm": ZeroCenteredLayerNorm, "RMSNorm": ZeroCenteredRMSNorm}
+
+
 def _patch_zero_centered_norm() -> None:
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
@@ -455,13 +477,14 @@ def _patch_zero_centered_norm() -> None:
     def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, *args: Any, **kwargs: Any):
         if not getattr(config, "layernorm_zero_centered_gamma", False):
             return original(cls, config, hidden_size, eps, *args, **kwargs)
-        if config.normalization != "LayerNorm":
+        if config.normalization not in _ZERO_CENTERED:
             raise ValueError(f"model.layernorm_zero_centered_gamma=true with model.normalization="
-                             f"{config.normalization!r}: only LayerNorm has a zero-centred torch form here")
+                             f"{config.normalization!r}: only LayerNorm and RMSNorm have a zero-centred torch form "
+                             "here")
         plain = copy.copy(config)
         plain.layernorm_zero_centered_gamma = False
         original(cls, plain, hidden_size, eps, *args, **kwargs)  # every other check of WrappedTorchNorm
-        return ZeroCenteredLayerNorm(normalized_shape=hidden_size, eps=eps)  # fix 12
+        return _ZERO_CENTERED[config.normalization](normalized_shape=hidden_size, eps=eps)  # fix 12
 
     __new__._nemo_longctx = True  # type: ignore[attr-defined]
     WrappedTorchNorm.__new__ = staticmethod(__new__)

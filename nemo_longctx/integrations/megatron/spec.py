@@ -5,14 +5,17 @@
 ``submodules.self_attention.submodules.core_attention`` is
 ``ModuleSpec(module=LongContextCoreAttention, params={"cp_algorithm": ..., "cp_algorithm_kwargs": {...}})``.
 Only ``core_attention`` changes: the projections, norms and MLP stay as the original spec built them -- except
-that on a Megatron-core older than 0.17 (0.19 with ``calculate_per_token_loss``) Megatron's own ``MoELayer`` becomes
-``moe.CPScaledAuxLossMoELayer``, which gives the MoE auxiliary losses the CP-size gradient factor those versions
-leave out (same parameters, same state dict).
+Megatron's own MoE layer, whose routing is made CP-correct (``integrations.megatron.moe``; same parameters, same state
+dict): its router becomes ``moe.GroupSinkhornRouter`` (Sinkhorn balanced over the whole sequence), and on a
+Megatron-core older than 0.19 the layer becomes ``moe.LongContextMoELayer``, which also gives the auxiliary losses the
+CP-size gradient factor those versions leave out (before 0.17; 0.19 with ``calculate_per_token_loss``).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
 import inspect
 from typing import Any, Iterable, Optional
 
@@ -68,22 +71,38 @@ def long_context_layer_spec(spec: Any, cp_algorithm: str = "ring", **algorithm_k
                 f"{getattr(attn, 'module', attn)!r}); only standard (GQA/MHA) self-attention layers are supported"
             )
         attn_sub.core_attention = core_attention_spec(cp_algorithm, **algorithm_kwargs)
-        _fix_moe_aux_loss_for_cp(layer)
+        _fix_moe_routing_for_cp(layer)
     return new
 
 
-def _fix_moe_aux_loss_for_cp(layer: ModuleSpec) -> None:
-    """Megatron's own ``MoELayer`` -> ``moe.CPScaledAuxLossMoELayer`` where this Megatron-core leaves the CP factor
-    out of the auxiliary-loss gradient (see ``integrations.megatron.moe``); any other MLP module stays."""
-    mlp = getattr(getattr(layer, "submodules", None), "mlp", None)
-    if not isinstance(mlp, ModuleSpec):
-        return
+def _fix_moe_routing_for_cp(layer: Any) -> None:
+    """Megatron's own MoE layer gets CP-correct routing (see ``integrations.megatron.moe``): its router entry becomes
+    ``moe.GroupSinkhornRouter`` where Megatron-core has one (0.19 on, where the MoE spec is
+    ``functools.partial(MoELayer, submodules=MoESubmodules(...))``), and the layer becomes ``moe.LongContextMoELayer``
+    where this Megatron-core leaves the CP factor out of the auxiliary-loss gradient or has no router entry (before
+    0.19: a ``ModuleSpec``); any other MLP module stays."""
+    layer_sub = getattr(layer, "submodules", None)
+    mlp = getattr(layer_sub, "mlp", None)
     from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.moe.router import TopKRouter
 
-    from .moe import CPScaledAuxLossMoELayer, needs_cp_aux_loss_layer
+    from .moe import GroupSinkhornRouter, LongContextMoELayer, has_router_submodule, needs_long_context_moe_layer
 
-    if mlp.module is MoELayer and needs_cp_aux_loss_layer():
-        mlp.module = CPScaledAuxLossMoELayer
+    if isinstance(mlp, ModuleSpec):
+        module, moe_sub = mlp.module, mlp.submodules
+    elif isinstance(mlp, functools.partial):
+        module, moe_sub = mlp.func, mlp.keywords.get("submodules")
+    else:
+        return
+    if module is not MoELayer:
+        return
+    if has_router_submodule() and moe_sub is not None and getattr(moe_sub, "router", None) is TopKRouter:
+        moe_sub = dataclasses.replace(moe_sub, router=GroupSinkhornRouter)
+    new_module = LongContextMoELayer if needs_long_context_moe_layer() else MoELayer
+    if isinstance(mlp, ModuleSpec):
+        mlp.module, mlp.submodules = new_module, moe_sub
+    else:
+        layer_sub.mlp = functools.partial(new_module, *mlp.args, **{**mlp.keywords, "submodules": moe_sub})
 
 
 class LongContextSpec:

@@ -54,14 +54,6 @@ def long_context_problems(
                 raise ValueError
         except (TypeError, ValueError):
             problems.append(f"model.window_size={window!r} must be a pair (left, right) of ints >= -1 (-1 = unbounded)")
-    routing = getattr(config, "moe_router_load_balancing_type", None)
-    if cp_size > 1 and getattr(config, "num_moe_experts", None) and (
-            routing == "sinkhorn" or (isinstance(routing, (list, tuple)) and "sinkhorn" in routing)):
-        problems.append(
-            f"model.moe_router_load_balancing_type={routing!r} with cp.size={cp_size}: Megatron's Sinkhorn "
-            "routing balances the experts over the tokens each rank holds, so under context parallelism every rank "
-            "routes its part of the sequence differently from one rank holding all of it (cp=none); use aux_loss, "
-            "seq_aux_loss, global_aux_loss or none (each gives cp=none's result under CP)")
     cap = getattr(config, "attn_logit_softcapping", None)
     if cap:
         problems.append(
