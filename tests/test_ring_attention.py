@@ -154,3 +154,41 @@ def test_bad_inputs_raise_before_communicating():
     assert "4-D" in msgs0["rank3"]
     assert sent0 == 0
     assert shape0 == (1, 8, 4, 16)
+
+
+def test_single_rank_ring_is_the_kernel_itself_without_fp32_accumulators():
+    """At CP size 1 the ring's forward and backward return the kernel's own results bit for bit, and create no fp32
+    copy of the output or of dq for 16-bit inputs (the accumulators a multi-rank ring needs: 4 bytes per element
+    of q each; the H200 peak breakdown found the dq one live at the peak of a recomputed layer's backward)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from nemo_longctx.attention.kernels import KERNELS
+    from nemo_longctx.attention.ring import ring_attention_backward, ring_attention_forward
+
+    class Created(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.made = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    self.made.append((func.__name__, tuple(t.shape), t.dtype))
+            return out
+
+    kern = KERNELS["cpu_flash"]
+    gen = torch.Generator().manual_seed(3)
+    for causal, dtype in itertools.product((True, False), (torch.bfloat16, torch.float32)):
+        q = torch.randn(1, 40, 8, 16, generator=gen).to(dtype)
+        k, v = (torch.randn(1, 40, 2, 16, generator=gen).to(dtype) for _ in range(2))
+        dout = torch.randn(1, 40, 8, 16, generator=gen).to(dtype)
+        out, lse = ring_attention_forward(q, k, v, None, causal, 0.25, kern)
+        want_out, want_lse = kern.forward(q, k, v, causal, 0.25)
+        assert torch.equal(out, want_out.to(dtype)) and torch.equal(lse, want_lse.float())
+        with Created() as made:
+            grads = ring_attention_backward(dout, q, k, v, out, lse, None, causal, 0.25, kern)
+        for got, want in zip(grads, kern.backward(dout, q, k, v, out, lse, causal, 0.25)):
+            assert got.dtype == dtype and torch.equal(got, want.to(dtype))
+        if dtype == torch.bfloat16:
+            assert not [m for m in made.made if m[1] == tuple(q.shape) and m[2] == torch.float32], made.made
