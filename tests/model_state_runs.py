@@ -42,6 +42,9 @@ RUNS = {  # name: (overrides, baseline run, relative tolerance of its losses aga
     "ddp_fp32": (["trainer.precision=32"], None, None),
     "distributed_fp32": (["optim=distributed", "trainer.precision=32"], "ddp_fp32", 1e-5),
 }
+# trained only by the full suite (their tests are marked slow): the fraction-0.5 offload variants and the fp32
+# distributed-optimizer pair (the bf16 distributed optimizer with recompute/offload stays in CI's run)
+SLOW_RUNS = {"cpu_offload_half_rc", "precision_aware_half_rc", "distributed_fp32"}
 _DONE: dict = {}
 
 

@@ -11,7 +11,8 @@ steps, validation every 2 steps:
     ``cp.algorithm=ulysses`` and TP=2. Every resumed step's loss equals ``full``'s (<= 1e-5), and so does their
     step-6 validation loss;
   * ``none``: cp=none on one process, 6 steps with validation: validation losses equal the ring's (reduced over CP).
-Plus: the checkpoint's NeMo context (io.json) restores our layer spec; TensorBoard event files hold the scalars;
+Marked ``slow`` (the full suite runs them, CI does not): ``back2``, ``tp2`` and the DP=2 resume (each run only when
+its test is selected). Plus: the checkpoint's NeMo context (io.json) restores our layer spec; TensorBoard event files hold the scalars;
 ``checkpoint.keep`` prunes; bad checkpoint settings fail before anything starts.
 """
 
@@ -72,21 +73,39 @@ def runs(tmp_path_factory):
             "none_out": none_out}
 
 
+class _Layouts(dict):
+    """name -> output dir of a run resumed from ``full``'s checkpoints at another layout, run on first use (the runs
+    of tests marked ``slow`` are then skipped with them)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.d = d
+
+    def __missing__(self, name):
+        d, step4 = self.d, _ckpt(self.d["full"], 4)
+        if name == "cp4":
+            _ok(APP + [f"output_dir={d['cp4']}", *COMMON, "cp.size=4", "trainer.devices=4",
+                       f"checkpoint.resume='{_ckpt(d['full'], 2)}'"], timeout=600)
+        elif name == "back2":
+            _ok(APP + [f"output_dir={d['back2']}", *COMMON, f"checkpoint.resume='{_ckpt(self['cp4'], 4)}'"])
+        elif name == "ulysses":
+            _ok(APP + [f"output_dir={d['ulysses']}", *COMMON, "cp=ulysses", f"checkpoint.resume='{step4}'"])
+        elif name == "tp2":
+            _ok(APP + [f"output_dir={d['tp2']}", *COMMON, "cp=none", "trainer.strategy.tensor_model_parallel_size=2",
+                       f"checkpoint.resume='{step4}'"])
+        elif name == "dp2":  # DP=2 (global batch 2 instead of 1), and a run that saves nothing itself
+            _ok(APP + [f"output_dir={d['dp2']}", "model.seq_length=1024", f"trainer.max_steps={STEPS}",
+                       "memory.track=false", "cp=none", f"checkpoint.resume='{step4}'"])
+        else:
+            raise KeyError(name)
+        self[name] = d[name]
+        return d[name]
+
+
 @pytest.fixture(scope="module")
 def layouts(runs):
-    """Runs resumed from ``full``'s checkpoints at other layouts (a fixture of its own: its own time budget)."""
-    d = runs["dirs"]
-    step4 = _ckpt(d["full"], 4)
-    _ok(APP + [f"output_dir={d['cp4']}", *COMMON, "cp.size=4", "trainer.devices=4",
-               f"checkpoint.resume='{_ckpt(d['full'], 2)}'"], timeout=600)
-    _ok(APP + [f"output_dir={d['back2']}", *COMMON, f"checkpoint.resume='{_ckpt(d['cp4'], 4)}'"])
-    _ok(APP + [f"output_dir={d['ulysses']}", *COMMON, "cp=ulysses", f"checkpoint.resume='{step4}'"])
-    _ok(APP + [f"output_dir={d['tp2']}", *COMMON, "cp=none", "trainer.strategy.tensor_model_parallel_size=2",
-               f"checkpoint.resume='{step4}'"])
-    # DP=2 (global batch 2 instead of 1), and a run that saves nothing itself (checkpoint.every_n_steps=0)
-    _ok(APP + [f"output_dir={d['dp2']}", "model.seq_length=1024", f"trainer.max_steps={STEPS}", "memory.track=false",
-               "cp=none", f"checkpoint.resume='{step4}'"])
-    return d
+    """Runs resumed from ``full``'s checkpoints at other layouts, each run when a test first asks for it."""
+    return _Layouts(runs["dirs"])
 
 
 def _close(a: float, b: float, rel: float) -> bool:
@@ -109,7 +128,8 @@ def test_resume_after_a_killed_rank_continues_the_same_run(runs):
     assert full[5] != full[4]  # the comparison is not vacuous: the loss moves step to step
 
 
-@pytest.mark.parametrize("layout,first", [("cp4", 3), ("back2", 5), ("ulysses", 5), ("tp2", 5)])
+@pytest.mark.parametrize("layout,first", [("cp4", 3), pytest.param("back2", 5, marks=pytest.mark.slow),
+                                          ("ulysses", 5), pytest.param("tp2", 5, marks=pytest.mark.slow)])
 def test_resume_at_another_cp_layout_continues_with_the_same_loss(runs, layouts, layout, first):
     full, full_val = _metrics(runs["dirs"]["full"])
     other, other_val = _metrics(layouts[layout])
@@ -119,6 +139,7 @@ def test_resume_at_another_cp_layout_continues_with_the_same_loss(runs, layouts,
     assert _close(full_val[6], other_val[6], 1e-5), (full_val[6], other_val[6])
 
 
+@pytest.mark.slow
 def test_resume_at_another_data_parallel_size(runs, layouts):
     """DP 1 -> 2 with micro batch 1 doubles the global batch: the run resumes at step 5 (weights, optimizer and LR
     schedule restored; the sampler continues after the 4 consumed samples) but trains on 2 samples per step, so its

@@ -1,6 +1,7 @@
 """Model-state options of the ``optim`` group, trained by the app on CPU (gloo) against plain DDP.
 
-The runs of tests/model_state_runs.py (tiny GQA Llama with odd widths, cp=ring cp.size=2 on two gloo processes, so
+Marked ``slow`` (the full suite runs them, CI does not; ``model_state_runs.SLOW_RUNS``): the fraction-0.5 offload
+variants and the fp32 distributed-optimizer pair. The runs of tests/model_state_runs.py (tiny GQA Llama with odd widths, cp=ring cp.size=2 on two gloo processes, so
 the distributed optimizer shards over the data-parallel-with-CP group of 2), 6 steps at seq 2048, Adam,
 ``trainer.precision=bf16-mixed`` unless noted (optimizer CPU offload needs 16-bit weights, see
 ``model_state_problems``). CPU offload and the precision-aware optimizer run once plain and once with
@@ -49,7 +50,7 @@ from __future__ import annotations
 import pytest
 
 import model_state_runs
-from model_state_runs import PA, RUNS, STEPS
+from model_state_runs import PA, RUNS, SLOW_RUNS, STEPS
 
 
 class _Runs(dict):
@@ -70,7 +71,8 @@ def trained(tmp_path_factory):
     return _Runs(tmp_path_factory)
 
 
-@pytest.mark.parametrize("name", [n for n, v in RUNS.items() if v[1] is not None])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_RUNS else n
+                                  for n, v in RUNS.items() if v[1] is not None])
 def test_option_trains_with_the_losses_of_plain_ddp(trained, name):
     _, baseline, rtol = RUNS[name]
     losses, log = trained[name]
@@ -90,6 +92,10 @@ def test_the_built_optimizer_is_the_configured_one(trained):
     assert "optimizer_cpu_offload(1)" in line and "host Adam for" in line
     host, total = [int(x) for x in line.split("host Adam for ")[1].split(" parameters")[0].split(" of ")]
     assert host == total > 0  # fraction 1.0: every parameter of the shard on the host
+
+
+@pytest.mark.slow
+def test_offload_fraction_half_puts_whole_tensors_on_the_host_until_half(trained):
     line = [x for x in trained["cpu_offload_half_rc"][1].splitlines() if x.startswith("model state:")][0]
     host, total = [int(x) for x in line.split("host Adam for ")[1].split(" parameters")[0].split(" of ")]
     assert 0.5 * total <= host < total  # whole tensors until the fraction is reached
@@ -100,19 +106,27 @@ def test_precision_aware_is_megatrons_path_with_bf16_main_grads(trained):
     precision-aware flag is live (use_precision_aware_optimizer_no_fp8_or_ds_fp8: no fp32 main param shards on the
     device, grads as .decoupled_grad), that the DDP grad buffers are bf16 with grad_reduce_in_fp32 off, and that the
     HybridDeviceOptimizer steps fp32 master copies; its line says so."""
-    for name, frac in (("precision_aware", 1.0), ("precision_aware_half_rc", 0.5)):
-        line = [x for x in trained[name][1].splitlines() if x.startswith("model state:")][0]
-        assert "precision_aware(grads=bf16,params=fp32,m=fp32,v=fp32)" in line, line
-        assert "| optimizer DistributedOptimizer |" in line and "| main grads bf16 |" in line, line
-        assert "precision-aware live: decoupled grads, no device main params, master fp32" in line, line
-        host, total = [int(x) for x in line.split("host Adam for ")[1].split(" parameters")[0].split(" of ")]
-        assert (host == total > 0) if frac == 1.0 else (0.5 * total <= host < total), line
+    _check_precision_aware_line(trained, "precision_aware", 1.0)
     # not vacuous: bf16 main grads change the losses (with fp32 main grads this path equals cpu_offload bit for bit),
     # and the tolerance is far below what one lost or repeated update moves the loss
     assert trained["precision_aware"][0] != trained["cpu_offload"][0]
     ref = trained["ddp"][0]
     steps = sorted(abs(b - a) / abs(a) for a, b in zip(ref, ref[1:]))
     assert steps[len(steps) // 2] > 10 * RUNS["precision_aware"][2]  # median step (one step may sit on a plateau)
+
+
+def _check_precision_aware_line(trained, name, frac):
+    line = [x for x in trained[name][1].splitlines() if x.startswith("model state:")][0]
+    assert "precision_aware(grads=bf16,params=fp32,m=fp32,v=fp32)" in line, line
+    assert "| optimizer DistributedOptimizer |" in line and "| main grads bf16 |" in line, line
+    assert "precision-aware live: decoupled grads, no device main params, master fp32" in line, line
+    host, total = [int(x) for x in line.split("host Adam for ")[1].split(" parameters")[0].split(" of ")]
+    assert (host == total > 0) if frac == 1.0 else (0.5 * total <= host < total), line
+
+
+@pytest.mark.slow
+def test_precision_aware_with_half_offload_and_recompute_is_megatrons_path(trained):
+    _check_precision_aware_line(trained, "precision_aware_half_rc", 0.5)
 
 
 @pytest.mark.parametrize("name", ["fsdp_rc"])

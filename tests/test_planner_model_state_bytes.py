@@ -97,7 +97,10 @@ def _rank_bytes(run, tmp_path_factory):
     return sorted(ranks, key=lambda r: r["rank"])
 
 
-@pytest.mark.parametrize("name", list(ROWS))
+SLOW_ROWS = {"distributed_fp32", "offload_0.5_bf16"}  # runs that only the full suite trains (model_state_runs)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_ROWS else n for n in ROWS])
 def test_model_state_bytes_match_megatron(name, tmp_path_factory):
     ranks = _rank_bytes(ROWS[name][0], tmp_path_factory)
     _, ms, precision = ROWS[name]
