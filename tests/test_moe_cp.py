@@ -5,8 +5,8 @@ and NeMo's loss reduction (``nvidia_configs.train``).
 The cause this guards (``integrations/megatron/moe.py``): Megatron's router gives each CP rank its share of the
 auxiliary losses and DDP averages the gradients over the CP group, so before Megatron-core 0.17 the auxiliary
 gradient under CP=c was 1/c of cp=none's. Types: ``aux_loss`` (NVIDIA's Mixtral default, coefficient 0.01),
-``seq_aux_loss``, ``global_aux_loss``, ``aux_loss`` with the z-loss (1e-3), ``sinkhorn`` and ``none``. Sinkhorn: Megatron
-balances the experts over each rank's own tokens, so under CP its routing depends on the layout; our router
+``seq_aux_loss``, ``global_aux_loss``, ``aux_loss`` with the z-loss (1e-3), ``sinkhorn`` and ``none``. Sinkhorn:
+Megatron balances the experts over each rank's own tokens, so under CP its routing depends on the layout; our router
 (``moe.GroupSinkhornRouter``) all-reduces the expert sums over the TP×CP group. Controls: the same ``aux_loss`` run
 with Megatron's own ``MoELayer`` (the factor left out) and the ``sinkhorn`` run with Megatron's own router must each
 differ from cp=none by more than the tolerance, and one run without CP communication must differ by far more.

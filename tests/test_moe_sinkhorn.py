@@ -1,7 +1,7 @@
 """``moe.group_sinkhorn`` (Sinkhorn over the rows of every rank of a group) equals Megatron's own
 ``moe_utils.sinkhorn`` of the whole matrix, row for row, on 4 gloo ranks (one spawn: each process imports Megatron);
-fp64 and fp32; even and uneven row splits (the row count is all-reduced). The end-to-end check (a Mixtral with Sinkhorn routing under ring / Ulysses /
-hybrid CP = cp=none) is ``tests/test_moe_cp.py``."""
+fp64 and fp32; even and uneven row splits (the row count is all-reduced). The end-to-end check (a Mixtral with
+Sinkhorn routing under ring / Ulysses / hybrid CP = cp=none) is ``tests/test_moe_cp.py``."""
 
 from __future__ import annotations
 

@@ -171,7 +171,8 @@ def _rebuilt_router(router: TopKRouter, cls: type) -> TopKRouter:
     config = copy.copy(router.config)
     config.perform_initialization = False
     pgs = ProcessGroupCollection()  # the groups Router.__init__ reads (fields are set after creation)
-    pgs.tp, pgs.cp, pgs.tp_cp, pgs.tp_dp_cp = router.tp_group, router.cp_group, router.tp_cp_group, router.tp_dp_cp_group
+    pgs.tp, pgs.cp = router.tp_group, router.cp_group
+    pgs.tp_cp, pgs.tp_dp_cp = router.tp_cp_group, router.tp_dp_cp_group
     new = cls(config=config, pg_collection=pgs)
     new.config = router.config
     new.load_state_dict(router.state_dict())
