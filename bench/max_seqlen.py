@@ -326,12 +326,11 @@ def main(argv=None) -> int:
                                tile_tokens=tile_tokens, chunk_tokens=chunk_tokens)
         step(model, runtime, min(a.peak_breakdown, 8192), device, shape.vocab_size, track=False)  # warm-up
         peak_breakdown(model, runtime, a.peak_breakdown, device, shape.vocab_size)
-        s = a.peak_breakdown
-        br = memory_breakdown(shape, s, Hardware(gpus=1), cand_for(s), Precision(activation_bytes=b), LOCAL_CPU)
+        s, c = a.peak_breakdown, cand_for(a.peak_breakdown)
+        br = memory_breakdown(shape, s, Hardware(gpus=1), c, Precision(activation_bytes=b), LOCAL_CPU)
         print(f"planner (local_cpu coefficients) at seq {s}: peak phase {br.peak_phase}, GiB "
               + ", ".join(f"{k} {v:.2f}" for k, v in br.gib().items()))
-        print(f"planner predicted_peak_bytes {predicted_peak_bytes(shape, s, cand_for(s), LOCAL_CPU, b) / 2**20:.1f}"
-              f" MiB")
+        print(f"planner predicted_peak_bytes {predicted_peak_bytes(shape, s, c, LOCAL_CPU, b) / 2**20:.1f} MiB")
         return 0
 
     rows = []

@@ -389,14 +389,13 @@ def _patch_rope_fusion_without_te() -> None:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron.core.tensor_parallel import layers as tp_layers
+    from megatron.core.transformer.moe import moe_utils
 
     no_grad_accum_fusion = not tp_layers._grad_accum_fusion_available  # Apex's fused_weight_gradient_mlp_cuda
     no_te = importlib.util.find_spec("transformer_engine") is None  # TE's fused cross entropy
     no_fused_rope = rope_utils.fused_apply_rotary_pos_emb is None and rope_utils.fused_apply_rotary_pos_emb_thd is None
     no_apex_norm = not fused_layer_norm.HAVE_FUSED_LAYER_NORM  # the local spec then builds WrappedTorchNorm
     no_grouped_gemm = not _legacy_grouped_gemm_available()
-    from megatron.core.transformer.moe import moe_utils
-
     no_fused_permute = getattr(moe_utils, "fused_permute", None) is None  # TE's fused MoE token permutation
     if not (no_fused_rope or no_apex_norm or no_grouped_gemm or no_grad_accum_fusion or no_te or no_fused_permute):
         return  # TE, Apex and grouped GEMM present: the fused kernels exist, nothing to change
@@ -440,25 +439,24 @@ def _patch_moe_router_without_te() -> None:
 
 # --------------------------------------------------------------------------------------------------------------
 # 12: zero-centred LayerNorm / RMSNorm without TE/Apex
-class ZeroCenteredLayerNorm(torch.nn.LayerNorm):
-    """LayerNorm whose affine weight is stored zero-centred: y = norm(x) * (1 + weight) + bias, weight init 0."""
+class _ZeroCenteredWeight:
+    """Mixin for a torch norm whose affine weight is stored zero-centred (gamma - 1): initialised to 0."""
 
     def reset_parameters(self) -> None:
-        super().reset_parameters()
-        if self.elementwise_affine:
-            torch.nn.init.zeros_(self.weight)
+        super().reset_parameters()  # type: ignore[misc]
+        if self.elementwise_affine:  # type: ignore[attr-defined]
+            torch.nn.init.zeros_(self.weight)  # type: ignore[attr-defined]
+
+
+class ZeroCenteredLayerNorm(_ZeroCenteredWeight, torch.nn.LayerNorm):
+    """LayerNorm whose affine weight is stored zero-centred: y = norm(x) * (1 + weight) + bias, weight init 0."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
 
 
-class ZeroCenteredRMSNorm(torch.nn.RMSNorm):
+class ZeroCenteredRMSNorm(_ZeroCenteredWeight, torch.nn.RMSNorm):
     """RMSNorm whose weight is stored zero-centred: y = x / rms(x) * (1 + weight), weight init 0."""
-
-    def reset_parameters(self) -> None:
-        super().reset_parameters()
-        if self.elementwise_affine:
-            torch.nn.init.zeros_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.rms_norm(x, self.normalized_shape, self.weight + 1, self.eps)
