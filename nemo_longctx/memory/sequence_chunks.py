@@ -1,0 +1,304 @@
+"""Sequence-chunked layer recompute: a transformer layer run chunk by chunk over its local sequence, in forward and
+in its recomputed backward, so that no full-sequence activation of the layer's inside is ever materialized.
+
+Only core attention mixes tokens; everything else in a layer (norms, projections, RoPE, MLP, residuals) is per token.
+So a layer can run on one sequence chunk at a time if its core attention sees the keys and values of the *whole*
+sequence. ``sequence_chunked_checkpoint(run_chunk, hidden, n_chunks)`` runs ``run_chunk(x_c, start, end)`` (the
+layer on rows [start, end) of ``hidden`` along ``seq_dim``) under an active ``ChunkState``; the layer's core
+attention (an integration calls ``chunk_core_attention`` when ``active_sequence_chunking()`` is not None) then
+attends its chunk's queries to K/V buffers of the whole local sequence:
+
+Forward (no grad, like a reentrant full-recompute checkpoint: only the layer input is saved):
+  * causal layers (keys at or before the query only): one pass in chunk order; each chunk writes its K/V rows into
+    the buffers and attends to the rows written so far;
+  * otherwise (no mask, a window reaching forward): a K/V pass first (``kv`` mode: the layer runs up to its core
+    attention, which stores K/V and stops the layer with ``StopAfterKV``), then the chunk pass.
+Backward (recompute):
+  1. K/V pass, no grad: the K/V buffers of the whole local sequence (the only full-length tensors besides the layer
+     input, its gradient, and dK/dV accumulated in float32);
+  2. chunk pass with grad, in reverse chunk order: the chunk's layer is recomputed and differentiated; its core
+     attention's backward adds the chunk's dK/dV contributions (every key block it attended) into the float32
+     accumulators. For causal layers the accumulator rows of the chunk itself are complete once that chunk's
+     attention backward ran (later chunks came first), so they flow into the chunk's own K/V graph at once (fused);
+  3. otherwise a K/V pass with grad after all chunks: the K/V part of each chunk's layer is recomputed and
+     differentiated with the completed dK/dV rows.
+Parameter gradients accumulate as in any reentrant checkpoint (``torch.autograd.backward`` inside backward).
+
+Attention blocks: query chunk [a, b) against the buffered keys, split with ``attention.window.windowed_blocks``
+(unmasked blocks, the causal diagonal, masked band edges of a sliding window), each computed by the layer's kernel
+and merged by log-sum-exp in float32 (the ring's block algebra over chunks of time instead of ranks); block
+gradients use the chunk's final (out, lse) (the kernels' split-KV contract). Results equal the unchunked layer up
+to floating-point summation order.
+
+Not here (refused by the integration, by name): random ops inside the layer (dropout), a layer whose K/V for a
+token depend on other tokens, CP > 1, packed documents (THD).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..attention.kernels import AttentionKernel
+from ..attention.thd import empty_accumulators, merge_rows_
+from ..attention.window import INF, normalize_window, window_backward_blocks, window_forward_blocks, windowed_blocks
+
+Tensor = torch.Tensor
+
+# "auto": chunks of at most this many local tokens (a query chunk this long keeps the attention kernels efficient)
+DEFAULT_SEQUENCE_CHUNK_TOKENS = 16384
+
+
+def auto_sequence_chunks(tokens: int, chunk_tokens: int = DEFAULT_SEQUENCE_CHUNK_TOKENS) -> int:
+    """The number of chunks ``recompute.sequence_chunks=auto`` means for ``tokens`` local tokens."""
+    return max(1, math.ceil(int(tokens) / int(chunk_tokens)))
+
+
+def chunk_bounds(length: int, n_chunks: int) -> List[Tuple[int, int]]:
+    """``n_chunks`` contiguous row ranges covering [0, length), sizes differing by at most one (the first ones
+    larger); ValueError when there are more chunks than rows."""
+    if isinstance(n_chunks, bool) or not isinstance(n_chunks, int) or n_chunks < 1:
+        raise ValueError(f"sequence chunks must be a positive int, got {n_chunks!r}")
+    if n_chunks > length:
+        raise ValueError(f"recompute.sequence_chunks={n_chunks} exceeds the {length} tokens of the local sequence")
+    base, extra = divmod(length, n_chunks)
+    out, start = [], 0
+    for i in range(n_chunks):
+        end = start + base + (1 if i < extra else 0)
+        out.append((start, end))
+        start = end
+    return out
+
+
+class StopAfterKV(Exception):
+    """Raised by ``chunk_core_attention`` in ``kv`` mode once the chunk's K/V are stored: the rest of the layer is
+    not needed for that pass."""
+
+
+class ChunkState:
+    """One pass of a chunked layer: the chunk being run, the mode, the K/V buffers and (backward) their float32
+    gradient accumulators. ``mode``: ``kv`` (store K/V, stop the layer) or ``attend`` (attend and go on)."""
+
+    def __init__(self, bounds: Sequence[Tuple[int, int]]) -> None:
+        self.bounds = list(bounds)
+        self.length = self.bounds[-1][1]
+        self.index = 0
+        self.mode = "attend"
+        self.k: Optional[Tensor] = None  # [b, S, hkv, d]
+        self.v: Optional[Tensor] = None
+        self.filled = 0  # rows [0, filled) of the buffers hold this layer's K/V
+        self.dk: Optional[Tensor] = None  # float32/float64 accumulators, backward only
+        self.dv: Optional[Tensor] = None
+        self.fused = False  # backward: the attention returns its own chunk's completed dK/dV rows
+        self.captured: Optional[Tuple[Tensor, Tensor]] = None  # kv mode: the chunk's k, v (with their graph)
+        self.causal_like: Optional[bool] = None  # learned from the layer's core attention
+
+    @property
+    def rows(self) -> Tuple[int, int]:
+        return self.bounds[self.index]
+
+    def begin(self, index: int, mode: str) -> None:
+        self.index, self.mode, self.captured = index, mode, None
+
+    def store(self, k: Tensor, v: Tensor) -> None:
+        """Write the current chunk's K/V ([b, rows, h, d]) into the buffers (allocated at the first chunk)."""
+        a, b = self.rows
+        if k.shape[1] != b - a or v.shape[1] != b - a:
+            raise ValueError(f"sequence-chunked layer: core attention got {k.shape[1]} key rows for chunk "
+                             f"{self.index} of {b - a} rows (sequence parallelism or a layer that changes the "
+                             "sequence length is not supported)")
+        if self.k is None:
+            self.k = k.new_empty((k.shape[0], self.length) + tuple(k.shape[2:]))
+            self.v = v.new_empty((v.shape[0], self.length) + tuple(v.shape[2:]))
+        with torch.no_grad():
+            self.k[:, a:b].copy_(k)
+            self.v[:, a:b].copy_(v)
+        self.filled = max(self.filled, b)
+
+    def alloc_grads(self) -> None:
+        acc = torch.float64 if self.k.dtype == torch.float64 else torch.float32
+        self.dk = torch.zeros(self.k.shape, dtype=acc, device=self.k.device)
+        self.dv = torch.zeros(self.v.shape, dtype=acc, device=self.v.device)
+
+
+_ACTIVE: List[ChunkState] = []
+
+
+def active_sequence_chunking() -> Optional[ChunkState]:
+    """The chunk state of the layer being run chunk by chunk, or None (a core attention then runs as usual)."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
+class _Active:
+    def __init__(self, state: ChunkState) -> None:
+        self.state = state
+
+    def __enter__(self) -> ChunkState:
+        _ACTIVE.append(self.state)
+        return self.state
+
+    def __exit__(self, *exc) -> None:
+        _ACTIVE.pop()
+
+
+def _window(causal: bool, window_size) -> Tuple[int, int]:
+    w = normalize_window(window_size, causal, fn="sequence-chunked attention")
+    if w is None:
+        return (INF, 0) if causal else (INF, INF)
+    return w
+
+
+def _blocks(state: ChunkState, window: Tuple[int, int], key_rows: int):
+    a, b = state.rows
+    tile = (b - a) if window[0] >= INF else None  # one query tile unless a finite window bands it
+    return list(windowed_blocks([(a, 0, b - a)], [(0, 0, key_rows)], window, tile))
+
+
+def _key_rows(state: ChunkState, window: Tuple[int, int]) -> int:
+    """How many buffer rows the current chunk's queries may see (all of them unless the layer is causal-like)."""
+    a, b = state.rows
+    need = state.length if window[1] >= INF else min(state.length, b + window[1])
+    if need > state.filled:
+        raise RuntimeError(f"sequence-chunked attention: chunk {state.index} needs key rows up to {need} but only "
+                           f"{state.filled} are computed (a K/V pass must run first for non-causal layers)")
+    return need
+
+
+class _ChunkAttention(torch.autograd.Function):
+    """Attention of one query chunk to the buffered K/V; k_c/v_c (the chunk's own keys, as the layer computed them)
+    are inputs only so that their gradient can be returned (fused backward) -- the values come from the buffers."""
+
+    @staticmethod
+    def forward(ctx, q, k_c, v_c, state, window, scale, kernel):
+        key_rows = _key_rows(state, window)
+        blocks = _blocks(state, window, key_rows)
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        out, lse = empty_accumulators(q, state.v, acc)
+        window_forward_blocks(q, state.k, state.v, blocks, window, scale, kernel, out, lse, merge_rows_)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, out, lse)
+        ctx.state, ctx.blocks, ctx.window, ctx.scale, ctx.kernel = state, blocks, window, scale, kernel
+        ctx.rows, ctx.fused = state.rows, state.fused
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, out, lse = ctx.saved_tensors
+        st = ctx.state
+        dq = torch.zeros(q.shape, dtype=st.dk.dtype, device=q.device)
+        dout = dout.contiguous() if dout.stride(-1) != 1 else dout
+        window_backward_blocks(dout, q, st.k, st.v, out, lse, ctx.blocks, ctx.window, ctx.scale, ctx.kernel,
+                               dq, st.dk, st.dv)
+        if not ctx.fused:
+            return dq.to(q.dtype), None, None, None, None, None, None
+        a, b = ctx.rows  # complete: every later chunk ran its backward before this one
+        return dq.to(q.dtype), st.dk[:, a:b].to(st.k.dtype), st.dv[:, a:b].to(st.v.dtype), None, None, None, None
+
+
+def chunk_core_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, kernel: AttentionKernel,
+                         window_size=None) -> Tensor:
+    """What a core attention returns under an active ``ChunkState`` (see the module docstring): q [b, sc, hq, d]
+    (the chunk's queries), k/v [b, sc, hkv, d|dv] (the chunk's own keys and values) -> out [b, sc, hq, dv].
+    ``kv`` mode stores k/v (keeping them, with their graph, when grad is enabled) and raises ``StopAfterKV``."""
+    state = active_sequence_chunking()
+    if state is None:
+        raise RuntimeError("chunk_core_attention called outside a sequence-chunked layer")
+    window = _window(causal, window_size)
+    causal_like = window[1] == 0
+    if state.causal_like is None:
+        state.causal_like = causal_like
+    elif state.causal_like != causal_like:
+        raise ValueError("sequence-chunked layer: its core attention changed between causal and non-causal")
+    if state.mode == "kv":
+        if state.dk is None:  # the buffers are being filled (the grad pass only reads them)
+            state.store(k, v)
+        state.captured = (k, v)
+        raise StopAfterKV()
+    if state.dk is None:  # forward: the chunk's keys join the buffers before it attends
+        state.store(k, v)
+    return _ChunkAttention.apply(q, k, v, state, window, float(scale), kernel)
+
+
+def _run_kv(run_chunk: Callable, hidden: Tensor, state: ChunkState, seq_dim: int, index: int, x: Tensor = None):
+    a, b = state.bounds[index]
+    state.begin(index, "kv")
+    try:
+        run_chunk(hidden.narrow(seq_dim, a, b - a) if x is None else x, a, b)
+    except StopAfterKV:
+        return state.captured
+    raise RuntimeError("sequence-chunked layer: the layer finished without calling its core attention (is it "
+                       "nemo_longctx's core attention?)")
+
+
+class _SequenceChunkedLayer(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, run_chunk, n_chunks, seq_dim, kv_first, hidden):
+        bounds = chunk_bounds(hidden.shape[seq_dim], n_chunks)
+        state = ChunkState(bounds)
+        outs = []
+        with torch.no_grad(), _Active(state):
+            if kv_first:
+                for i in range(len(bounds)):
+                    _run_kv(run_chunk, hidden, state, seq_dim, i)
+            for i, (a, b) in enumerate(bounds):
+                state.begin(i, "attend")
+                outs.append(run_chunk(hidden.narrow(seq_dim, a, b - a), a, b))
+        ctx.run_chunk, ctx.bounds, ctx.seq_dim = run_chunk, bounds, seq_dim
+        ctx.save_for_backward(hidden)
+        return torch.cat(outs, dim=seq_dim)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (hidden,) = ctx.saved_tensors
+        run_chunk, bounds, seq_dim = ctx.run_chunk, ctx.bounds, ctx.seq_dim
+        state = ChunkState(bounds)
+        grad_in = torch.zeros_like(hidden)
+        with _Active(state):
+            with torch.no_grad():
+                for i in range(len(bounds)):
+                    _run_kv(run_chunk, hidden, state, seq_dim, i)
+            state.alloc_grads()
+            state.fused = bool(state.causal_like)
+            inputs = {}
+            for i in reversed(range(len(bounds))):
+                a, b = bounds[i]
+                x = hidden.narrow(seq_dim, a, b - a).detach().requires_grad_(True)
+                state.begin(i, "attend")
+                with torch.enable_grad():
+                    y = run_chunk(x, a, b)
+                torch.autograd.backward(y, grad_out.narrow(seq_dim, a, b - a))
+                grad_in.narrow(seq_dim, a, b - a).copy_(x.grad)
+                if not state.fused:
+                    x.grad = None
+                    inputs[i] = x
+            if not state.fused:  # dK/dV are complete only now: differentiate each chunk's K/V part with them
+                for i, x in inputs.items():
+                    a, b = bounds[i]
+                    with torch.enable_grad():
+                        k, v = _run_kv(run_chunk, hidden, state, seq_dim, i, x=x)
+                    torch.autograd.backward([k, v], [state.dk[:, a:b].to(k.dtype), state.dv[:, a:b].to(v.dtype)])
+                    grad_in.narrow(seq_dim, a, b - a).add_(x.grad)
+        return None, None, None, None, grad_in
+
+
+def sequence_chunked_checkpoint(run_chunk: Callable[[Tensor, int, int], Tensor], hidden: Tensor, n_chunks: int,
+                                *, seq_dim: int = 0, kv_first: bool = False) -> Tensor:
+    """Run a layer chunk by chunk as a full-recompute checkpoint (module docstring).
+
+    ``run_chunk(x, start, end)`` runs the layer on ``x`` = rows [start, end) of ``hidden`` along ``seq_dim`` and
+    returns those rows of its output; its core attention must call ``chunk_core_attention`` while a chunked layer
+    is active. ``kv_first``: the layer's attention may look at later tokens (no causal mask): compute every chunk's
+    K/V before the first chunk attends. Only ``hidden`` is saved for backward (an offload scope around this call
+    moves it to the host). Random ops inside the layer are not replayed: the caller must not have any."""
+    if not torch.is_grad_enabled():  # evaluation: the same chunked forward, nothing saved
+        return _SequenceChunkedLayer.forward(_NoCtx(), run_chunk, n_chunks, seq_dim, kv_first, hidden)
+    if not hidden.requires_grad:  # e.g. frozen embeddings: the layer's parameters still need their gradients
+        hidden = hidden.detach().requires_grad_(True)
+    return _SequenceChunkedLayer.apply(run_chunk, n_chunks, seq_dim, kv_first, hidden)
+
+
+class _NoCtx:
+    def save_for_backward(self, *tensors) -> None:
+        pass
