@@ -390,8 +390,8 @@ RECOMPUTED_BY = {
 KEEP_ATTN_ALGORITHMS = ("ring",)
 # the keys each choice of the two groups may set (besides `name`)
 GROUP_KEYS = {
-    "recompute": {"selective": ("modules",), "full": ("method", "num_layers"),
-                  "full_keep_attn": ("method", "num_layers")},
+    "recompute": {"selective": ("modules",), "full": ("method", "num_layers", "sequence_chunks"),
+                  "full_keep_attn": ("method", "num_layers", "sequence_chunks")},
     "offload": {"layer_input": ("prefetch_depth", "min_bytes"), "modules": ("modules", "prefetch_depth", "min_bytes")},
 }
 
@@ -411,6 +411,7 @@ class MemoryOptions:
     recompute_modules: Any = ("core_attn",)
     recompute_method: Any = "uniform"
     recompute_num_layers: Any = 1
+    sequence_chunks: Any = "off"
     offload: Any = "none"
     offload_modules: Any = ()
     prefetch_depth: Any = 1
@@ -426,6 +427,9 @@ class MemoryOptions:
                "recompute_method", choices=RECOMPUTE_METHODS, requires=("recompute=full",)),
         Option("recompute.num_layers", "int", 1, "recompute=full|full_keep_attn: Megatron's recompute_num_layers",
                low=1, requires=("recompute=full",)),
+        Option("recompute.sequence_chunks", "tiles", "off", "recompute=full: each recomputed layer runs chunk by chunk "
+               "over its local sequence in forward and backward: off | auto (ceil(tokens / 16384)) | N",
+               requires=("recompute=full",)),
     )
     OFFLOAD_OPTIONS: ClassVar[Tuple[Option, ...]] = (
         Option("offload.name", "choice", "none", "none | layer_input | modules (the group's choice: offload=<name>)",
@@ -439,7 +443,7 @@ class MemoryOptions:
     )
     _FIELD = {"recompute.name": "recompute", "recompute.modules": "recompute_modules",
               "recompute.method": "recompute_method", "recompute.num_layers": "recompute_num_layers",
-              "offload.name": "offload", "offload.modules": "offload_modules",
+              "recompute.sequence_chunks": "sequence_chunks", "offload.name": "offload", "offload.modules": "offload_modules",
               "offload.prefetch_depth": "prefetch_depth", "offload.min_bytes": "min_bytes"}
 
     @classmethod
@@ -453,7 +457,7 @@ class MemoryOptions:
                 given.append(f"{group}.{k}")
                 f = cls._FIELD.get(f"{group}.{k}")
                 if f is not None:
-                    kw[f] = _plain(v)
+                    kw[f] = normalize_tiles(_plain(v)) if f == "sequence_chunks" else _plain(v)
         return cls(**kw, given=tuple(given))
 
     @property
@@ -470,6 +474,8 @@ class MemoryOptions:
             r += f"[{','.join(self.recompute_modules)}]"
         elif self.full:
             r += f"({self.recompute_method},{self.recompute_num_layers})"
+            if self.sequence_chunks != "off":
+                r += f"[sequence_chunks={self.sequence_chunks}]"
         o = self.offload + (f"[{','.join(self.offload_modules)}]" if self.offload == "modules" else "")
         return f"recompute={r} offload={o}"
 
@@ -495,6 +501,13 @@ class MemoryOptions:
         if r == "full_keep_attn" and cp_algorithm not in KEEP_ATTN_ALGORITHMS:
             p.append(f"recompute=full_keep_attn keeps ring attention's output and LSE: it needs cp.algorithm=ring "
                      f"(cp=ring or cp=none), got cp.algorithm={cp_algorithm!r}")
+        if self.sequence_chunks != "off":
+            if r != "full":
+                p.append(f"recompute.sequence_chunks={self.sequence_chunks} needs recompute=full (with recompute={r} "
+                         "it is not implemented)")
+            elif self.recompute_method == "uniform" and self.recompute_num_layers != 1:
+                p.append(f"recompute.sequence_chunks={self.sequence_chunks} runs one layer per checkpoint: set "
+                         f"recompute.num_layers=1 (got {self.recompute_num_layers}) or recompute.method=block")
         if o == "layer_input" and not self.full:
             p.append(f"offload=layer_input requires recompute=full or full_keep_attn (got recompute={r})")
         if o == "modules":
@@ -860,6 +873,13 @@ class LongContextOptions:
         if cp_ok:
             p += layout_problems(ctx.seq_length, self.cp.size, ctx.tp, ctx.pp, ctx.world_size, ctx.sequence_parallel,
                                  ctx)
+        if self.memory.sequence_chunks != "off" and cp_ok and self.cp.size > 1:
+            p.append(f"recompute.sequence_chunks={self.memory.sequence_chunks} with cp.size={self.cp.size}: "
+                     "sequence-chunked layers run without context parallelism in this version (cp=none)")
+        if self.memory.sequence_chunks != "off" and ctx.sequence_parallel and _is_int(ctx.tp) and ctx.tp > 1:
+            p.append(f"recompute.sequence_chunks={self.memory.sequence_chunks} with {ctx.key('tp')}={ctx.tp} and "
+                     "sequence parallelism: not supported in this version (a chunk of each TP rank's rows is not a "
+                     "contiguous piece of the sequence)")
         return p
 
     def check(self, ctx: Optional[Context] = None) -> "LongContextOptions":
@@ -884,6 +904,8 @@ class LongContextOptions:
             out.append(f"recompute.modules=[{','.join(m.recompute_modules)}]")
         if m.full and (m.recompute_method, m.recompute_num_layers) != ("uniform", 1):
             out += [f"recompute.method={m.recompute_method}", f"recompute.num_layers={m.recompute_num_layers}"]
+        if m.full and m.sequence_chunks != "off":
+            out.append(f"recompute.sequence_chunks={m.sequence_chunks}")
         out.append(f"offload={m.offload}")
         if m.offload == "modules":
             out.append(f"offload.modules=[{','.join(m.offload_modules)}]")

@@ -49,6 +49,20 @@ def memory_model_problems(opts: MemoryOptions, model_config: Any, pp: int = 1,
     if opts.full and (getattr(model_config, "fp8", None) or getattr(model_config, "fp4", None)):
         p.append(f"recompute={r} in nemo_longctx runs Megatron's tensor_parallel.checkpoint: fp8/fp4 "
                  "(te_checkpoint) is not supported")
+    if opts.sequence_chunks != "off":
+        key = f"recompute.sequence_chunks={opts.sequence_chunks}"
+        if getattr(model_config, "multi_latent_attention", False):
+            p.append(f"{key}: multi-latent attention (model.multi_latent_attention) computes its rotary positions "
+                     "inside the layer from the chunk's length; not supported in this version")
+        if getattr(model_config, "num_moe_experts", None):
+            p.append(f"{key}: MoE layers (model.num_moe_experts={model_config.num_moe_experts}) route and balance "
+                     "over the tokens of one call; chunking would change routing: not supported")
+        for name in ("hidden_dropout", "attention_dropout"):
+            if getattr(model_config, name, 0) or 0:
+                p.append(f"{key} does not replay random numbers per chunk: set model.{name}=0 (got "
+                         f"{getattr(model_config, name)})")
+        if getattr(model_config, "distribute_saved_activations", False):
+            p.append(f"{key} keeps each layer's input whole: model.distribute_saved_activations must be false")
     if getattr(model_config, "cpu_offloading", False) and o != "none":
         p.append(f"offload={o} cannot be combined with model.cpu_offloading=true (Megatron's own TE offload)")
     return p
@@ -117,6 +131,7 @@ class MemoryRuntime:
                 if isinstance(m, LongContextCoreAttention):
                     m.kept_attention_cache = None
             b.longctx_offloader = None
+            b.longctx_sequence_chunks = None
 
 
 def transformer_blocks(model: Any) -> List[Any]:
@@ -174,6 +189,7 @@ def attach_memory_options(model: Any, opts: MemoryOptions, *, record_events: boo
                 rt._classes.append((b, type(b)))
                 b.__class__ = LongContextTransformerBlock
             b.longctx_offloader = rt.offloader if opts.offload == "layer_input" else None
+            b.longctx_sequence_chunks = None if opts.sequence_chunks == "off" else opts.sequence_chunks
         else:
             rt._handles.append(scope_modules({f"layer{layer.layer_number}": layer for layer in b.layers}))
         if opts.recompute == "selective" and "layernorm" in (opts.recompute_modules or ()):

@@ -20,13 +20,16 @@ from __future__ import annotations
 from typing import Any
 
 from megatron.core import tensor_parallel
+from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_block import TransformerBlock
 
+from nemo_longctx.memory.sequence_chunks import auto_sequence_chunks, sequence_chunked_checkpoint
 from nemo_longctx.memory.tracker import memory_scope
 
 
 class LongContextTransformerBlock(TransformerBlock):
     longctx_offloader: Any = None  # memory.offload.ActivationOffloader or None
+    longctx_sequence_chunks: Any = None  # recompute.sequence_chunks: None (off), "auto" or an int
 
     def _checkpointed_forward(self, hidden_states, attention_mask, context, context_mask, rotary_pos_emb,
                               attention_bias=None, packed_seq_params=None, use_inner_quantization_context=False,
@@ -62,6 +65,24 @@ class LongContextTransformerBlock(TransformerBlock):
 
             return forward
 
+        def run_one_layer_chunked(hidden_states, attention_mask, context, context_mask, rotary_pos_emb):
+            layer = self._get_layer(start)
+
+            def run_chunk(x, a, b):
+                out, _ = layer(
+                    hidden_states=x, attention_mask=attention_mask, context=context, context_mask=context_mask,
+                    rotary_pos_emb=None if rotary_pos_emb is None else rotary_pos_emb[a:b],
+                    attention_bias=attention_bias, inference_context=None, packed_seq_params=packed_seq_params,
+                    **extra,
+                )
+                return out
+
+            n = self.longctx_sequence_chunks
+            n = auto_sequence_chunks(hidden_states.shape[0]) if n == "auto" else int(n)
+            core = layer.self_attention.core_attention
+            kv_first = getattr(core, "attn_mask_type", None) != AttnMaskType.causal
+            return sequence_chunked_checkpoint(run_chunk, hidden_states, n, seq_dim=0, kv_first=kv_first), context
+
         previous_recomputed = False
         for start, end, recompute in chunks:
             args = (hidden_states, attention_mask, context, context_mask, rotary_pos_emb)
@@ -71,6 +92,14 @@ class LongContextTransformerBlock(TransformerBlock):
                     hidden_states, context = run_layers(start, end)(*args)
                     if engine is not None and previous_recomputed:
                         engine.prefetch_trigger(hidden_states)
+                elif self.longctx_sequence_chunks is not None:
+                    if end - start != 1:
+                        raise ValueError(f"recompute.sequence_chunks runs one layer per checkpoint, got layers "
+                                         f"[{start}, {end}) (recompute.num_layers must be 1)")
+                    if engine is None:
+                        hidden_states, context = run_one_layer_chunked(*args)
+                    else:
+                        hidden_states, context = engine.run_in_scope(layer_number, run_one_layer_chunked, *args)
                 elif engine is None:
                     hidden_states, context = tensor_parallel.checkpoint(
                         run_layers(start, end), cfg.distribute_saved_activations, *args)
