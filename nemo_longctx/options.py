@@ -117,7 +117,8 @@ class Option:
                 what = "module(s)" if self.name == "modules" else "value(s)"
                 return f"{self.key}: unknown {what} {bad} (choose from {list(self.choices)})"
         if self.kind == "tiles" and _is_int(value):
-            return f"{self.key} must be a positive number of tiles (or 'off'/'auto'), got {value}"
+            what = "chunks" if self.name.endswith("chunks") else "tiles"
+            return f"{self.key} must be a positive number of {what} (or 'off'/'auto'), got {value}"
         return f"{self.key}={_show(value)} must be {self.expectation()}"
 
     def _valid(self, v: Any) -> bool:
@@ -503,10 +504,10 @@ class MemoryOptions:
                      f"(cp=ring or cp=none), got cp.algorithm={cp_algorithm!r}")
         if self.sequence_chunks != "off":
             if r != "full":
-                p.append(f"recompute.sequence_chunks={self.sequence_chunks} needs recompute=full (with recompute={r} "
+                p.append(f"recompute.sequence_chunks={self.sequence_chunks!r} needs recompute=full (with recompute={r} "
                          "it is not implemented)")
             elif self.recompute_method == "uniform" and self.recompute_num_layers != 1:
-                p.append(f"recompute.sequence_chunks={self.sequence_chunks} runs one layer per checkpoint: set "
+                p.append(f"recompute.sequence_chunks={self.sequence_chunks!r} runs one layer per checkpoint: set "
                          f"recompute.num_layers=1 (got {self.recompute_num_layers}) or recompute.method=block")
         if o == "layer_input" and not self.full:
             p.append(f"offload=layer_input requires recompute=full or full_keep_attn (got recompute={r})")

@@ -233,6 +233,13 @@ def _options(overrides):
     (["recompute=full", "recompute.num_layers=0"], "recompute.num_layers=0"),
     (["recompute=full", "offload=layer_input", "offload.prefetch_depth=-1"], "offload.prefetch_depth=-1"),
     (["recompute=full", "+recompute.modules=[mlp]"], "recompute: unknown field(s) ['modules'] for recompute=full"),
+    (["recompute=full", "recompute.sequence_chunks=0"], "recompute.sequence_chunks must be a positive number of chunks"),
+    (["recompute=full", "recompute.num_layers=2", "recompute.sequence_chunks=2"],
+     "recompute.sequence_chunks=2 runs one layer per checkpoint: set recompute.num_layers=1 (got 2)"),
+    (["recompute=full_keep_attn", "+recompute.sequence_chunks=auto"],
+     "recompute.sequence_chunks='auto' needs recompute=full"),
+    (["recompute=selective", "+recompute.sequence_chunks=2"],
+     "recompute: unknown field(s) ['sequence_chunks'] for recompute=selective"),
 ])
 def test_invalid_combinations_name_the_field(overrides, message):
     with pytest.raises(ValueError) as e:
@@ -243,6 +250,8 @@ def test_invalid_combinations_name_the_field(overrides, message):
 def test_planner_overrides_compose_and_validate():
     assert _options(["recompute=full", "offload=layer_input"]).describe() == \
         "recompute=full(uniform,1) offload=layer_input"
+    assert _options(["recompute=full", "recompute.sequence_chunks=auto"]).describe() == \
+        "recompute=full(uniform,1)[sequence_chunks=auto] offload=none"
     assert _options(["recompute=full_keep_attn", "offload=layer_input", "recompute.method=block",
                      "recompute.num_layers=2"]).describe() == "recompute=full_keep_attn(block,2) offload=layer_input"
     assert _options(["recompute=selective", "recompute.modules=[mlp]"]).recompute_modules == ("mlp",)
