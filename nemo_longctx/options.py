@@ -364,6 +364,9 @@ def _is_int(v: Any) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------- memory
+# recompute.sequence_chunks=auto: chunks of at most this many local tokens (a query chunk this long keeps the attention
+# kernels and the chunk's matmuls efficient on a GPU; the planner searches larger chunks too)
+DEFAULT_SEQUENCE_CHUNK_TOKENS = 16384
 RECOMPUTE_MODES = ("none", "selective", "full", "full_keep_attn")
 RECOMPUTE_METHODS = ("uniform", "block")
 # recompute_modules of megatron-core that apply to dense GPT layers (moe, moe_act, shared_experts and mla_up_proj
@@ -429,7 +432,8 @@ class MemoryOptions:
         Option("recompute.num_layers", "int", 1, "recompute=full|full_keep_attn: Megatron's recompute_num_layers",
                low=1, requires=("recompute=full",)),
         Option("recompute.sequence_chunks", "tiles", "off", "recompute=full: each recomputed layer runs chunk by chunk "
-               "over its local sequence in forward and backward: off | auto (ceil(tokens / 16384)) | N",
+               "over its local sequence in forward and backward: off | auto (ceil(tokens / "
+               f"{DEFAULT_SEQUENCE_CHUNK_TOKENS})) | N",
                requires=("recompute=full",)),
     )
     OFFLOAD_OPTIONS: ClassVar[Tuple[Option, ...]] = (

@@ -69,7 +69,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Iterable, Mapping, Optional
 
-from nemo_longctx.options import Context, LongContextOptions, auto_tiles, layout_problems
+from nemo_longctx.options import DEFAULT_SEQUENCE_CHUNK_TOKENS, Context, LongContextOptions, auto_tiles, layout_problems
 from nemo_longctx.signals import DEFAULT_GRACE_S
 
 from .model_shapes import ModelShape, shape_from_config
@@ -166,6 +166,10 @@ class ActivationCoefficients:
     mlp_tile_wgrad: float = 1.0
     attn_accum: float = 1.0  # x hq*d fp32: output accumulator (forward) / dq accumulator (backward)
     attn_kv_accum: float = 2.0  # x hkv*d fp32: dk, dv accumulators in the ring backward
+    # sequence-chunked layers (recompute.sequence_chunks), per token of the whole local sequence: the K and V buffers
+    # (activation dtype, x hkv*d each) and their fp32 gradient accumulators (x hkv*d each) of the layer in backward
+    chunk_kv: float = 2.0
+    chunk_kv_grad: float = 2.0
 
     @classmethod
     def preset(cls, name: str) -> "ActivationCoefficients":
@@ -188,6 +192,7 @@ class CostModel:
     network_gbps: float = 40.0  # GB/s per GPU, inter-node (400 Gb/s IB per GPU, effective)
     pcie_gbps: float = 25.0  # GB/s per GPU, host <-> device copies (pinned)
     host_adam_gparams: float = 1.0  # 1e9 parameters/s per GPU process: host Adam step (optimizer offload), modelled
+    hbm_gbps: float = 3350.0  # GB/s, device memory (H100 SXM): weight re-reads of sequence-chunked layers
 
 
 SHARDING = ("ddp", "distributed", "fsdp")  # Megatron DDP | distributed optimizer (ZeRO-1) | Megatron-FSDP (ZeRO-3)
@@ -235,6 +240,7 @@ class Candidate:
     loss_chunks: int = 1  # 1 = off
     prefetch_depth: int = 1  # layer_input offload: layers brought back ahead of the one in backward
     model_state: ModelState = ModelState()
+    sequence_chunks: int = 1  # recompute=full: each layer runs in this many sequence chunks (1 = off)
 
     @property
     def ring_size(self) -> int:
@@ -244,7 +250,8 @@ class Candidate:
         cp = self.cp_algorithm if self.cp_size > 1 else "none"
         if cp == "hybrid":
             cp = f"hybrid{self.ulysses_size}x{self.ring_size}"
-        return (f"cp={cp}:{self.cp_size} tp={self.tp} rc={self.recompute} off={self.offload} "
+        rc = self.recompute + (f"/seqchunks={self.sequence_chunks}" if self.sequence_chunks > 1 else "")
+        return (f"cp={cp}:{self.cp_size} tp={self.tp} rc={rc} off={self.offload} "
                 f"tiles={self.mlp_tiles} chunks={self.loss_chunks} state={self.model_state.label()}")
 
 
@@ -429,7 +436,13 @@ def working_sets(shape: ModelShape, c: Candidate, coef: ActivationCoefficients, 
         regained = none_layer - layer_saved_bytes(shape, c, coef, b)
         if tiles > 1:  # the tiled MLP saves nothing; one tile's intermediate and a gradient of it live
             regained -= ffn_coef * f * b / tp * (1 - 1 / tiles) - coef.mlp_tile_grad * f * b / tp / tiles
-        sets["recompute"] = regained * tokens + grads_io + mlp_bwd
+        if c.sequence_chunks > 1:  # one chunk's recomputed layer (and its attention accumulators) + K/V buffers
+            n = c.sequence_chunks
+            accum = 4 * coef.attn_accum * shape.q_width / tp
+            kv = (coef.chunk_kv * b + coef.chunk_kv_grad * 4) * shape.kv_width / tp
+            sets["recompute"] = (regained + accum) * tokens / n + mlp_bwd / n + kv * tokens + grads_io
+        else:
+            sets["recompute"] = regained * tokens + grads_io + mlp_bwd
     elif c.recompute == "selective_mlp" or tiles > 1:
         grad = coef.mlp_tile_grad if tiles > 1 else 0.0
         sets["mlp"] = (ffn_coef + grad) * f * b / tp / tiles * tokens + grads_io + mlp_bwd
@@ -632,6 +645,8 @@ def relative_cost(shape: ModelShape, seq_length: int, hw: Hardware, c: Candidate
     extra = 0.0
     if c.recompute == "full":
         extra += seq_length * L * (qkv_o + mlp + attn)
+        if c.sequence_chunks > 1:  # the K/V pass of the backward: each layer's norm + QKV projection once more
+            extra += seq_length * L * 2 * h * (shape.q_width + 2 * shape.kv_width)
     elif c.recompute == "full_keep_attn":
         extra += seq_length * L * (qkv_o + mlp)
     elif c.recompute == "selective_mlp":
@@ -669,6 +684,9 @@ def relative_cost(shape: ModelShape, seq_length: int, hw: Hardware, c: Candidate
         move = tokens * h * b / c.tp / (cost.pcie_gbps * 1e9)
         layer_fwd = seq_length * (qkv_o + mlp + attn) / gpus_per_seq / rate
         exposed += L * (max(0.0, move - layer_fwd) + max(0.0, move - 2 * layer_fwd))
+    if c.sequence_chunks > 1:  # every chunk reads the layer's weights again (forward, K/V pass, recompute, backward)
+        weights = shape.layer_parameters() * precision.param_bytes / c.tp
+        exposed += L * 4 * (c.sequence_chunks - 1) * weights / (cost.hbm_gbps * 1e9)
     exposed += _model_state_seconds(shape, hw, c, precision, cost, compute)
     return (compute + exposed) / ideal
 
@@ -720,6 +738,13 @@ def planned_loss_chunks(tokens_per_gpu: float, chunk_tokens: int = PLAN_LOSS_CHU
     return auto_tiles(math.ceil(tokens_per_gpu), chunk_tokens)
 
 
+def planned_sequence_chunks(tokens_per_gpu: float, chunk_tokens: int = DEFAULT_SEQUENCE_CHUNK_TOKENS) -> list[int]:
+    """The sequence-chunk counts searched: `recompute.sequence_chunks=auto`'s (ceil(tokens / 16384)) and a quarter
+    and a sixteenth of it (larger chunks, fewer weight re-reads), each at least 2."""
+    auto = auto_tiles(math.ceil(tokens_per_gpu), chunk_tokens)
+    return sorted({n for n in (auto, auto // 4, auto // 16) if n >= 2})
+
+
 # the planner's recompute modes -> the recompute group (name, selective modules); "selective" alone would be
 # ambiguous: the config's recompute=selective recomputes recompute.modules (default [core_attn])
 RECOMPUTE_GROUP = {"none": ("none", None), "selective_mlp": ("selective", ("mlp",)),
@@ -740,15 +765,19 @@ def optim_fields(ms: ModelState) -> dict:
 
 
 def option_model(cp_algorithm: str, recompute: str, offload: str, ms: ModelState, cp_size: int = 1,
-                 ulysses_size: int = 1, mlp_tiles: int = 1, loss_chunks: int = 1) -> LongContextOptions:
+                 ulysses_size: int = 1, mlp_tiles: int = 1, loss_chunks: int = 1,
+                 sequence_chunks: int = 1) -> LongContextOptions:
     """The option model (nemo_longctx.options) that runs a planner candidate: cp_algorithm "none" = cp=none (ring
     attention, size 1); tiles / chunks 1 = off."""
     name, modules = RECOMPUTE_GROUP[recompute]
     cp = {"size": cp_size, "algorithm": "ring" if cp_algorithm == "none" else cp_algorithm}
     if cp_algorithm == "hybrid":
         cp["ulysses_size"] = ulysses_size
+    rc = {"name": name, **({"modules": list(modules)} if modules else {})}
+    if sequence_chunks > 1:
+        rc["sequence_chunks"] = sequence_chunks
     return LongContextOptions.from_dict({
-        "cp": cp, "recompute": {"name": name, **({"modules": list(modules)} if modules else {})},
+        "cp": cp, "recompute": rc,
         "offload": {"name": offload},
         "tiling": {"mlp_tiles": mlp_tiles if mlp_tiles > 1 else "off",
                    "loss_chunks": loss_chunks if loss_chunks > 1 else "off"},
@@ -757,7 +786,7 @@ def option_model(cp_algorithm: str, recompute: str, offload: str, ms: ModelState
 
 def candidate_options(c: Candidate) -> LongContextOptions:
     return option_model(c.cp_algorithm, c.recompute, c.offload, c.model_state, c.cp_size, c.ulysses_size,
-                        c.mlp_tiles, c.loss_chunks)
+                        c.mlp_tiles, c.loss_chunks, c.sequence_chunks)
 
 
 def structural_accept(cp_algorithm: str, recompute: str, offload: str, model_state: ModelState,
@@ -772,7 +801,7 @@ def candidate_configs(shape: ModelShape, seq_length: int, hw: Hardware,
                       recompute: Iterable[str] = RECOMPUTE, offload: Iterable[str] = OFFLOAD,
                       algorithms: Iterable[str] = CP_ALGORITHMS, max_tp: int = 8,
                       model_states: Iterable[ModelState] = (ModelState(),), accept=None,
-                      tiling: bool = True) -> list[Candidate]:
+                      tiling: bool = True, sequence_chunks: bool = True) -> list[Candidate]:
     """Every valid layout x memory option x model state for `hw.gpus` GPUs (all GPUs used: dp = gpus / (tp * cp)).
     `accept(cp_algorithm, recompute, offload, model_state) -> bool` keeps the option combinations the train app
     accepts (default: `structural_accept`); cp_algorithm is "none" for cp_size 1. `tiling=False`: no tiled MLP or
@@ -804,6 +833,9 @@ def candidate_configs(shape: ModelShape, seq_length: int, hw: Hardware,
             tokens = seq_length / cp
             tiles = sorted({1, planned_mlp_tiles(tokens, tp)}) if tiling else [1]
             chunks = sorted({1, planned_loss_chunks(tokens)}) if tiling else [1]
+            # sequence-chunked layers run at CP size 1 without sequence parallelism in this version (the option
+            # model refuses the rest); they make the tiled MLP redundant (a chunk's MLP is chunk-sized)
+            seq_chunks = planned_sequence_chunks(tokens) if (sequence_chunks and cp == 1 and tp == 1) else []
             for algo, u in layouts:
                 for rc in recompute:
                     for off in offload:
@@ -813,6 +845,12 @@ def candidate_configs(shape: ModelShape, seq_length: int, hw: Hardware,
                             for t in tiles:
                                 for ch in chunks:
                                     out.append(Candidate(algo, cp, u, tp, rc, off, t, ch, model_state=ms))
+                            if rc != "full":
+                                continue
+                            for n in seq_chunks:
+                                for ch in chunks:
+                                    out.append(Candidate(algo, cp, u, tp, rc, off, 1, ch, model_state=ms,
+                                                         sequence_chunks=n))
     return out
 
 

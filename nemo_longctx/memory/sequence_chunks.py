@@ -36,24 +36,21 @@ token depend on other tokens, CP > 1, packed documents (THD).
 
 from __future__ import annotations
 
-import math
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..attention.kernels import AttentionKernel
+from ..options import DEFAULT_SEQUENCE_CHUNK_TOKENS, auto_tiles
 from ..attention.thd import empty_accumulators, merge_rows_
 from ..attention.window import INF, normalize_window, window_backward_blocks, window_forward_blocks, windowed_blocks
 
 Tensor = torch.Tensor
 
-# "auto": chunks of at most this many local tokens (a query chunk this long keeps the attention kernels efficient)
-DEFAULT_SEQUENCE_CHUNK_TOKENS = 16384
-
-
 def auto_sequence_chunks(tokens: int, chunk_tokens: int = DEFAULT_SEQUENCE_CHUNK_TOKENS) -> int:
-    """The number of chunks ``recompute.sequence_chunks=auto`` means for ``tokens`` local tokens."""
-    return max(1, math.ceil(int(tokens) / int(chunk_tokens)))
+    """The number of chunks ``recompute.sequence_chunks=auto`` means for ``tokens`` local tokens (options.auto_tiles:
+    ceil(tokens / chunk_tokens), at least 1)."""
+    return auto_tiles(int(tokens), int(chunk_tokens))
 
 
 def chunk_bounds(length: int, n_chunks: int) -> List[Tuple[int, int]]:
@@ -237,17 +234,23 @@ class _SequenceChunkedLayer(torch.autograd.Function):
     def forward(ctx, run_chunk, n_chunks, seq_dim, kv_first, hidden):
         bounds = chunk_bounds(hidden.shape[seq_dim], n_chunks)
         state = ChunkState(bounds)
-        outs = []
+        out = None  # written chunk by chunk (no list of chunk outputs next to a concatenated copy)
         with torch.no_grad(), _Active(state):
             if kv_first:
                 for i in range(len(bounds)):
                     _run_kv(run_chunk, hidden, state, seq_dim, i)
             for i, (a, b) in enumerate(bounds):
                 state.begin(i, "attend")
-                outs.append(run_chunk(hidden.narrow(seq_dim, a, b - a), a, b))
+                y = run_chunk(hidden.narrow(seq_dim, a, b - a), a, b)
+                if out is None:
+                    shape = list(y.shape)
+                    shape[seq_dim] = state.length
+                    out = y.new_empty(shape)
+                out.narrow(seq_dim, a, b - a).copy_(y)
+                del y
         ctx.run_chunk, ctx.bounds, ctx.seq_dim = run_chunk, bounds, seq_dim
         ctx.save_for_backward(hidden)
-        return torch.cat(outs, dim=seq_dim)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
