@@ -247,3 +247,38 @@ def test_peak_is_the_larger_of_the_head_and_the_layer_phase(head_measurements):
         if "rc=full" in lab and "chunks=1" in lab:  # fp32 logits saved, the recomputed layer's set is the largest
             assert phase == "head" and one_phase > 1.15 * measured, table
 
+
+
+# ------------------------------------------------------------------------------------------- sequence-chunked layers
+OPTIONS_SEQ_CHUNKS = [Candidate("none", 1, 1, 1, "full", off, 1, 1, sequence_chunks=n)
+                      for off in ("none", "layer_input") for n in (1, 4, 8)]
+
+
+@pytest.fixture(scope="module")
+def seq_chunk_measurements():
+    from calibration_probe import measure
+
+    return run_distributed(measure, 1, SHAPES[0], OPTIONS_SEQ_CHUNKS, (1024, 2048), timeout=500)[0]
+
+
+def test_sequence_chunked_layers_peak_within_5_percent(seq_chunk_measurements):
+    """recompute.sequence_chunks (CP=1): saved bytes as predicted (up to the loss's few scalar bytes, the same for
+    every setting) and the tracker's peak within 5% of `predicted_peak_bytes`; the peak falls with the chunk count
+    (a layer's backward holds one chunk of it, plus K/V and their fp32 gradients)."""
+    rows = []
+    for r in seq_chunk_measurements:
+        c, seq = r["cand"], r["seq"]
+        saved = predicted_activation_bytes(SHAPES[0], seq, c, LOCAL_CPU, activation_bytes=4)
+        peak = predicted_peak_bytes(SHAPES[0], seq, c, LOCAL_CPU, activation_bytes=4)
+        rows.append((c, seq, r["device"], saved["device"], r["host"], saved["host"], r["peak"], peak))
+    table = "\n".join(f"{c.label()} seq={seq}: device {d} (pred {pd:.0f}) host {h} (pred {ph:.0f}) peak {p} "
+                      f"(pred {pp:.0f}, {pp / p - 1:+.1%})" for c, seq, d, pd, h, ph, p, pp in rows)
+    print(table)
+    assert len(rows) == 2 * len(OPTIONS_SEQ_CHUNKS)
+    for c, seq, d, pd, h, ph, p, pp in rows:
+        assert abs(d - pd) <= 16 and h == round(ph), table
+        assert abs(pp / p - 1) <= 0.05, table
+    peak = {(c.offload, c.sequence_chunks, seq): p for c, seq, *_, p, _ in rows}
+    for off in ("none", "layer_input"):
+        for seq in (1024, 2048):
+            assert peak[(off, 8, seq)] < peak[(off, 4, seq)] < 0.5 * peak[(off, 1, seq)], table

@@ -364,7 +364,9 @@ def head_saved_bytes(shape: ModelShape, c: Candidate, coef: ActivationCoefficien
     else:
         loss = 4 * coef.logits * shape.vocab_size / c.tp
     full = c.recompute in ("full", "full_keep_attn")
-    rope = 4 * coef.recompute_rope * shape.head_dim if full and c.offload != "layer_input" else 0.0
+    # sequence-chunked layers take the RoPE table by reference, not as a saved checkpoint argument
+    rope_saved = full and c.offload != "layer_input" and c.sequence_chunks == 1
+    rope = 4 * coef.recompute_rope * shape.head_dim if rope_saved else 0.0
     return (b * coef.head_hidden * shape.hidden_size + 4 * coef.head_norm) / c.tp + loss + coef.token_bytes + rope
 
 
@@ -378,7 +380,8 @@ def offloaded_layer_bytes(shape: ModelShape, c: Candidate, coef: ActivationCoeff
     """Bytes per local token and layer that ``offload=layer_input`` moves to the host: everything the recomputed
     layer keeps (``layer_saved_bytes``: its input, and under full_keep_attn the kept attention output and LSE) plus
     that layer's copy of the RoPE table (a checkpoint argument of every layer)."""
-    return layer_saved_bytes(shape, c, coef, b) + 4 * coef.recompute_rope * shape.head_dim
+    rope = 4 * coef.recompute_rope * shape.head_dim if c.sequence_chunks == 1 else 0.0  # chunked: by reference
+    return layer_saved_bytes(shape, c, coef, b) + rope
 
 
 def _comm_buffer_bytes(shape: ModelShape, c: Candidate, b: int) -> float:
@@ -430,7 +433,7 @@ def working_sets(shape: ModelShape, c: Candidate, coef: ActivationCoefficients, 
         chunk = math.ceil(tokens / c.loss_chunks)
         sets["head"] = (4 * coef.logits + half) * v / tp * chunk + grads_io
     else:
-        sets["head"] = 4.0 * v * h / tp + half * v / tp * tokens + grads_io
+        sets["head"] = 4.0 * v * h / tp + half * v / tp * tokens + grads_io / 2
     if c.recompute in ("full", "full_keep_attn"):
         none_layer = layer_saved_bytes(shape, replace(c, mlp_tiles=1), coef, b, recompute="none")
         regained = none_layer - layer_saved_bytes(shape, c, coef, b)
