@@ -78,11 +78,14 @@ def test_gpus_needed_is_monotonic_in_seq_length():
 def test_picks_cp_when_one_gpu_cannot_hold_the_sequence():
     seq = 1 << 18
     hw = Hardware(gpus=8)
-    # premise: without context parallelism (tp only up to 1 here) nothing fits
-    no_cp = plan(L8B, seq, hw, max_tp=1, algorithms=("ring",))
+    # premise: without context parallelism (tp only up to 1 here) nothing fits -- unless the layers run in sequence
+    # chunks, which hold 256K tokens on one GPU
+    no_cp = plan(L8B, seq, hw, max_tp=1, algorithms=("ring",), sequence_chunks=False)
     assert all(e.candidate.cp_size >= 2 for e in no_cp.evaluations if e.fits)
     assert any(e.candidate.cp_size == 1 for e in no_cp.evaluations)
     assert no_cp.chosen is not None and no_cp.chosen.candidate.cp_size >= 2
+    chunked = plan(L8B, seq, hw, max_tp=1, algorithms=("ring",))
+    assert any(e.fits and e.candidate.cp_size == 1 and e.candidate.sequence_chunks > 1 for e in chunked.evaluations)
     # and with everything allowed, the target request chooses CP >= 2 with a fitting breakdown
     p = plan_or_raise(L8B, 1 << 20, H100x8)
     assert p.chosen.candidate.cp_size >= 2

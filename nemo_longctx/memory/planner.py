@@ -251,7 +251,9 @@ class Candidate:
         if cp == "hybrid":
             cp = f"hybrid{self.ulysses_size}x{self.ring_size}"
         rc = self.recompute + (f"/seqchunks={self.sequence_chunks}" if self.sequence_chunks > 1 else "")
-        return (f"cp={cp}:{self.cp_size} tp={self.tp} rc={rc} off={self.offload} "
+        off = self.offload + (f"/depth{self.prefetch_depth}" if self.offload != "none" and self.prefetch_depth != 1
+                              else "")
+        return (f"cp={cp}:{self.cp_size} tp={self.tp} rc={rc} off={off} "
                 f"tiles={self.mlp_tiles} chunks={self.loss_chunks} state={self.model_state.label()}")
 
 
@@ -431,7 +433,7 @@ def working_sets(shape: ModelShape, c: Candidate, coef: ActivationCoefficients, 
     sets = {}
     if c.loss_chunks > 1:
         chunk = math.ceil(tokens / c.loss_chunks)
-        sets["head"] = (4 * coef.logits + half) * v / tp * chunk + grads_io
+        sets["head"] = (4 * coef.logits + half) * v / tp * chunk + grads_io / 2
     else:
         sets["head"] = 4.0 * v * h / tp + half * v / tp * tokens + grads_io / 2
     if c.recompute in ("full", "full_keep_attn"):
@@ -458,11 +460,13 @@ def working_sets(shape: ModelShape, c: Candidate, coef: ActivationCoefficients, 
 
 
 def _peak_phase(shape: ModelShape, c: Candidate, coef: ActivationCoefficients, b: int, tokens: float,
-                layers_saved: float, head_saved: float) -> tuple:
+                layers_saved: float, head_saved: float, layers_at_head: float | None = None) -> tuple:
     """(phase, saved bytes live at the peak, transient, comm) per GPU. Two phases of backward can set the peak:
 
     head    the loss + output layer's backward (first in backward): every saved byte is alive -- the layers' saved
-            bytes on the device (``layers_saved``) and the head's own (``head_saved``) -- plus the head working set;
+            bytes on the device then (``layers_at_head``, default ``layers_saved``; under layer-input offload none: the
+            last layer's input is fetched once its output's gradient exists) and the head's own (``head_saved``) --
+            plus the head working set;
     layers  a transformer layer's backward: the head's saved tensors (final-norm / output-layer inputs, fp32 logits
             or the chunked loss's precomputed gradients) were freed by autograd after the head's backward, so only
             the layers' saved bytes and the largest layer working set (recomputed layer, MLP, attention) are alive.
@@ -472,8 +476,9 @@ def _peak_phase(shape: ModelShape, c: Candidate, coef: ActivationCoefficients, b
     head to matter (tests/test_planner_calibration.py)."""
     sets = working_sets(shape, c, coef, b, tokens)
     layer_ws = max(v for k, v in sets.items() if k != "head")
-    if head_saved + sets["head"] >= layer_ws:
-        return "head", layers_saved + head_saved, sets["head"], 0.0
+    at_head = layers_saved if layers_at_head is None else layers_at_head
+    if at_head + head_saved + sets["head"] >= layers_saved + layer_ws:
+        return "head", at_head + head_saved, sets["head"], 0.0
     comm = tokens * _comm_buffer_bytes(shape, c, b)
     return "layers", layers_saved, max(0.0, layer_ws - comm), comm
 
@@ -585,7 +590,8 @@ def memory_breakdown(shape: ModelShape, seq_length: int, hw: Hardware, c: Candid
         layers_saved = tokens * L * layer
         host = 0.0
     head_saved = tokens * head + loss_fixed_bytes(shape, c)
-    phase, device_act, transient, comm = _peak_phase(shape, c, coef, b, tokens, layers_saved, head_saved)
+    phase, device_act, transient, comm = _peak_phase(shape, c, coef, b, tokens, layers_saved, head_saved,
+                                                     0.0 if c.offload == "layer_input" else layers_saved)
     host += states["host"]
     return MemoryBreakdown(
         weights=states["weights"],
@@ -686,7 +692,9 @@ def relative_cost(shape: ModelShape, seq_length: int, hw: Hardware, c: Candidate
     if c.offload == "layer_input":
         move = tokens * h * b / c.tp / (cost.pcie_gbps * 1e9)
         layer_fwd = seq_length * (qkv_o + mlp + attn) / gpus_per_seq / rate
-        exposed += L * (max(0.0, move - layer_fwd) + max(0.0, move - 2 * layer_fwd))
+        # back in backward: prefetched while the previous layer runs backward, or (prefetch_depth=0) on demand
+        back = move if c.prefetch_depth == 0 else max(0.0, move - 2 * layer_fwd)
+        exposed += L * (max(0.0, move - layer_fwd) + back)
     if c.sequence_chunks > 1:  # every chunk reads the layer's weights again (forward, K/V pass, recompute, backward)
         weights = shape.layer_parameters() * precision.param_bytes / c.tp
         exposed += L * 4 * (c.sequence_chunks - 1) * weights / (cost.hbm_gbps * 1e9)
@@ -769,7 +777,7 @@ def optim_fields(ms: ModelState) -> dict:
 
 def option_model(cp_algorithm: str, recompute: str, offload: str, ms: ModelState, cp_size: int = 1,
                  ulysses_size: int = 1, mlp_tiles: int = 1, loss_chunks: int = 1,
-                 sequence_chunks: int = 1) -> LongContextOptions:
+                 sequence_chunks: int = 1, prefetch_depth: int = 1) -> LongContextOptions:
     """The option model (nemo_longctx.options) that runs a planner candidate: cp_algorithm "none" = cp=none (ring
     attention, size 1); tiles / chunks 1 = off."""
     name, modules = RECOMPUTE_GROUP[recompute]
@@ -781,7 +789,7 @@ def option_model(cp_algorithm: str, recompute: str, offload: str, ms: ModelState
         rc["sequence_chunks"] = sequence_chunks
     return LongContextOptions.from_dict({
         "cp": cp, "recompute": rc,
-        "offload": {"name": offload},
+        "offload": {"name": offload, **({"prefetch_depth": prefetch_depth} if prefetch_depth != 1 else {})},
         "tiling": {"mlp_tiles": mlp_tiles if mlp_tiles > 1 else "off",
                    "loss_chunks": loss_chunks if loss_chunks > 1 else "off"},
         "optim": optim_fields(ms)})
@@ -789,7 +797,7 @@ def option_model(cp_algorithm: str, recompute: str, offload: str, ms: ModelState
 
 def candidate_options(c: Candidate) -> LongContextOptions:
     return option_model(c.cp_algorithm, c.recompute, c.offload, c.model_state, c.cp_size, c.ulysses_size,
-                        c.mlp_tiles, c.loss_chunks, c.sequence_chunks)
+                        c.mlp_tiles, c.loss_chunks, c.sequence_chunks, c.prefetch_depth)
 
 
 def structural_accept(cp_algorithm: str, recompute: str, offload: str, model_state: ModelState,
@@ -850,10 +858,14 @@ def candidate_configs(shape: ModelShape, seq_length: int, hw: Hardware,
                                     out.append(Candidate(algo, cp, u, tp, rc, off, t, ch, model_state=ms))
                             if rc != "full":
                                 continue
+                            # layer inputs fetched on demand (prefetch_depth 0): one layer input less on the device;
+                            # at the lengths chunking is for, one layer's backward hides far more than the copy
+                            depths = (1, 0) if off == "layer_input" else (1,)
                             for n in seq_chunks:
                                 for ch in chunks:
-                                    out.append(Candidate(algo, cp, u, tp, rc, off, 1, ch, model_state=ms,
-                                                         sequence_chunks=n))
+                                    for depth in depths:
+                                        out.append(Candidate(algo, cp, u, tp, rc, off, 1, ch, prefetch_depth=depth,
+                                                             model_state=ms, sequence_chunks=n))
     return out
 
 
