@@ -215,7 +215,9 @@ def _row(ev: Evaluation) -> list:
     if cp == "hybrid":
         cp = f"hybrid {c.ulysses_size}x{c.ring_size}"
     fits = "yes" if ev.fits else ("host" if ev.fits_gpu else "no")
-    return [cp, c.cp_size, c.tp, ev.dp, c.recompute, c.offload, c.mlp_tiles, c.loss_chunks, c.model_state.label(),
+    rc = c.recompute + (f"/seqchunks={c.sequence_chunks}" if c.sequence_chunks > 1 else "")
+    off = c.offload + (f"/depth{c.prefetch_depth}" if c.offload != "none" and c.prefetch_depth != 1 else "")
+    return [cp, c.cp_size, c.tp, ev.dp, rc, off, c.mlp_tiles, c.loss_chunks, c.model_state.label(),
             f"{m['weights']:.1f}", f"{m['grads']:.1f}", f"{m['optimizer']:.1f}", f"{m['activations']:.1f}",
             f"{m['transient']:.1f}", f"{m['comm']:.1f}", f"{m['total']:.1f}", f"{m['host_per_node']:.0f}",
             f"{ev.cost:.3f}", fits]
@@ -255,9 +257,11 @@ LEGEND = (
     ("dp", "data-parallel size = GPUs / (tp x cp_size)"),
     ("recompute", "`rc=` in the chosen line: none | selective_mlp (recompute=selective recompute.modules=[mlp]) | "
                   "selective_attn (recompute.modules=[core_attn]) | full (full-layer recompute) | full_keep_attn "
-                  "(full recompute keeping attention's output: no second attention/ring pass in backward)"),
+                  "(full recompute keeping attention's output: no second attention/ring pass in backward); "
+                  "/seqchunks=N: each layer runs in N sequence chunks (recompute.sequence_chunks=N)"),
     ("offload", "`off=` in the chosen line: none | layer_input (each checkpointed layer input goes to host memory, "
-                "prefetched back for backward)"),
+                "prefetched back for backward); /depth0: fetched when its layer's backward starts "
+                "(offload.prefetch_depth=0)"),
     ("tiles", "sequence tiles of every MLP per rank (tiling.mlp_tiles; 1 = off)"),
     ("chunks", "chunks of the output layer + cross entropy per rank (tiling.loss_chunks; 1 = off)"),
     ("state", "model-state layout (the optim group): ddp = Megatron DDP (every rank keeps weights, grads, optimizer) | "
