@@ -448,7 +448,8 @@ class MemoryOptions:
     )
     _FIELD = {"recompute.name": "recompute", "recompute.modules": "recompute_modules",
               "recompute.method": "recompute_method", "recompute.num_layers": "recompute_num_layers",
-              "recompute.sequence_chunks": "sequence_chunks", "offload.name": "offload", "offload.modules": "offload_modules",
+              "recompute.sequence_chunks": "sequence_chunks", "offload.name": "offload",
+              "offload.modules": "offload_modules",
               "offload.prefetch_depth": "prefetch_depth", "offload.min_bytes": "min_bytes"}
 
     @classmethod

@@ -69,13 +69,14 @@ class ToyLayer(torch.nn.Module):
         return x + (torch.nn.functional.silu(a) * g) @ self.w2.T
 
 
-def _grads(layer, x, chunks=None, kv_first=False):
+def _grads(layer, x, chunks=None, kv_first=False, params=True):
     layer.zero_grad()
     x = x.detach().clone().requires_grad_(True)
     if chunks is None:
         y = layer(x)
     else:
-        y = sequence_chunked_checkpoint(lambda xc, a, b: layer(xc, a), x, chunks, kv_first=kv_first)
+        y = sequence_chunked_checkpoint(lambda xc, a, b: layer(xc, a), x, chunks, kv_first=kv_first,
+                                        params=list(layer.parameters()) if params else None)
     dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=y.dtype)
     y.backward(dy)
     return [y.detach(), x.grad] + [p.grad.clone() for p in layer.parameters()]
@@ -175,3 +176,26 @@ def test_backward_keeps_no_full_length_activation_of_the_layer_inside():
     ffn_full = s * b * 2 * 256
     chunk_ffn = (s // 8) * b * 256  # one chunk of one MLP half (silu(a) * g saves both halves)
     assert max(sizes) < ffn_full and chunk_ffn in sizes
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_parameter_gradients_reach_autograd_once_per_backward(causal):
+    """With ``params`` every parameter's gradient accumulator runs once per backward however many chunks there are
+    (Megatron DDP registers its grad-ready hook there and refuses a second gradient with overlap_grad_reduce); without
+    it, once per chunk (and pass). Both sum to the unchunked gradients."""
+    layer = ToyLayer(causal=causal)
+    x = torch.randn(24, 1, 32, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    calls, accumulators = {}, []
+    for name, p in layer.named_parameters():  # the hook Megatron DDP uses: on the parameter's grad accumulator
+        acc = p.expand_as(p).grad_fn.next_functions[0][0]
+        acc.register_hook(lambda *_, n=name: calls.__setitem__(n, calls.get(n, 0) + 1))
+        accumulators.append(acc)  # kept alive, as Megatron DDP keeps them
+    ref = _grads(layer, x)
+    calls.clear()
+    got = _grads(layer, x, 4, kv_first=not causal)
+    assert calls == {n: 1 for n, _ in layer.named_parameters()}
+    assert max(_rel(g, r) for g, r in zip(got, ref)) <= 1e-10
+    calls.clear()
+    got = _grads(layer, x, 4, kv_first=not causal, params=False)
+    assert min(calls.values()) >= 4
+    assert max(_rel(g, r) for g, r in zip(got, ref)) <= 1e-10

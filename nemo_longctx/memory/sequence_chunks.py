@@ -229,9 +229,45 @@ def _run_kv(run_chunk: Callable, hidden: Tensor, state: ChunkState, seq_dim: int
                        "nemo_longctx's core attention?)")
 
 
+class _ParamGrads:
+    """Parameter gradients of one layer summed over its chunks (float32 for half-precision parameters), handed to
+    autograd once at the end: gradient-accumulation hooks (Megatron DDP's grad-ready hook with overlap_grad_reduce,
+    which refuses a second gradient per step) then fire once per parameter and step, as with an unchunked layer.
+    ``params=None``: the chunks' gradients accumulate into ``.grad`` directly (hooks fire once per chunk)."""
+
+    def __init__(self, params: Optional[Sequence[Tensor]]) -> None:
+        self.params = None if params is None else [p for p in params if p.requires_grad]
+        self.sums: List[Optional[Tensor]] = [None] * len(self.params or ())
+
+    def backward(self, outputs, grads, x: Tensor) -> None:
+        """Differentiate ``outputs`` with ``grads``: x.grad gets x's gradient, the parameters' add to the sums."""
+        if self.params is None:
+            torch.autograd.backward(outputs, grads)
+            return
+        got = torch.autograd.grad(outputs, [x] + self.params, grads, allow_unused=True)
+        if got[0] is not None:
+            x.grad = got[0] if x.grad is None else x.grad + got[0]
+        for i, g in enumerate(got[1:]):
+            if g is None:
+                continue
+            if self.sums[i] is None:
+                acc = torch.float32 if g.dtype in (torch.float16, torch.bfloat16) else g.dtype
+                self.sums[i] = g.to(acc, copy=True)
+            else:
+                self.sums[i].add_(g)
+
+    def deliver(self) -> None:
+        pairs = [(p, g) for p, g in zip(self.params or (), self.sums) if g is not None]
+        if pairs:  # a view per parameter: one pass through each parameter's gradient accumulator
+            with torch.enable_grad():  # (backward runs with grad mode off)
+                views = [p.view_as(p) for p, _ in pairs]
+            torch.autograd.backward(views, [g.to(p.dtype) for p, g in pairs])
+        self.sums = [None] * len(self.sums)
+
+
 class _SequenceChunkedLayer(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, run_chunk, n_chunks, seq_dim, kv_first, hidden):
+    def forward(ctx, run_chunk, n_chunks, seq_dim, kv_first, params, hidden):
         bounds = chunk_bounds(hidden.shape[seq_dim], n_chunks)
         state = ChunkState(bounds)
         out = None  # written chunk by chunk (no list of chunk outputs next to a concatenated copy)
@@ -248,7 +284,7 @@ class _SequenceChunkedLayer(torch.autograd.Function):
                     out = y.new_empty(shape)
                 out.narrow(seq_dim, a, b - a).copy_(y)
                 del y
-        ctx.run_chunk, ctx.bounds, ctx.seq_dim = run_chunk, bounds, seq_dim
+        ctx.run_chunk, ctx.bounds, ctx.seq_dim, ctx.params = run_chunk, bounds, seq_dim, params
         ctx.save_for_backward(hidden)
         return out
 
@@ -258,6 +294,7 @@ class _SequenceChunkedLayer(torch.autograd.Function):
         run_chunk, bounds, seq_dim = ctx.run_chunk, ctx.bounds, ctx.seq_dim
         state = ChunkState(bounds)
         grad_in = torch.zeros_like(hidden)
+        param_grads = _ParamGrads(ctx.params)
         with _Active(state):
             with torch.no_grad():
                 for i in range(len(bounds)):
@@ -271,7 +308,7 @@ class _SequenceChunkedLayer(torch.autograd.Function):
                 state.begin(i, "attend")
                 with torch.enable_grad():
                     y = run_chunk(x, a, b)
-                torch.autograd.backward(y, grad_out.narrow(seq_dim, a, b - a))
+                param_grads.backward(y, grad_out.narrow(seq_dim, a, b - a), x)
                 grad_in.narrow(seq_dim, a, b - a).copy_(x.grad)
                 if not state.fused:
                     x.grad = None
@@ -281,25 +318,30 @@ class _SequenceChunkedLayer(torch.autograd.Function):
                     a, b = bounds[i]
                     with torch.enable_grad():
                         k, v = _run_kv(run_chunk, hidden, state, seq_dim, i, x=x)
-                    torch.autograd.backward([k, v], [state.dk[:, a:b].to(k.dtype), state.dv[:, a:b].to(v.dtype)])
+                    param_grads.backward([k, v], [state.dk[:, a:b].to(k.dtype), state.dv[:, a:b].to(v.dtype)], x)
                     grad_in.narrow(seq_dim, a, b - a).add_(x.grad)
-        return None, None, None, None, grad_in
+        param_grads.deliver()
+        return None, None, None, None, None, grad_in
 
 
 def sequence_chunked_checkpoint(run_chunk: Callable[[Tensor, int, int], Tensor], hidden: Tensor, n_chunks: int,
-                                *, seq_dim: int = 0, kv_first: bool = False) -> Tensor:
+                                *, seq_dim: int = 0, kv_first: bool = False,
+                                params: Optional[Sequence[Tensor]] = None) -> Tensor:
     """Run a layer chunk by chunk as a full-recompute checkpoint (module docstring).
 
     ``run_chunk(x, start, end)`` runs the layer on ``x`` = rows [start, end) of ``hidden`` along ``seq_dim`` and
     returns those rows of its output; its core attention must call ``chunk_core_attention`` while a chunked layer
     is active. ``kv_first``: the layer's attention may look at later tokens (no causal mask): compute every chunk's
     K/V before the first chunk attends. Only ``hidden`` is saved for backward (an offload scope around this call
-    moves it to the host). Random ops inside the layer are not replayed: the caller must not have any."""
+    moves it to the host). Random ops inside the layer are not replayed: the caller must not have any.
+    ``params``: the layer's parameters; their chunk gradients are summed and reach autograd once per backward
+    (gradient-accumulation hooks fire once, as Megatron DDP's overlapped grad reduce requires). Without it each chunk's
+    backward accumulates into ``.grad``."""
     if not torch.is_grad_enabled():  # evaluation: the same chunked forward, nothing saved
-        return _SequenceChunkedLayer.forward(_NoCtx(), run_chunk, n_chunks, seq_dim, kv_first, hidden)
+        return _SequenceChunkedLayer.forward(_NoCtx(), run_chunk, n_chunks, seq_dim, kv_first, params, hidden)
     if not hidden.requires_grad:  # e.g. frozen embeddings: the layer's parameters still need their gradients
         hidden = hidden.detach().requires_grad_(True)
-    return _SequenceChunkedLayer.apply(run_chunk, n_chunks, seq_dim, kv_first, hidden)
+    return _SequenceChunkedLayer.apply(run_chunk, n_chunks, seq_dim, kv_first, params, hidden)
 
 
 class _NoCtx:

@@ -81,7 +81,9 @@ class LongContextTransformerBlock(TransformerBlock):
             n = auto_sequence_chunks(hidden_states.shape[0]) if n == "auto" else int(n)
             core = layer.self_attention.core_attention
             kv_first = getattr(core, "attn_mask_type", None) != AttnMaskType.causal
-            return sequence_chunked_checkpoint(run_chunk, hidden_states, n, seq_dim=0, kv_first=kv_first), context
+            params = [p for p in layer.parameters() if p.requires_grad]
+            return sequence_chunked_checkpoint(run_chunk, hidden_states, n, seq_dim=0, kv_first=kv_first,
+                                               params=params), context
 
         previous_recomputed = False
         for start, end, recompute in chunks:
