@@ -32,7 +32,7 @@ def _rel(a, b):  # relative in the 2-norm, as test_memory_integration compares r
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def _worker(rank: int, world: int):
+def _worker(rank: int, world: int, dtypes=("float64", "float32")):
     import torch
 
     from nemo_longctx.integrations.megatron import cpu_compat
@@ -49,7 +49,7 @@ def _worker(rank: int, world: int):
     tensor_parallel.model_parallel_cuda_manual_seed(11)
     out = {"parity": {}, "peaks": {}, "errors": {}}
     batches = full_batches(STEPS, SEQ, VOCAB, seed=3)
-    for dtype in (torch.float64, torch.float32):
+    for dtype in (getattr(torch, d) for d in dtypes):
         for window in (None, (40, 0)):
             cfg = tiny_gpt_config(num_layers=3, dtype=dtype)
             cfg.window_size = window
@@ -102,9 +102,8 @@ def results():
     return run_distributed(_worker, 1, timeout=400)[0]
 
 
-def test_chunked_layers_match_full_recompute(results):
-    parity = results["parity"]
-    assert len(parity) == 2 * (5 + 1)
+def check_parity(parity, n_dtypes=2):
+    assert len(parity) == n_dtypes * (5 + 1)
     tol = {"torch.float64": 1e-10, "torch.float32": 1e-6}
     for (dtype, window, name), (loss, grads, keys, n) in parity.items():
         assert keys and n > 20, (dtype, window, name)
@@ -112,6 +111,10 @@ def test_chunked_layers_match_full_recompute(results):
         assert dtype in grads, grads  # the model's own dtype is among the gradients compared
         for gdtype, (err, worst) in grads.items():
             assert err <= tol[gdtype], (dtype, window, name, gdtype, err, worst)
+
+
+def test_chunked_layers_match_full_recompute(results):
+    check_parity(results["parity"])
 
 
 def test_chunked_layers_lower_the_activation_peak(results):

@@ -37,6 +37,18 @@ def tiny_gpt_config(*, num_layers: int = 3, hidden_size: int = 64, heads: int = 
     )
 
 
+def _local_spec(config: Any) -> Any:
+    """Megatron's local (non-TE) spec. Where TransformerEngine is installed (the Bridge stack), a model built from a
+    *layer* spec still gets TE's final norm, which needs CUDA: use the local *block* spec there (every norm local)."""
+    import importlib.util
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        return get_gpt_layer_local_spec(normalization="RMSNorm")
+    return get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+
+
 def build_probe_model(config: Any, opts: MemoryOptions, *, vocab_size: int, seq_length: int,
                       cp_kwargs: Optional[Dict[str, Any]] = None, params_from: Any = None, record_events: bool = False,
                       cp_algorithm: str = "ring"):
@@ -45,13 +57,11 @@ def build_probe_model(config: Any, opts: MemoryOptions, *, vocab_size: int, seq_
     import copy
 
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from .spec import long_context_layer_spec
 
     config = apply_recompute_fields(copy.copy(config), opts)
-    spec = long_context_layer_spec(get_gpt_layer_local_spec(normalization="RMSNorm"), cp_algorithm,
-                                   **(cp_kwargs or {}))
+    spec = long_context_layer_spec(_local_spec(config), cp_algorithm, **(cp_kwargs or {}))
     model = GPTModel(config, spec, vocab_size=vocab_size, max_sequence_length=seq_length,
                      position_embedding_type="rope", share_embeddings_and_output_weights=False)
     if params_from is not None:
