@@ -32,7 +32,10 @@ S = dp * cp the data-parallel-with-CP group that the distributed optimizer and M
                 head:   tokens * (L_dev * layer_saved + head_saved) + the loss head's working set
                 layers: tokens * L_dev * layer_saved + max(recomputed layer, recomputed/tiled MLP, attention)
                         (the head's saved tensors are freed once its backward ran)
-                with L_dev = L, or under layer-input offload the layer in backward + those prefetched;
+                with L_dev = L, or under layer-input offload the layer in backward + those prefetched (none in the
+                head's backward: the last layer's input is fetched once its output's gradient exists);
+                sequence-chunked layers (recompute.sequence_chunks=N): the recomputed layer's set is one chunk's
+                (1/N) plus the K/V buffers and their fp32 gradients over the whole local sequence;
                 activations = the saved bytes live at the peak, transient = that phase's working set less comm,
                 comm = tokens * CP communication buffers (ring KV/dKV or Ulysses all-to-all), layers phase only
   reserve     = fixed bytes for CUDA context, NCCL, allocator fragmentation
@@ -58,7 +61,9 @@ relative to the ideal compute of the same sequence (cost 1.0 = no recompute, no 
              with that pass's attention compute; only the excess is exposed.
   ulysses  = 4 all-to-alls per layer per pass (q, k, v in, output back), not overlapped.
   offload  = layer input D2H after each layer's forward and H2D before its backward, overlapped with the
-             layer's compute; only the excess is exposed.
+             layer's compute; only the excess is exposed (prefetch_depth=0: the H2D is exposed).
+  chunks   = sequence-chunked layers: the backward's K/V pass (norm + QKV once more per layer) and each chunk's
+             re-read of the layer weights from device memory (4 passes per chunk).
 Bandwidths: NVLink when the group fits in one node, the inter-node network otherwise. The chosen candidate is
 the smallest-memory one among the fitting candidates within 1% (`cost_tolerance`) of the cheapest.
 """
