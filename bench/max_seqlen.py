@@ -21,6 +21,7 @@ the longctx stack (Megatron's DotProductAttention is not in its search space).
     python bench/max_seqlen.py --layers 8      # fewer layers (same per-layer shape), faster steps
     python bench/max_seqlen.py --time-budget-s 240   # bounded search (an 8B step at 256K tokens takes minutes)
     python bench/max_seqlen.py --cpu-tiny      # CPU: 2 layers, hidden 64, fp32, 8 MiB cap (seconds)
+    python bench/max_seqlen.py --cpu-tiny --recompute full --sequence-chunks 8   # with sequence-chunked layers
     python bench/max_seqlen.py --layers 2 --peak-breakdown 262144   # CUDA: what is live at one step's peak, by site
 
 Every parameter is cast to the activation dtype after the build, as Megatron's Float16Module does in training (the
@@ -80,7 +81,7 @@ def _init_parallel(device: torch.device) -> None:
 
 
 def build(shape: ModelShape, stack: str, *, device, dtype, max_len: int, recompute: str, tile_tokens: int,
-          chunk_tokens: int):
+          chunk_tokens: int, sequence_chunks: int = 1):
     """(model, memory runtime or None) of ``shape`` for ``stack`` (see the module docstring)."""
     import torch.nn.functional as F
     from megatron.core.models.gpt import GPTModel
@@ -103,9 +104,12 @@ def build(shape: ModelShape, stack: str, *, device, dtype, max_len: int, recompu
         from nemo_longctx.integrations.megatron.spec import long_context_layer_spec
         from nemo_longctx.integrations.megatron.tiled_mlp_layer import tiled_mlp_layer_spec
 
-        opts = MemoryOptions(recompute=recompute, offload="layer_input", min_bytes=0)
+        opts = MemoryOptions(recompute=recompute, offload="layer_input", min_bytes=0,
+                             sequence_chunks=sequence_chunks if sequence_chunks > 1 else "off")
         apply_recompute_fields(cfg, opts)
-        spec = tiled_mlp_layer_spec(long_context_layer_spec(spec, "ring"), "auto", tile_tokens=tile_tokens)
+        spec = long_context_layer_spec(spec, "ring")
+        if sequence_chunks == 1:  # a chunked layer's MLP is chunk-sized: no tiling next to it
+            spec = tiled_mlp_layer_spec(spec, "auto", tile_tokens=tile_tokens)
     model = GPTModel(cfg, spec, vocab_size=shape.vocab_size, max_sequence_length=max_len,
                      position_embedding_type="rope", share_embeddings_and_output_weights=False).to(device)
     model = model.to(dtype)  # as Megatron's Float16Module does: every parameter (the norms' too) in bf16
@@ -275,6 +279,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-len", type=int, default=None)
     ap.add_argument("--cap-mib", type=float, default=8.0, help="CPU: emulated activation memory cap")
     ap.add_argument("--tile-tokens", type=int, default=None)
+    ap.add_argument("--sequence-chunks", type=int, default=1,
+                    help="longctx: recompute.sequence_chunks=N (needs --recompute full; replaces the tiled MLP)")
     ap.add_argument("--chunk-tokens", type=int, default=None)
     ap.add_argument("--time-budget-s", type=float, default=None,
                     help="per stack: stop the search after this many seconds and report the bracket")
@@ -314,16 +320,21 @@ def main(argv=None) -> int:
             avail = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
         host_budget = 0.9 * avail * 1024
 
+    if a.sequence_chunks > 1 and a.recompute != "full":
+        print("max_seqlen: --sequence-chunks needs --recompute full", file=sys.stderr)
+        return 2
+
     def cand_for(s):
-        return Candidate("none", 1, 1, 1, a.recompute, "layer_input", math.ceil(s / tile_tokens),
-                         math.ceil(s / chunk_tokens))
+        tiles = 1 if a.sequence_chunks > 1 else math.ceil(s / tile_tokens)
+        return Candidate("none", 1, 1, 1, a.recompute, "layer_input", tiles, math.ceil(s / chunk_tokens),
+                         sequence_chunks=a.sequence_chunks)
 
     if a.peak_breakdown:
         if not cuda:
             print("max_seqlen: --peak-breakdown needs CUDA (the allocator's history)", file=sys.stderr)
             return 2
         model, runtime = build(shape, "longctx", device=device, dtype=dtype, max_len=max_len, recompute=a.recompute,
-                               tile_tokens=tile_tokens, chunk_tokens=chunk_tokens)
+                               tile_tokens=tile_tokens, chunk_tokens=chunk_tokens, sequence_chunks=a.sequence_chunks)
         step(model, runtime, min(a.peak_breakdown, 8192), device, shape.vocab_size, track=False)  # warm-up
         peak_breakdown(model, runtime, a.peak_breakdown, device, shape.vocab_size)
         s, c = a.peak_breakdown, cand_for(a.peak_breakdown)
@@ -338,7 +349,7 @@ def main(argv=None) -> int:
     for stack in a.stacks:
         t0 = time.perf_counter()
         held = list(build(shape, stack, device=device, dtype=dtype, max_len=max_len, recompute=a.recompute,
-                          tile_tokens=tile_tokens, chunk_tokens=chunk_tokens))  # the only reference: [model, rt]
+                          tile_tokens=tile_tokens, chunk_tokens=chunk_tokens, sequence_chunks=a.sequence_chunks))  # the only reference: [model, rt]
         if cuda:
             free, total = torch.cuda.mem_get_info(device)
             budget = float(free)
@@ -373,7 +384,7 @@ def main(argv=None) -> int:
             if cuda:
                 torch.cuda.empty_cache()
             _held[:] = build(shape, _stack, device=device, dtype=dtype, max_len=max_len, recompute=a.recompute,
-                             tile_tokens=tile_tokens, chunk_tokens=chunk_tokens)
+                             tile_tokens=tile_tokens, chunk_tokens=chunk_tokens, sequence_chunks=a.sequence_chunks)
             return False, reason
 
         deadline = time.monotonic() + a.time_budget_s if a.time_budget_s else float("inf")
@@ -392,7 +403,9 @@ def main(argv=None) -> int:
     print(f"max sequence length: {shape.name} shape ({shape.num_layers} layers, hidden {shape.hidden_size}, "
           f"heads {shape.num_attention_heads}/{shape.num_query_groups}, vocab {shape.vocab_size}), "
           f"{'bf16' if cuda else 'fp32'}, one device: {where}; granularity {gran}")
-    print(f"longctx = recompute={a.recompute} offload=layer_input tiling.mlp_tiles=auto({tile_tokens}) "
+    mlp = (f"recompute.sequence_chunks={a.sequence_chunks}" if a.sequence_chunks > 1
+           else f"tiling.mlp_tiles=auto({tile_tokens})")
+    print(f"longctx = recompute={a.recompute} offload=layer_input {mlp} "
           f"tiling.loss_chunks=auto({chunk_tokens}), nemo_longctx core attention")
     print()
     print("| stack | measured max seq | planner max seq | planner / measured | steps | search s |")
