@@ -57,10 +57,9 @@ def memory_model_problems(opts: MemoryOptions, model_config: Any, pp: int = 1,
         if getattr(model_config, "num_moe_experts", None):
             p.append(f"{key}: MoE layers (model.num_moe_experts={model_config.num_moe_experts}) route and balance "
                      "over the tokens of one call; chunking would change routing: not supported")
-        for name in ("hidden_dropout", "attention_dropout"):
-            if getattr(model_config, name, 0) or 0:
-                p.append(f"{key} does not replay random numbers per chunk: set model.{name}=0 (got "
-                         f"{getattr(model_config, name)})")
+        if getattr(model_config, "hidden_dropout", 0) or 0:  # (attention dropout: refused for every run, validation)
+            p.append(f"{key} does not replay random numbers per chunk: set model.hidden_dropout=0 (got "
+                     f"{model_config.hidden_dropout})")
         if getattr(model_config, "distribute_saved_activations", False):
             p.append(f"{key} keeps each layer's input whole: model.distribute_saved_activations must be false")
     if getattr(model_config, "cpu_offloading", False) and o != "none":

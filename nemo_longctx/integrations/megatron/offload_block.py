@@ -65,8 +65,8 @@ class LongContextTransformerBlock(TransformerBlock):
 
             return forward
 
-        def run_one_layer_chunked(hidden_states, attention_mask, context, context_mask, rotary_pos_emb):
-            layer = self._get_layer(start)
+        def run_one_layer_chunked(index, hidden_states, attention_mask, context, context_mask, rotary_pos_emb):
+            layer = self._get_layer(index)
 
             def run_chunk(x, a, b):
                 out, _ = layer(
@@ -99,9 +99,10 @@ class LongContextTransformerBlock(TransformerBlock):
                         raise ValueError(f"recompute.sequence_chunks runs one layer per checkpoint, got layers "
                                          f"[{start}, {end}) (recompute.num_layers must be 1)")
                     if engine is None:
-                        hidden_states, context = run_one_layer_chunked(*args)
+                        hidden_states, context = run_one_layer_chunked(start, *args)
                     else:
-                        hidden_states, context = engine.run_in_scope(layer_number, run_one_layer_chunked, *args)
+                        hidden_states, context = engine.run_in_scope(layer_number, run_one_layer_chunked, start,
+                                                                     *args)
                 elif engine is None:
                     hidden_states, context = tensor_parallel.checkpoint(
                         run_layers(start, end), cfg.distribute_saved_activations, *args)
