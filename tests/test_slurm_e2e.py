@@ -115,7 +115,9 @@ def test_a_preempted_demo_job_saves_requeues_and_resumes(demo_job, tmp_path):
     batch script passes USR1 to srun, the ranks save the step they are in and exit 75, the script requeues the job,
     and the requeued job resumes from that checkpoint and finishes. Its metrics read as one run equal to the
     uninterrupted job's (<= 1e-6). Slurm holds a requeued batch job ~2 min before it may start again; the test
-    releases it at once (scontrol update StartTime=now)."""
+    releases it after 3 s (scontrol update StartTime=now+3): slurmd refuses a batch launch whose credential was made in
+    the same second as the revocation of the killed run's ("Killing non-startable batch job: Job credential revoked",
+    the job then ends FAILED instead of running again) -- the reason Slurm holds it at all."""
     out_dir = tmp_path / "out"
     env = _demo_env(out_dir, MAX_STEPS, "model.seq_length=1024 memory.track=false")
     # SAVE_EVERY=100 (_demo_env): checkpointing on, no periodic save: the only checkpoint is the preemption's
@@ -132,7 +134,7 @@ def test_a_preempted_demo_job_saves_requeues_and_resumes(demo_job, tmp_path):
     assert signalled.returncode == 0, signalled.stderr
     while time.monotonic() < deadline + 300:
         if _job_field(job, "Restarts") not in ("", "0") and _job_field(job, "JobState") == "PENDING":
-            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], timeout=30)
+            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now+3"], timeout=30)
             break
         if _job_field(job, "JobState") not in ("RUNNING", "COMPLETING", "PENDING", "REQUEUED", "CONFIGURING"):
             break  # ended without a requeue: the assertions below say why
