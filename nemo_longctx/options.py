@@ -392,6 +392,7 @@ RECOMPUTED_BY = {
     "layernorm": {"input_layernorm", "pre_mlp_layernorm"},
 }
 KEEP_ATTN_ALGORITHMS = ("ring",)
+SEQUENCE_CHUNK_ALGORITHMS = ("ring",)  # recompute.sequence_chunks at cp.size > 1
 # the keys each choice of the two groups may set (besides `name`)
 GROUP_KEYS = {
     "recompute": {"selective": ("modules",), "full": ("method", "num_layers", "sequence_chunks"),
@@ -879,9 +880,11 @@ class LongContextOptions:
         if cp_ok:
             p += layout_problems(ctx.seq_length, self.cp.size, ctx.tp, ctx.pp, ctx.world_size, ctx.sequence_parallel,
                                  ctx)
-        if self.memory.sequence_chunks != "off" and cp_ok and self.cp.size > 1:
-            p.append(f"recompute.sequence_chunks={self.memory.sequence_chunks} with cp.size={self.cp.size}: "
-                     "sequence-chunked layers run without context parallelism in this version (cp=none)")
+        if (self.memory.sequence_chunks != "off" and cp_ok and self.cp.size > 1
+                and self.cp.algorithm not in SEQUENCE_CHUNK_ALGORITHMS):
+            p.append(f"recompute.sequence_chunks={self.memory.sequence_chunks} with cp.algorithm={self.cp.algorithm} "
+                     f"(cp.size={self.cp.size}): sequence-chunked layers run under ring CP only in this version "
+                     "(cp=ring, or cp=none)")
         if self.memory.sequence_chunks != "off" and ctx.sequence_parallel and _is_int(ctx.tp) and ctx.tp > 1:
             p.append(f"recompute.sequence_chunks={self.memory.sequence_chunks} with {ctx.key('tp')}={ctx.tp} and "
                      "sequence parallelism: not supported in this version (a chunk of each TP rank's rows is not a "

@@ -39,14 +39,16 @@ class ToyLayer(torch.nn.Module):
         self.wq, self.wk, self.wv = p(hq * d, h), p(hkv * d, h), p(hkv * dv, h)
         self.wo, self.w1, self.w2 = p(h, hq * dv), p(2 * ffn, h), p(h, ffn)
         self.kernel = select_kernel(torch.device("cpu"), dtype)
+        self.cp_group = None  # the ring CP group its chunked core attention runs under (test_sequence_chunks_cp)
 
     @staticmethod
     def norm(x, w):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
 
-    def rope(self, t, start):  # t [s, b, h, d]
+    def rope(self, t, start):  # t [s, b, h, d]; start: the first position, or every row's position (a tensor)
         s, d = t.shape[0], t.shape[-1]
-        pos = torch.arange(start, start + s, dtype=t.dtype).unsqueeze(1)
+        pos = (start.to(t.dtype) if torch.is_tensor(start) else torch.arange(start, start + s, dtype=t.dtype))
+        pos = pos.unsqueeze(1)
         freqs = pos / (10000 ** (torch.arange(0, d, 2, dtype=t.dtype) / d))
         cos, sin = freqs.cos()[:, None, None, :], freqs.sin()[:, None, None, :]
         t1, t2 = t[..., 0::2], t[..., 1::2]
@@ -61,7 +63,8 @@ class ToyLayer(torch.nn.Module):
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [b, s, h, d]
         if active_sequence_chunking() is not None:
             o = chunk_core_attention(q, k.contiguous(), v.contiguous(), causal=self.causal,
-                                     scale=1 / math.sqrt(self.d), kernel=self.kernel, window_size=self.window)
+                                     scale=1 / math.sqrt(self.d), kernel=self.kernel, window_size=self.window,
+                                     group=self.cp_group)
         else:
             o = local_attention(q, k, v, self.causal, kernel=self.kernel.name, window_size=self.window)
         x = x + o.transpose(0, 1).reshape(s, b, -1) @ self.wo.T

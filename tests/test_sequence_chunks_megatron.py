@@ -1,6 +1,6 @@
 """``recompute.sequence_chunks`` on real Megatron GPT models: losses and every parameter gradient equal full recompute.
 
-One process (CP size 1; Megatron's model-parallel state over gloo): a 3-layer Llama-like GPTModel (local spec, our
+One process (CP size 1; Megatron's model-parallel state over gloo), and two with ring CP=2: a 3-layer Llama-like GPTModel (local spec, our
 core attention, GQA) built for each setting with the parameters of one initial model, 3 SGD steps on fixed data, in
 float64 and float32. Compared with ``recompute=full`` (Megatron's own checkpoint of each layer): per-step loss and
 every gradient, fp64 <= 1e-10, fp32 <= 1e-6 relative. Settings: 2, 3 (uneven) and 4 chunks, with layer-input offload,
@@ -32,6 +32,9 @@ def _rel(a, b):  # relative in the 2-norm, as test_memory_integration compares r
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
+CP_SETTINGS = ("full", "chunks2", "chunks3", "chunks3+layer_input", "block2", "block2+chunks4")
+
+
 def _worker(rank: int, world: int, dtypes=("float64", "float32")):
     import torch
 
@@ -45,18 +48,18 @@ def _worker(rank: int, world: int, dtypes=("float64", "float32")):
     from nemo_longctx.integrations.megatron.memory_probe import (
         build_probe_model, full_batches, run_probe_steps, tiny_gpt_config)
 
-    ps.initialize_model_parallel(context_parallel_size=1)
+    ps.initialize_model_parallel(context_parallel_size=world)  # world > 1: ring CP over every rank
     tensor_parallel.model_parallel_cuda_manual_seed(11)
     out = {"parity": {}, "peaks": {}, "errors": {}}
     batches = full_batches(STEPS, SEQ, VOCAB, seed=3)
     for dtype in (getattr(torch, d) for d in dtypes):
         for window in (None, (40, 0)):
-            cfg = tiny_gpt_config(num_layers=3, dtype=dtype)
+            cfg = tiny_gpt_config(num_layers=3, dtype=dtype, cp=world)
             cfg.window_size = window
             init, _ = build_probe_model(cfg, MemoryOptions(), vocab_size=VOCAB, seq_length=SEQ)
             results = {}
             for name, (kw, ref) in SETTINGS.items():
-                if window is not None and name not in ("full", "chunks3"):
+                if (window is not None and name not in ("full", "chunks3")) or (world > 1 and name not in CP_SETTINGS):
                     continue
                 model, rt = build_probe_model(cfg, MemoryOptions(**kw), vocab_size=VOCAB, seq_length=SEQ,
                                               params_from=init)
@@ -102,8 +105,8 @@ def results():
     return run_distributed(_worker, 1, timeout=400)[0]
 
 
-def check_parity(parity, n_dtypes=2):
-    assert len(parity) == n_dtypes * (5 + 1)
+def check_parity(parity, n_dtypes=2, n_settings=5):
+    assert len(parity) == n_dtypes * (n_settings + 1)
     tol = {"torch.float64": 1e-10, "torch.float32": 1e-6}
     for (dtype, window, name), (loss, grads, keys, n) in parity.items():
         assert keys and n > 20, (dtype, window, name)
@@ -115,6 +118,14 @@ def check_parity(parity, n_dtypes=2):
 
 def test_chunked_layers_match_full_recompute(results):
     check_parity(results["parity"])
+
+
+def test_chunked_layers_under_ring_cp_match_full_recompute():
+    """The same on 2 gloo ranks with ring CP=2 (each rank's zigzag shard chunked, K/V passed around the ring per
+    chunk; uneven chunks straddle the shard's two halves), against full recompute under the same ring CP: per-step
+    losses and each rank's gradients, fp64 <= 1e-10, fp32 <= 1e-6."""
+    for res in run_distributed(_worker, 2, timeout=600):
+        check_parity(res["parity"], n_settings=len(CP_SETTINGS) - 2)
 
 
 def test_chunked_layers_lower_the_activation_peak(results):
@@ -139,7 +150,8 @@ def _app_losses(tmp_path, name, extra):
     from app_runner import run_app
 
     out_dir = tmp_path / name
-    code, out = run_app([str(Path(sys.executable).parent / "nemo-longctx"), "train", f"output_dir={out_dir}", "cp=none",
+    code, out = run_app([str(Path(sys.executable).parent / "nemo-longctx"), "train", f"output_dir={out_dir}", "cp=ring",
+                         "cp.size=2",
                          "recompute=full", "offload=layer_input", "tiling.loss_chunks=2", "memory.track_peak=true",
                          "trainer.max_steps=3", "model.seq_length=2048", "run.timeout_s=240", *extra], 300)
     assert code == 0, out[-4000:]
@@ -150,8 +162,8 @@ def _app_losses(tmp_path, name, extra):
 
 def test_app_losses_with_sequence_chunks_equal_full_recompute(tmp_path):
     """`nemo-longctx train recompute.sequence_chunks=4` takes the same three steps as `recompute=full` (both with
-    layer-input offload and the chunked loss; 2 data-parallel ranks, cp=none): per-step losses within 1e-6, and the
-    tracked activation peak is lower (the chunked layers really ran)."""
+    layer-input offload and the chunked loss; ring CP over 2 ranks): per-step losses within 1e-6, and the tracked
+    activation peak is lower (the chunked layers really ran)."""
     ref, ref_peak = _app_losses(tmp_path, "full", [])
     got, peak = _app_losses(tmp_path, "chunks", ["recompute.sequence_chunks=4"])
     for a, b in zip(got, ref):
@@ -159,13 +171,13 @@ def test_app_losses_with_sequence_chunks_equal_full_recompute(tmp_path):
     assert peak < ref_peak, (peak, ref_peak)
 
 
-def test_app_refuses_sequence_chunks_with_cp_before_spawning():
+def test_app_refuses_sequence_chunks_with_ulysses_before_spawning():
     import sys
     from pathlib import Path
 
     from app_runner import run_app
 
-    code, out = run_app([str(Path(sys.executable).parent / "nemo-longctx"), "train", "cp=ring", "cp.size=2",
+    code, out = run_app([str(Path(sys.executable).parent / "nemo-longctx"), "train", "cp=ulysses", "cp.size=2",
                          "recompute=full", "recompute.sequence_chunks=4"], 120)
-    assert code == 2 and "recompute.sequence_chunks=4 with cp.size=2" in out, out[-3000:]
+    assert code == 2 and "recompute.sequence_chunks=4 with cp.algorithm=ulysses (cp.size=2)" in out, out[-3000:]
     assert "spawning" not in out

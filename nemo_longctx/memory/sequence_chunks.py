@@ -40,12 +40,15 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..attention.comm import RingExchange, group_size_and_rank
 from ..attention.kernels import AttentionKernel
-from ..options import DEFAULT_SEQUENCE_CHUNK_TOKENS, auto_tiles
+from ..attention.ring_window import Segment, segments
 from ..attention.thd import empty_accumulators, merge_rows_
 from ..attention.window import INF, normalize_window, window_backward_blocks, window_forward_blocks, windowed_blocks
+from ..options import DEFAULT_SEQUENCE_CHUNK_TOKENS, auto_tiles
 
 Tensor = torch.Tensor
+
 
 def auto_sequence_chunks(tokens: int, chunk_tokens: int = DEFAULT_SEQUENCE_CHUNK_TOKENS) -> int:
     """The number of chunks ``recompute.sequence_chunks=auto`` means for ``tokens`` local tokens (options.auto_tiles:
@@ -78,7 +81,7 @@ class ChunkState:
     """One pass of a chunked layer: the chunk being run, the mode, the K/V buffers and (backward) their float32
     gradient accumulators. ``mode``: ``kv`` (store K/V, stop the layer) or ``attend`` (attend and go on)."""
 
-    def __init__(self, bounds: Sequence[Tuple[int, int]]) -> None:
+    def __init__(self, bounds: Sequence[Tuple[int, int]], group=None) -> None:
         self.bounds = list(bounds)
         self.length = self.bounds[-1][1]
         self.index = 0
@@ -91,6 +94,11 @@ class ChunkState:
         self.fused = False  # backward: the attention returns its own chunk's completed dK/dV rows
         self.captured: Optional[Tuple[Tensor, Tensor]] = None  # kv mode: the chunk's k, v (with their graph)
         self.causal_like: Optional[bool] = None  # learned from the layer's core attention
+        self.cp_size, self.cp_rank = group_size_and_rank(group)
+        self.group = group if self.cp_size > 1 else None  # the ring CP group (None: no CP)
+        if self.cp_size > 1 and self.length % 2:
+            raise ValueError(f"sequence-chunked layer under ring CP: {self.length} local tokens are not two zigzag "
+                             "halves")
 
     @property
     def rows(self) -> Tuple[int, int]:
@@ -113,6 +121,31 @@ class ChunkState:
             self.k[:, a:b].copy_(k)
             self.v[:, a:b].copy_(v)
         self.filled = max(self.filled, b)
+
+    def check_group(self, group) -> None:
+        """The core attention's CP group must be the one the chunked layer runs under (its K/V pass and its ring
+        passes must agree on the layout)."""
+        if group_size_and_rank(group) != (self.cp_size, self.cp_rank):
+            got = group_size_and_rank(group)
+            raise ValueError(f"sequence-chunked layer: its core attention runs with a CP group of {got[0]} ranks "
+                             f"(rank {got[1]}) but the layer was chunked for {self.cp_size} (rank {self.cp_rank})")
+
+    def query_segments(self, rows: Tuple[int, int]) -> List[Segment]:
+        """A chunk's rows [a, b) as (global start, row in the chunk, length): one piece without CP; under ring CP
+        the chunk's part of each of the rank's two zigzag halves."""
+        a, b = rows
+        out = []
+        for g, lo, n in segments(self.cp_size, self.cp_rank, self.length):
+            ra, rb = max(a, lo), min(b, lo + n)
+            if ra < rb:
+                out.append((g + ra - lo, ra - a, rb - ra))
+        return out
+
+    def key_segments(self, rank: int, key_rows: int) -> List[Segment]:
+        """Rows [0, key_rows) of ``rank``'s K/V buffers as (global start, buffer row, length)."""
+        if self.cp_size == 1:
+            return [(0, 0, key_rows)]
+        return segments(self.cp_size, rank, self.length)
 
     def alloc_grads(self) -> None:
         acc = torch.float64 if self.k.dtype == torch.float64 else torch.float32
@@ -147,36 +180,53 @@ def _window(causal: bool, window_size) -> Tuple[int, int]:
     return w
 
 
-def _blocks(state: ChunkState, window: Tuple[int, int], key_rows: int):
-    a, b = state.rows
-    tile = (b - a) if window[0] >= INF else None  # one query tile unless a finite window bands it
-    return list(windowed_blocks([(a, 0, b - a)], [(0, 0, key_rows)], window, tile))
+def _blocks(state: ChunkState, rows: Tuple[int, int], window: Tuple[int, int], key_rows: int, rank: int):
+    """Blocks of the chunk's queries (``rows``) against ``rank``'s K/V buffers."""
+    tile = (rows[1] - rows[0]) if window[0] >= INF else None  # one query tile unless a finite window bands it
+    return list(windowed_blocks(state.query_segments(rows), state.key_segments(rank, key_rows), window, tile))
 
 
 def _key_rows(state: ChunkState, window: Tuple[int, int]) -> int:
-    """How many buffer rows the current chunk's queries may see (all of them unless the layer is causal-like)."""
+    """How many buffer rows the current chunk's queries may see (all of them unless the layer is causal-like and
+    runs without CP)."""
     a, b = state.rows
-    need = state.length if window[1] >= INF else min(state.length, b + window[1])
+    need = state.length if window[1] >= INF or state.cp_size > 1 else min(state.length, b + window[1])
     if need > state.filled:
         raise RuntimeError(f"sequence-chunked attention: chunk {state.index} needs key rows up to {need} but only "
-                           f"{state.filled} are computed (a K/V pass must run first for non-causal layers)")
+                           f"{state.filled} are computed (a K/V pass must run first for non-causal layers and under "
+                           "context parallelism)")
     return need
 
 
+def _sources(state: ChunkState):
+    """(step, source rank, pending exchange) of a ring pass of the K/V buffers: step 0 is this rank's own; each
+    later source's K/V arrive from the previous rank while the current block is computed (posted first)."""
+    size, rank = state.cp_size, state.cp_rank
+    ring = RingExchange(state.group) if size > 1 else None
+    kv = (state.k, state.v)
+    for step in range(size):
+        pending = ring.start(kv) if step < size - 1 else None
+        yield step, (rank - step) % size, kv, ring
+        if pending is not None:
+            kv = tuple(pending.wait())
+
+
 class _ChunkAttention(torch.autograd.Function):
-    """Attention of one query chunk to the buffered K/V; k_c/v_c (the chunk's own keys, as the layer computed them)
-    are inputs only so that their gradient can be returned (fused backward) -- the values come from the buffers."""
+    """Attention of one query chunk to the buffered K/V (and, under ring CP, to every other rank's, passed around
+    the ring once per chunk); k_c/v_c (the chunk's own keys, as the layer computed them) are inputs only so that
+    their gradient can be returned (fused backward) -- the values come from the buffers."""
 
     @staticmethod
     def forward(ctx, q, k_c, v_c, state, window, scale, kernel):
         key_rows = _key_rows(state, window)
-        blocks = _blocks(state, window, key_rows)
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         out, lse = empty_accumulators(q, state.v, acc)
-        window_forward_blocks(q, state.k, state.v, blocks, window, scale, kernel, out, lse, merge_rows_)
+        for _, src, (k, v), _ in _sources(state):
+            window_forward_blocks(q, k, v, _blocks(state, state.rows, window, key_rows, src), window, scale, kernel, out, lse,
+                                  merge_rows_)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, out, lse)
-        ctx.state, ctx.blocks, ctx.window, ctx.scale, ctx.kernel = state, blocks, window, scale, kernel
+        ctx.state, ctx.key_rows, ctx.window, ctx.scale, ctx.kernel = state, key_rows, window, scale, kernel
         ctx.rows, ctx.fused = state.rows, state.fused
         return out
 
@@ -186,8 +236,25 @@ class _ChunkAttention(torch.autograd.Function):
         st = ctx.state
         dq = torch.zeros(q.shape, dtype=st.dk.dtype, device=q.device)
         dout = dout.contiguous() if dout.stride(-1) != 1 else dout
-        window_backward_blocks(dout, q, st.k, st.v, out, lse, ctx.blocks, ctx.window, ctx.scale, ctx.kernel,
-                               dq, st.dk, st.dv)
+        args = (ctx.window, ctx.scale, ctx.kernel, dq)
+        pending = None
+        for step, src, (k, v), ring in _sources(st):
+            blocks = _blocks(st, ctx.rows, ctx.window, ctx.key_rows, src)
+            if step == 0:  # our own K/V: straight into the accumulators
+                window_backward_blocks(dout, q, k, v, out, lse, blocks, *args, st.dk, st.dv)
+                continue
+            # another rank's K/V: their gradient goes into that block's accumulator, which travels one step behind
+            # the K/V and arrives home after visiting every other rank (ring.py's backward)
+            if pending is None:
+                dk, dv = torch.zeros_like(st.dk), torch.zeros_like(st.dv)
+            else:
+                dk, dv = pending.wait()
+            window_backward_blocks(dout, q, k, v, out, lse, blocks, *args, dk, dv)
+            pending = ring.start((dk, dv))
+        if pending is not None:
+            dk, dv = pending.wait()
+            st.dk.add_(dk)
+            st.dv.add_(dv)
         if not ctx.fused:
             return dq.to(q.dtype), None, None, None, None, None, None
         a, b = ctx.rows  # complete: every later chunk ran its backward before this one
@@ -195,13 +262,17 @@ class _ChunkAttention(torch.autograd.Function):
 
 
 def chunk_core_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, kernel: AttentionKernel,
-                         window_size=None) -> Tensor:
+                         window_size=None, group=None) -> Tensor:
     """What a core attention returns under an active ``ChunkState`` (see the module docstring): q [b, sc, hq, d]
     (the chunk's queries), k/v [b, sc, hkv, d|dv] (the chunk's own keys and values) -> out [b, sc, hq, dv].
-    ``kv`` mode stores k/v (keeping them, with their graph, when grad is enabled) and raises ``StopAfterKV``."""
+    ``kv`` mode stores k/v (keeping them, with their graph, when grad is enabled) and raises ``StopAfterKV``.
+    ``group``: the ring CP group (the local sequence is the rank's zigzag shard, ``ring_window.segments``); every
+    chunk's queries then see every rank's K/V, passed around the ring once per chunk (forward, and again in its
+    backward with the dK/dV accumulators travelling home)."""
     state = active_sequence_chunking()
     if state is None:
         raise RuntimeError("chunk_core_attention called outside a sequence-chunked layer")
+    state.check_group(group)
     window = _window(causal, window_size)
     causal_like = window[1] == 0
     if state.causal_like is None:
@@ -267,9 +338,10 @@ class _ParamGrads:
 
 class _SequenceChunkedLayer(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, run_chunk, n_chunks, seq_dim, kv_first, params, hidden):
+    def forward(ctx, run_chunk, n_chunks, seq_dim, kv_first, params, group, hidden):
         bounds = chunk_bounds(hidden.shape[seq_dim], n_chunks)
-        state = ChunkState(bounds)
+        state = ChunkState(bounds, group)
+        kv_first = kv_first or state.cp_size > 1  # other ranks' queries need this rank's whole K/V
         out = None  # written chunk by chunk (no list of chunk outputs next to a concatenated copy)
         with torch.no_grad(), _Active(state):
             if kv_first:
@@ -284,7 +356,7 @@ class _SequenceChunkedLayer(torch.autograd.Function):
                     out = y.new_empty(shape)
                 out.narrow(seq_dim, a, b - a).copy_(y)
                 del y
-        ctx.run_chunk, ctx.bounds, ctx.seq_dim, ctx.params = run_chunk, bounds, seq_dim, params
+        ctx.run_chunk, ctx.bounds, ctx.seq_dim, ctx.params, ctx.group = run_chunk, bounds, seq_dim, params, group
         ctx.save_for_backward(hidden)
         return out
 
@@ -292,7 +364,7 @@ class _SequenceChunkedLayer(torch.autograd.Function):
     def backward(ctx, grad_out):
         (hidden,) = ctx.saved_tensors
         run_chunk, bounds, seq_dim = ctx.run_chunk, ctx.bounds, ctx.seq_dim
-        state = ChunkState(bounds)
+        state = ChunkState(bounds, ctx.group)
         grad_in = torch.zeros_like(hidden)
         param_grads = _ParamGrads(ctx.params)
         with _Active(state):
@@ -300,7 +372,9 @@ class _SequenceChunkedLayer(torch.autograd.Function):
                 for i in range(len(bounds)):
                     _run_kv(run_chunk, hidden, state, seq_dim, i)
             state.alloc_grads()
-            state.fused = bool(state.causal_like)
+            # a causal chunk's own dK/dV rows are complete after its backward only without CP (under ring CP a later
+            # rank's earlier chunks still attend them)
+            state.fused = bool(state.causal_like) and state.cp_size == 1
             inputs = {}
             for i in reversed(range(len(bounds))):
                 a, b = bounds[i]
@@ -321,12 +395,12 @@ class _SequenceChunkedLayer(torch.autograd.Function):
                     param_grads.backward([k, v], [state.dk[:, a:b].to(k.dtype), state.dv[:, a:b].to(v.dtype)], x)
                     grad_in.narrow(seq_dim, a, b - a).add_(x.grad)
         param_grads.deliver()
-        return None, None, None, None, None, grad_in
+        return None, None, None, None, None, None, grad_in
 
 
 def sequence_chunked_checkpoint(run_chunk: Callable[[Tensor, int, int], Tensor], hidden: Tensor, n_chunks: int,
                                 *, seq_dim: int = 0, kv_first: bool = False,
-                                params: Optional[Sequence[Tensor]] = None) -> Tensor:
+                                params: Optional[Sequence[Tensor]] = None, group=None) -> Tensor:
     """Run a layer chunk by chunk as a full-recompute checkpoint (module docstring).
 
     ``run_chunk(x, start, end)`` runs the layer on ``x`` = rows [start, end) of ``hidden`` along ``seq_dim`` and
@@ -336,12 +410,14 @@ def sequence_chunked_checkpoint(run_chunk: Callable[[Tensor, int, int], Tensor],
     moves it to the host). Random ops inside the layer are not replayed: the caller must not have any.
     ``params``: the layer's parameters; their chunk gradients are summed and reach autograd once per backward
     (gradient-accumulation hooks fire once, as Megatron DDP's overlapped grad reduce requires). Without it each chunk's
-    backward accumulates into ``.grad``."""
+    backward accumulates into ``.grad``. ``group``: the ring CP group when ``hidden`` is this rank's zigzag shard
+    (``ring_window.segments``); the core attention must pass the same group to ``chunk_core_attention``."""
     if not torch.is_grad_enabled():  # evaluation: the same chunked forward, nothing saved
-        return _SequenceChunkedLayer.forward(_NoCtx(), run_chunk, n_chunks, seq_dim, kv_first, params, hidden)
+        return _SequenceChunkedLayer.forward(_NoCtx(), run_chunk, n_chunks, seq_dim, kv_first, params, group,
+                                             hidden)
     if not hidden.requires_grad:  # e.g. frozen embeddings: the layer's parameters still need their gradients
         hidden = hidden.detach().requires_grad_(True)
-    return _SequenceChunkedLayer.apply(run_chunk, n_chunks, seq_dim, kv_first, params, hidden)
+    return _SequenceChunkedLayer.apply(run_chunk, n_chunks, seq_dim, kv_first, params, group, hidden)
 
 
 class _NoCtx:

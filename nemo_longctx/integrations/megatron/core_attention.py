@@ -39,6 +39,7 @@ from megatron.core.transformer.utils import is_layer_window_attention
 from nemo_longctx.attention.kernels import select_kernel
 from nemo_longctx.memory.keep_attention import kept_ring_attention
 from nemo_longctx.memory.sequence_chunks import active_sequence_chunking, chunk_core_attention
+from nemo_longctx.options import SEQUENCE_CHUNK_ALGORITHMS
 
 from .cp_algorithms import check_cp_options, get_cp_algorithm, is_checked, mark_checked
 
@@ -229,13 +230,16 @@ class LongContextCoreAttention(MegatronModule):
         if self.window_size is not None:
             thd["window_size"] = self.window_size
         if active_sequence_chunking() is not None:  # recompute.sequence_chunks: this layer runs chunk by chunk
-            if packed_seq_params is not None or self.cp_size > 1:
-                raise ValueError("recompute.sequence_chunks supports neither packed documents nor context "
-                                 f"parallelism (CP size {self.cp_size}) in this version")
+            if packed_seq_params is not None:
+                raise ValueError("recompute.sequence_chunks does not support packed documents in this version")
+            if self.cp_size > 1 and self.algorithm.name not in SEQUENCE_CHUNK_ALGORITHMS:
+                raise ValueError(f"recompute.sequence_chunks runs under ring CP only in this version (cp.algorithm="
+                                 f"{self.algorithm.name}, CP size {self.cp_size})")
             kernel = select_kernel(q.device, q.dtype, self.algorithm_kwargs.get("kernel"), head_dim=q.shape[-1],
                                    value_dim=dv)
             out = chunk_core_attention(q, k, v, causal=mask_type == AttnMaskType.causal, scale=self.softmax_scale,
-                                       kernel=kernel, window_size=self.window_size)
+                                       kernel=kernel, window_size=self.window_size,
+                                       group=self.cp_group if self.cp_size > 1 else None)
             return out.transpose(0, 1).reshape(sq, b, hq * dv)
         if self.kept_attention_cache is not None:
             if thd:

@@ -82,8 +82,9 @@ class LongContextTransformerBlock(TransformerBlock):
             core = layer.self_attention.core_attention
             kv_first = getattr(core, "attn_mask_type", None) != AttnMaskType.causal
             params = [p for p in layer.parameters() if p.requires_grad]
+            group = core.cp_group if getattr(core, "cp_size", 1) > 1 else None  # ring CP: the rank's zigzag shard
             return sequence_chunked_checkpoint(run_chunk, hidden_states, n, seq_dim=0, kv_first=kv_first,
-                                               params=params), context
+                                               params=params, group=group), context
 
         previous_recomputed = False
         for start, end, recompute in chunks:
