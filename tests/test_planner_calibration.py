@@ -252,17 +252,23 @@ def test_peak_is_the_larger_of_the_head_and_the_layer_phase(head_measurements):
 # ------------------------------------------------------------------------------------------- sequence-chunked layers
 OPTIONS_SEQ_CHUNKS = [Candidate("none", 1, 1, 1, "full", off, 1, 1, sequence_chunks=n)
                       for off in ("none", "layer_input") for n in (1, 4, 8)]
+# under ring CP=2 (each rank's 1024 tokens of 2048): a chunk's attention backward also holds the ring's K/V and dK/dV
+# buffers (they set the peak at 16 chunks)
+OPTIONS_SEQ_CHUNKS_CP2 = [Candidate("ring", 2, 1, 1, "full", off, 1, 1, sequence_chunks=n)
+                          for off in ("none", "layer_input") for n in (1, 4, 16)]
 
 
 @pytest.fixture(scope="module")
 def seq_chunk_measurements():
     from calibration_probe import measure
 
-    return run_distributed(measure, 1, SHAPES[0], OPTIONS_SEQ_CHUNKS, (1024, 2048), timeout=500)[0]
+    cp1 = run_distributed(measure, 1, SHAPES[0], OPTIONS_SEQ_CHUNKS, (1024, 2048), timeout=500)[0]
+    cp2 = run_distributed(measure, 2, SHAPES[0], OPTIONS_SEQ_CHUNKS_CP2, (2048,), timeout=500)
+    return cp1 + [r for rows in cp2 for r in rows]
 
 
 def test_sequence_chunked_layers_peak_within_5_percent(seq_chunk_measurements):
-    """recompute.sequence_chunks (CP=1): saved bytes as predicted (up to the loss's few scalar bytes, the same for
+    """recompute.sequence_chunks (CP=1, and ring CP=2): saved bytes as predicted (up to the loss's few scalar bytes, the same for
     every setting) and the tracker's peak within 5% of `predicted_peak_bytes`; the peak falls with the chunk count
     (a layer's backward holds one chunk of it, plus K/V and their fp32 gradients)."""
     rows = []
@@ -274,11 +280,12 @@ def test_sequence_chunked_layers_peak_within_5_percent(seq_chunk_measurements):
     table = "\n".join(f"{c.label()} seq={seq}: device {d} (pred {pd:.0f}) host {h} (pred {ph:.0f}) peak {p} "
                       f"(pred {pp:.0f}, {pp / p - 1:+.1%})" for c, seq, d, pd, h, ph, p, pp in rows)
     print(table)
-    assert len(rows) == 2 * len(OPTIONS_SEQ_CHUNKS)
+    assert len(rows) == 2 * len(OPTIONS_SEQ_CHUNKS) + 2 * len(OPTIONS_SEQ_CHUNKS_CP2)
     for c, seq, d, pd, h, ph, p, pp in rows:
         assert abs(d - pd) <= 16 and h == round(ph), table
         assert abs(pp / p - 1) <= 0.05, table
-    peak = {(c.offload, c.sequence_chunks, seq): p for c, seq, *_, p, _ in rows}
+    peak = {(c.cp_size, c.offload, c.sequence_chunks, seq): p for c, seq, *_, p, _ in rows}
     for off in ("none", "layer_input"):
         for seq in (1024, 2048):
-            assert peak[(off, 8, seq)] < peak[(off, 4, seq)] < 0.5 * peak[(off, 1, seq)], table
+            assert peak[(1, off, 8, seq)] < peak[(1, off, 4, seq)] < 0.5 * peak[(1, off, 1, seq)], table
+        assert peak[(2, off, 4, 2048)] < 0.6 * peak[(2, off, 1, 2048)], table

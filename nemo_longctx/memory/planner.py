@@ -36,7 +36,8 @@ S = dp * cp the data-parallel-with-CP group that the distributed optimizer and M
                 head's backward: the last layer's input is fetched once its output's gradient exists);
                 sequence-chunked layers (recompute.sequence_chunks=N): the recomputed layer's set is one chunk's
                 (1/N) plus the K/V buffers and their fp32 gradients over the whole local sequence, plus the layer's
-                parameter gradients summed over the chunks (fp32);
+                parameter gradients summed over the chunks (fp32); under ring CP one chunk's set is at least the
+                ring's K/V and fp32 dK/dV buffers of the whole local sequence (each chunk passes them around);
                 activations = the saved bytes live at the peak, transient = that phase's working set less comm,
                 comm = tokens * CP communication buffers (ring KV/dKV or Ulysses all-to-all), layers phase only
   reserve     = fixed bytes for CUDA context, NCCL, allocator fragmentation
@@ -75,7 +76,8 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Iterable, Mapping, Optional
 
-from nemo_longctx.options import DEFAULT_SEQUENCE_CHUNK_TOKENS, Context, LongContextOptions, auto_tiles, layout_problems
+from nemo_longctx.options import (DEFAULT_SEQUENCE_CHUNK_TOKENS, SEQUENCE_CHUNK_ALGORITHMS, Context,
+                                  LongContextOptions, auto_tiles, layout_problems)
 from nemo_longctx.signals import DEFAULT_GRACE_S
 
 from .model_shapes import ModelShape, shape_from_config
@@ -179,6 +181,12 @@ class ActivationCoefficients:
     # x the layer's parameters (per GPU, not per token), fp32: the chunks' parameter gradients summed before they reach
     # autograd once (4 B/param) + the current chunk's, partly alive; measured 1.26 on CPU (fp32)
     chunk_param_grads: float = 1.25
+    # under ring CP, per token of the local sequence x hkv*d: the K/V received (x activation bytes; measured 2.5 with
+    # the in-flight pair) and the fp32 dK/dV accumulators travelling (sent + received: 4); with them the chunk's graph
+    # up to its attention (x one chunk's recomputed-layer set). Fitted on CPU, 1024/2048 local tokens, 4-32 chunks
+    chunk_ring_kv: float = 2.5
+    chunk_ring_grad: float = 4.0
+    chunk_ring_graph: float = 0.32
 
     @classmethod
     def preset(cls, name: str) -> "ActivationCoefficients":
@@ -455,7 +463,15 @@ def working_sets(shape: ModelShape, c: Candidate, coef: ActivationCoefficients, 
             accum = 4 * coef.attn_accum * shape.q_width / tp
             kv = (coef.chunk_kv * b + coef.chunk_kv_grad * 4) * shape.kv_width / tp
             param_sums = coef.chunk_param_grads * 4 * shape.layer_parameters() / tp
-            sets["recompute"] = (regained + accum) * tokens / n + mlp_bwd / n + kv * tokens + grads_io + param_sums
+            chunk = (regained + accum) * tokens / n + mlp_bwd / n
+            if c.ring_size > 1:
+                # under ring CP each chunk's attention backward passes the whole local K/V around the ring with the
+                # fp32 dK/dV accumulators travelling (sent + received), at the full local length; alive then: the
+                # gradients of the modules after attention (o-proj, MLP) and part of the chunk's graph
+                ring = (coef.chunk_ring_kv * b + coef.chunk_ring_grad * 4) * shape.kv_width / tp * tokens
+                after_attn = shape.layer_parameters() - h * (shape.q_width + 2 * shape.kv_width)
+                chunk = max(chunk, ring + 4 * after_attn / tp + coef.chunk_ring_graph * chunk)
+            sets["recompute"] = chunk + kv * tokens + grads_io + param_sums
         else:
             sets["recompute"] = regained * tokens + grads_io + mlp_bwd
     elif c.recompute == "selective_mlp" or tiles > 1:
@@ -698,7 +714,10 @@ def relative_cost(shape: ModelShape, seq_length: int, hw: Hardware, c: Candidate
         fwd_comm = (c.ring_size - 1) * kv_block * b / bw
         bwd_comm = (c.ring_size - 1) * kv_block * (b + 4) / bw
         ring_passes = 2 if c.recompute in ("full", "selective_attn") else 1
-        exposed += L * (ring_passes * max(0.0, fwd_comm - attn_time_pass) + max(0.0, bwd_comm - 2 * attn_time_pass))
+        # sequence-chunked layers: one ring pass per chunk, each hiding behind 1/n of the attention
+        n = c.sequence_chunks
+        exposed += L * n * (ring_passes * max(0.0, fwd_comm - attn_time_pass / n)
+                            + max(0.0, bwd_comm - 2 * attn_time_pass / n))
     if c.offload == "layer_input":
         move = tokens * h * b / c.tp / (cost.pcie_gbps * 1e9)
         layer_fwd = seq_length * (qkv_o + mlp + attn) / gpus_per_seq / rate
@@ -854,9 +873,10 @@ def candidate_configs(shape: ModelShape, seq_length: int, hw: Hardware,
             tokens = seq_length / cp
             tiles = sorted({1, planned_mlp_tiles(tokens, tp)}) if tiling else [1]
             chunks = sorted({1, planned_loss_chunks(tokens)}) if tiling else [1]
-            # sequence-chunked layers run at CP size 1 without sequence parallelism in this version (the option
-            # model refuses the rest); they make the tiled MLP redundant (a chunk's MLP is chunk-sized)
-            seq_chunks = planned_sequence_chunks(tokens) if (sequence_chunks and cp == 1 and tp == 1) else []
+            # sequence-chunked layers run without sequence parallelism, at CP size 1 or under ring CP, in this
+            # version (the option model refuses the rest); they make the tiled MLP redundant (a chunk's MLP is
+            # chunk-sized)
+            seq_chunks = planned_sequence_chunks(tokens) if (sequence_chunks and tp == 1) else []
             for algo, u in layouts:
                 for rc in recompute:
                     for off in offload:
@@ -871,7 +891,7 @@ def candidate_configs(shape: ModelShape, seq_length: int, hw: Hardware,
                             # layer inputs fetched on demand (prefetch_depth 0): one layer input less on the device;
                             # at the lengths chunking is for, one layer's backward hides far more than the copy
                             depths = (1, 0) if off == "layer_input" else (1,)
-                            for n in seq_chunks:
+                            for n in (seq_chunks if algo in ("none",) + SEQUENCE_CHUNK_ALGORITHMS else ()):
                                 for ch in chunks:
                                     for depth in depths:
                                         out.append(Candidate(algo, cp, u, tp, rc, off, 1, ch, prefetch_depth=depth,
