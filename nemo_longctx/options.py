@@ -512,9 +512,6 @@ class MemoryOptions:
             if r != "full":
                 p.append(f"recompute.sequence_chunks={self.sequence_chunks!r} needs recompute=full (with recompute={r} "
                          "it is not implemented)")
-            elif self.recompute_method == "uniform" and self.recompute_num_layers != 1:
-                p.append(f"recompute.sequence_chunks={self.sequence_chunks!r} runs one layer per checkpoint: set "
-                         f"recompute.num_layers=1 (got {self.recompute_num_layers}) or recompute.method=block")
         if o == "layer_input" and not self.full:
             p.append(f"offload=layer_input requires recompute=full or full_keep_attn (got recompute={r})")
         if o == "modules":
@@ -885,6 +882,11 @@ class LongContextOptions:
             p.append(f"recompute.sequence_chunks={self.memory.sequence_chunks} with cp.algorithm={self.cp.algorithm} "
                      f"(cp.size={self.cp.size}): sequence-chunked layers run under ring CP only in this version "
                      "(cp=ring, or cp=none)")
+        if self.memory.sequence_chunks != "off" and self.optim.state.megatron_fsdp is True:
+            p.append(f"recompute.sequence_chunks={self.memory.sequence_chunks} with optim.megatron_fsdp=true: not "
+                     "supported in this version (Megatron-FSDP gathers and releases a layer's parameters around every "
+                     "forward call, i.e. once per chunk; untested): use optim.use_distributed_optimizer=true without "
+                     "megatron_fsdp")
         if self.memory.sequence_chunks != "off" and ctx.sequence_parallel and _is_int(ctx.tp) and ctx.tp > 1:
             p.append(f"recompute.sequence_chunks={self.memory.sequence_chunks} with {ctx.key('tp')}={ctx.tp} and "
                      "sequence parallelism: not supported in this version (a chunk of each TP rank's rows is not a "

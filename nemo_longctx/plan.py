@@ -216,6 +216,7 @@ def _row(ev: Evaluation) -> list:
         cp = f"hybrid {c.ulysses_size}x{c.ring_size}"
     fits = "yes" if ev.fits else ("host" if ev.fits_gpu else "no")
     rc = c.recompute + (f"/seqchunks={c.sequence_chunks}" if c.sequence_chunks > 1 else "")
+    rc += f"/layers{c.recompute_layers}" if c.recompute_layers > 1 else ""
     off = c.offload + (f"/depth{c.prefetch_depth}" if c.offload != "none" and c.prefetch_depth != 1 else "")
     return [cp, c.cp_size, c.tp, ev.dp, rc, off, c.mlp_tiles, c.loss_chunks, c.model_state.label(),
             f"{m['weights']:.1f}", f"{m['grads']:.1f}", f"{m['optimizer']:.1f}", f"{m['activations']:.1f}",
@@ -258,7 +259,8 @@ LEGEND = (
     ("recompute", "`rc=` in the chosen line: none | selective_mlp (recompute=selective recompute.modules=[mlp]) | "
                   "selective_attn (recompute.modules=[core_attn]) | full (full-layer recompute) | full_keep_attn "
                   "(full recompute keeping attention's output: no second attention/ring pass in backward); "
-                  "/seqchunks=N: each layer runs in N sequence chunks (recompute.sequence_chunks=N)"),
+                  "/seqchunks=N: each layer runs in N sequence chunks (recompute.sequence_chunks=N); /layersK: K "
+                  "layers per checkpoint (recompute.num_layers=K: one layer input in K kept, the others recomputed)"),
     ("offload", "`off=` in the chosen line: none | layer_input (each checkpointed layer input goes to host memory, "
                 "prefetched back for backward); /depth0: fetched when its layer's backward starts "
                 "(offload.prefetch_depth=0)"),

@@ -234,8 +234,6 @@ def _options(overrides):
     (["recompute=full", "offload=layer_input", "offload.prefetch_depth=-1"], "offload.prefetch_depth=-1"),
     (["recompute=full", "+recompute.modules=[mlp]"], "recompute: unknown field(s) ['modules'] for recompute=full"),
     (["recompute=full", "recompute.sequence_chunks=0"], "recompute.sequence_chunks must be a positive number of chunks"),
-    (["recompute=full", "recompute.num_layers=2", "recompute.sequence_chunks=2"],
-     "recompute.sequence_chunks=2 runs one layer per checkpoint: set recompute.num_layers=1 (got 2)"),
     (["recompute=full_keep_attn", "+recompute.sequence_chunks=auto"],
      "recompute.sequence_chunks='auto' needs recompute=full"),
     (["recompute=selective", "+recompute.sequence_chunks=2"],

@@ -252,10 +252,16 @@ def test_peak_is_the_larger_of_the_head_and_the_layer_phase(head_measurements):
 # ------------------------------------------------------------------------------------------- sequence-chunked layers
 OPTIONS_SEQ_CHUNKS = [Candidate("none", 1, 1, 1, "full", off, 1, 1, sequence_chunks=n)
                       for off in ("none", "layer_input") for n in (1, 4, 8)]
+# two layers per checkpoint (recompute.num_layers=2): one input (and one RoPE copy) saved for both, the inner input and
+# the checkpoint's recomputed output alive in its backward
+OPTIONS_SEQ_CHUNKS += [Candidate("none", 1, 1, 1, "full", off, 1, 1, sequence_chunks=8, recompute_layers=2)
+                       for off in ("none", "layer_input")]
 # under ring CP=2 (each rank's 1024 tokens of 2048): a chunk's attention backward also holds the ring's K/V and dK/dV
 # buffers (they set the peak at 16 chunks)
 OPTIONS_SEQ_CHUNKS_CP2 = [Candidate("ring", 2, 1, 1, "full", off, 1, 1, sequence_chunks=n)
                           for off in ("none", "layer_input") for n in (1, 4, 16)]
+OPTIONS_SEQ_CHUNKS_CP2.append(Candidate("ring", 2, 1, 1, "full", "layer_input", 1, 1, sequence_chunks=16,
+                                        recompute_layers=2))
 
 
 @pytest.fixture(scope="module")
@@ -284,7 +290,10 @@ def test_sequence_chunked_layers_peak_within_5_percent(seq_chunk_measurements):
     for c, seq, d, pd, h, ph, p, pp in rows:
         assert abs(d - pd) <= 16 and h == round(ph), table
         assert abs(pp / p - 1) <= 0.05, table
-    peak = {(c.cp_size, c.offload, c.sequence_chunks, seq): p for c, seq, *_, p, _ in rows}
+    peak = {(c.cp_size, c.offload, c.sequence_chunks, seq): p for c, seq, *_, p, _ in rows if c.recompute_layers == 1}
+    host = {(c.cp_size, c.recompute_layers, c.sequence_chunks, seq): h for c, seq, _, _, h, *_ in rows
+            if c.offload == "layer_input"}
+    assert host[(1, 2, 8, 1024)] < 0.7 * host[(1, 1, 8, 1024)] and host[(2, 2, 16, 2048)] < 0.7 * host[(2, 1, 16, 2048)]
     for off in ("none", "layer_input"):
         for seq in (1024, 2048):
             assert peak[(1, off, 8, seq)] < peak[(1, off, 4, seq)] < 0.5 * peak[(1, off, 1, seq)], table

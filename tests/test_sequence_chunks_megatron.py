@@ -4,7 +4,7 @@ One process (CP size 1; Megatron's model-parallel state over gloo), and two with
 core attention, GQA) built for each setting with the parameters of one initial model, 3 SGD steps on fixed data, in
 float64 and float32. Compared with ``recompute=full`` (Megatron's own checkpoint of each layer): per-step loss and
 every gradient, fp64 <= 1e-10, fp32 <= 1e-6 relative. Settings: 2, 3 (uneven) and 4 chunks, with layer-input offload,
-with the block method, a sliding window (Mistral's ``window_size``), and the tracker's activation peak (chunked below
+with the block method, two layers per checkpoint, a sliding window (Mistral's ``window_size``), and the tracker's activation peak (chunked below
 full). Model-level refusals name the field.
 """
 
@@ -25,6 +25,10 @@ SETTINGS = {  # name: (MemoryOptions kwargs, reference name)
     "block2": (dict(recompute="full", recompute_method="block", recompute_num_layers=2), None),
     "block2+chunks4": (dict(recompute="full", recompute_method="block", recompute_num_layers=2, sequence_chunks=4),
                        "block2"),
+    # two layers per checkpoint (uniform): only every other layer input saved (offloaded); the checkpoint's recompute
+    # keeps the inner layer's input, each layer differentiated chunk by chunk
+    "uniform2+chunks3+layer_input": (dict(recompute="full", recompute_num_layers=2, sequence_chunks=3,
+                                          offload="layer_input", min_bytes=0), "full"),
 }
 
 
@@ -32,7 +36,8 @@ def _rel(a, b):  # relative in the 2-norm, as test_memory_integration compares r
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-CP_SETTINGS = ("full", "chunks2", "chunks3", "chunks3+layer_input", "block2", "block2+chunks4")
+CP_SETTINGS = ("full", "chunks2", "chunks3", "chunks3+layer_input", "block2", "block2+chunks4",
+               "uniform2+chunks3+layer_input")
 
 
 def _worker(rank: int, world: int, dtypes=("float64", "float32")):
@@ -105,7 +110,7 @@ def results():
     return run_distributed(_worker, 1, timeout=400)[0]
 
 
-def check_parity(parity, n_dtypes=2, n_settings=5):
+def check_parity(parity, n_dtypes=2, n_settings=6):
     assert len(parity) == n_dtypes * (n_settings + 1)
     tol = {"torch.float64": 1e-10, "torch.float32": 1e-6}
     for (dtype, window, name), (loss, grads, keys, n) in parity.items():

@@ -76,8 +76,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Iterable, Mapping, Optional
 
-from nemo_longctx.options import (DEFAULT_SEQUENCE_CHUNK_TOKENS, SEQUENCE_CHUNK_ALGORITHMS, Context,
-                                  LongContextOptions, auto_tiles, layout_problems)
+from nemo_longctx.options import DEFAULT_SEQUENCE_CHUNK_TOKENS, Context, LongContextOptions, auto_tiles, layout_problems
 from nemo_longctx.signals import DEFAULT_GRACE_S
 
 from .model_shapes import ModelShape, shape_from_config
@@ -258,6 +257,9 @@ class Candidate:
     prefetch_depth: int = 1  # layer_input offload: layers brought back ahead of the one in backward
     model_state: ModelState = ModelState()
     sequence_chunks: int = 1  # recompute=full: each layer runs in this many sequence chunks (1 = off)
+    # recompute=full (uniform): layers per checkpoint (recompute.num_layers); searched above 1 with sequence chunks:
+    # only every k-th layer input is kept (offloaded), the k-1 inner ones are recomputed in backward
+    recompute_layers: int = 1
 
     @property
     def ring_size(self) -> int:
@@ -268,6 +270,7 @@ class Candidate:
         if cp == "hybrid":
             cp = f"hybrid{self.ulysses_size}x{self.ring_size}"
         rc = self.recompute + (f"/seqchunks={self.sequence_chunks}" if self.sequence_chunks > 1 else "")
+        rc += f"/layers{self.recompute_layers}" if self.recompute_layers > 1 else ""
         off = self.offload + (f"/depth{self.prefetch_depth}" if self.offload != "none" and self.prefetch_depth != 1
                               else "")
         return (f"cp={cp}:{self.cp_size} tp={self.tp} rc={rc} off={off} "
@@ -344,8 +347,8 @@ def layer_saved_bytes(shape: ModelShape, c: Candidate, coef: ActivationCoefficie
     recompute = c.recompute if recompute is None else recompute
     h, d, f = shape.hidden_size, shape.head_dim, shape.ffn_hidden_size
     lse = 4 * coef.lse * shape.num_attention_heads
-    if recompute == "full":
-        return b * coef.layer_input * h / c.tp
+    if recompute == "full":  # the checkpoint's input, one per recompute_layers layers
+        return b * coef.layer_input * h / c.tp / c.recompute_layers
     if recompute == "full_keep_attn":
         return (b * (coef.layer_input * h + shape.q_width) + lse) / c.tp
     if c.ulysses_size > 1:
@@ -383,8 +386,9 @@ def head_saved_bytes(shape: ModelShape, c: Candidate, coef: ActivationCoefficien
     else:
         loss = 4 * coef.logits * shape.vocab_size / c.tp
     full = c.recompute in ("full", "full_keep_attn")
-    # sequence-chunked layers take the RoPE table by reference, not as a saved checkpoint argument
-    rope_saved = full and c.offload != "layer_input" and c.sequence_chunks == 1
+    # sequence-chunked layers take the RoPE table by reference, not as a saved checkpoint argument (unless several
+    # of them share one Megatron checkpoint)
+    rope_saved = full and c.offload != "layer_input" and (c.sequence_chunks == 1 or c.recompute_layers > 1)
     rope = 4 * coef.recompute_rope * shape.head_dim if rope_saved else 0.0
     return (b * coef.head_hidden * shape.hidden_size + 4 * coef.head_norm) / c.tp + loss + coef.token_bytes + rope
 
@@ -399,7 +403,9 @@ def offloaded_layer_bytes(shape: ModelShape, c: Candidate, coef: ActivationCoeff
     """Bytes per local token and layer that ``offload=layer_input`` moves to the host: everything the recomputed
     layer keeps (``layer_saved_bytes``: its input, and under full_keep_attn the kept attention output and LSE) plus
     that layer's copy of the RoPE table (a checkpoint argument of every layer)."""
-    rope = 4 * coef.recompute_rope * shape.head_dim if c.sequence_chunks == 1 else 0.0  # chunked: by reference
+    rope = 0.0  # one copy per checkpoint (chunked layers, one per checkpoint, take it by reference)
+    if c.sequence_chunks == 1 or c.recompute_layers > 1:
+        rope = 4 * coef.recompute_rope * shape.head_dim / c.recompute_layers
     return layer_saved_bytes(shape, c, coef, b) + rope
 
 
@@ -455,7 +461,7 @@ def working_sets(shape: ModelShape, c: Candidate, coef: ActivationCoefficients, 
         sets["head"] = 4.0 * v * h / tp + half * v / tp * tokens + grads_io / 2
     if c.recompute in ("full", "full_keep_attn"):
         none_layer = layer_saved_bytes(shape, replace(c, mlp_tiles=1), coef, b, recompute="none")
-        regained = none_layer - layer_saved_bytes(shape, c, coef, b)
+        regained = none_layer - layer_saved_bytes(shape, replace(c, recompute_layers=1), coef, b)
         if tiles > 1:  # the tiled MLP saves nothing; one tile's intermediate and a gradient of it live
             regained -= ffn_coef * f * b / tp * (1 - 1 / tiles) - coef.mlp_tile_grad * f * b / tp / tiles
         if c.sequence_chunks > 1:  # one chunk's recomputed layer (and its attention accumulators) + K/V buffers
@@ -471,7 +477,10 @@ def working_sets(shape: ModelShape, c: Candidate, coef: ActivationCoefficients, 
                 ring = (coef.chunk_ring_kv * b + coef.chunk_ring_grad * 4) * shape.kv_width / tp * tokens
                 after_attn = shape.layer_parameters() - h * (shape.q_width + 2 * shape.kv_width)
                 chunk = max(chunk, ring + 4 * after_attn / tp + coef.chunk_ring_graph * chunk)
-            sets["recompute"] = chunk + kv * tokens + grads_io + param_sums
+            # k layers per checkpoint: the checkpoint's recompute keeps the k-1 inner layers' inputs and its own
+            # recomputed output (Megatron's checkpoint differentiates it)
+            inner = (c.recompute_layers if c.recompute_layers > 1 else 0) * b * coef.layer_input * h / tp
+            sets["recompute"] = chunk + (kv + inner) * tokens + grads_io + param_sums
         else:
             sets["recompute"] = regained * tokens + grads_io + mlp_bwd
     elif c.recompute == "selective_mlp" or tiles > 1:
@@ -609,7 +618,8 @@ def memory_breakdown(shape: ModelShape, seq_length: int, hw: Hardware, c: Candid
     L = shape.num_layers
     if c.offload == "layer_input":  # on the device in backward: the layer being recomputed + those prefetched
         layer = offloaded_layer_bytes(shape, c, coef, b)
-        on_device_layers = min(L, 1 + c.prefetch_depth)
+        # (per layer: a checkpoint of recompute_layers layers keeps one input, counted 1/k per layer)
+        on_device_layers = min(L, (1 + c.prefetch_depth) * c.recompute_layers)
         layers_saved = tokens * on_device_layers * layer
         host = tokens * (L - on_device_layers) * layer
     else:
@@ -682,6 +692,8 @@ def relative_cost(shape: ModelShape, seq_length: int, hw: Hardware, c: Candidate
         extra += seq_length * L * (qkv_o + mlp + attn)
         if c.sequence_chunks > 1:  # the K/V pass of the backward: each layer's norm + QKV projection once more
             extra += seq_length * L * 2 * h * (shape.q_width + 2 * shape.kv_width)
+        if c.recompute_layers > 1:  # the checkpoint's recompute runs its layers forward once more (chunked)
+            extra += seq_length * L * (qkv_o + mlp + attn)
     elif c.recompute == "full_keep_attn":
         extra += seq_length * L * (qkv_o + mlp)
     elif c.recompute == "selective_mlp":
@@ -716,10 +728,11 @@ def relative_cost(shape: ModelShape, seq_length: int, hw: Hardware, c: Candidate
         ring_passes = 2 if c.recompute in ("full", "selective_attn") else 1
         # sequence-chunked layers: one ring pass per chunk, each hiding behind 1/n of the attention
         n = c.sequence_chunks
+        ring_passes += 1 if c.recompute_layers > 1 else 0
         exposed += L * n * (ring_passes * max(0.0, fwd_comm - attn_time_pass / n)
                             + max(0.0, bwd_comm - 2 * attn_time_pass / n))
     if c.offload == "layer_input":
-        move = tokens * h * b / c.tp / (cost.pcie_gbps * 1e9)
+        move = tokens * h * b / c.tp / (cost.pcie_gbps * 1e9) / c.recompute_layers
         layer_fwd = seq_length * (qkv_o + mlp + attn) / gpus_per_seq / rate
         # back in backward: prefetched while the previous layer runs backward, or (prefetch_depth=0) on demand
         back = move if c.prefetch_depth == 0 else max(0.0, move - 2 * layer_fwd)
@@ -806,7 +819,7 @@ def optim_fields(ms: ModelState) -> dict:
 
 def option_model(cp_algorithm: str, recompute: str, offload: str, ms: ModelState, cp_size: int = 1,
                  ulysses_size: int = 1, mlp_tiles: int = 1, loss_chunks: int = 1,
-                 sequence_chunks: int = 1, prefetch_depth: int = 1) -> LongContextOptions:
+                 sequence_chunks: int = 1, prefetch_depth: int = 1, recompute_layers: int = 1) -> LongContextOptions:
     """The option model (nemo_longctx.options) that runs a planner candidate: cp_algorithm "none" = cp=none (ring
     attention, size 1); tiles / chunks 1 = off."""
     name, modules = RECOMPUTE_GROUP[recompute]
@@ -816,6 +829,8 @@ def option_model(cp_algorithm: str, recompute: str, offload: str, ms: ModelState
     rc = {"name": name, **({"modules": list(modules)} if modules else {})}
     if sequence_chunks > 1:
         rc["sequence_chunks"] = sequence_chunks
+    if recompute_layers > 1:
+        rc["num_layers"] = recompute_layers
     return LongContextOptions.from_dict({
         "cp": cp, "recompute": rc,
         "offload": {"name": offload, **({"prefetch_depth": prefetch_depth} if prefetch_depth != 1 else {})},
@@ -826,7 +841,7 @@ def option_model(cp_algorithm: str, recompute: str, offload: str, ms: ModelState
 
 def candidate_options(c: Candidate) -> LongContextOptions:
     return option_model(c.cp_algorithm, c.recompute, c.offload, c.model_state, c.cp_size, c.ulysses_size,
-                        c.mlp_tiles, c.loss_chunks, c.sequence_chunks, c.prefetch_depth)
+                        c.mlp_tiles, c.loss_chunks, c.sequence_chunks, c.prefetch_depth, c.recompute_layers)
 
 
 def structural_accept(cp_algorithm: str, recompute: str, offload: str, model_state: ModelState,
@@ -891,11 +906,17 @@ def candidate_configs(shape: ModelShape, seq_length: int, hw: Hardware,
                             # layer inputs fetched on demand (prefetch_depth 0): one layer input less on the device;
                             # at the lengths chunking is for, one layer's backward hides far more than the copy
                             depths = (1, 0) if off == "layer_input" else (1,)
-                            for n in (seq_chunks if algo in ("none",) + SEQUENCE_CHUNK_ALGORITHMS else ()):
+                            # 2 or 4 layers per checkpoint: half / a quarter of the layer inputs on the host
+                            ks = [k for k in (1, 2, 4) if shape.num_layers % k == 0] if off == "layer_input" else [1]
+                            chunked_ok = seq_chunks and not candidate_options(Candidate(
+                                algo, cp, u, tp, rc, off, model_state=ms, sequence_chunks=2)).problems()
+                            for n in (seq_chunks if chunked_ok else ()):
                                 for ch in chunks:
                                     for depth in depths:
-                                        out.append(Candidate(algo, cp, u, tp, rc, off, 1, ch, prefetch_depth=depth,
-                                                             model_state=ms, sequence_chunks=n))
+                                        for k in ks:
+                                            out.append(Candidate(algo, cp, u, tp, rc, off, 1, ch, prefetch_depth=depth,
+                                                                 model_state=ms, sequence_chunks=n,
+                                                                 recompute_layers=k))
     return out
 
 

@@ -17,6 +17,7 @@ dropout masks are replayed exactly. fp8/fp4 (te_checkpoint) is refused.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from megatron.core import tensor_parallel
@@ -86,6 +87,15 @@ class LongContextTransformerBlock(TransformerBlock):
             return sequence_chunked_checkpoint(run_chunk, hidden_states, n, seq_dim=0, kv_first=kv_first,
                                                params=params, group=group), context
 
+        def run_layers_chunked(start: int, end: int):
+            def forward(hidden_states, attention_mask, context, context_mask, rotary_pos_emb):
+                for index in range(start, end):
+                    hidden_states, context = run_one_layer_chunked(index, hidden_states, attention_mask, context,
+                                                                   context_mask, rotary_pos_emb)
+                return hidden_states, context
+
+            return forward
+
         previous_recomputed = False
         for start, end, recompute in chunks:
             args = (hidden_states, attention_mask, context, context_mask, rotary_pos_emb)
@@ -96,14 +106,16 @@ class LongContextTransformerBlock(TransformerBlock):
                     if engine is not None and previous_recomputed:
                         engine.prefetch_trigger(hidden_states)
                 elif self.longctx_sequence_chunks is not None:
-                    if end - start != 1:
-                        raise ValueError(f"recompute.sequence_chunks runs one layer per checkpoint, got layers "
-                                         f"[{start}, {end}) (recompute.num_layers must be 1)")
+                    # one layer: its own chunked checkpoint; k layers (uniform, recompute.num_layers=k): Megatron's
+                    # checkpoint of the k chunked layers, so only its input is saved (offloaded); its recompute in
+                    # backward keeps the k-1 inner layers' inputs, each layer differentiated chunk by chunk
+                    fn = (functools.partial(run_one_layer_chunked, start) if end - start == 1 else
+                          functools.partial(tensor_parallel.checkpoint, run_layers_chunked(start, end),
+                                            cfg.distribute_saved_activations))
                     if engine is None:
-                        hidden_states, context = run_one_layer_chunked(start, *args)
+                        hidden_states, context = fn(*args)
                     else:
-                        hidden_states, context = engine.run_in_scope(layer_number, run_one_layer_chunked, start,
-                                                                     *args)
+                        hidden_states, context = engine.run_in_scope(layer_number, fn, *args)
                 elif engine is None:
                     hidden_states, context = tensor_parallel.checkpoint(
                         run_layers(start, end), cfg.distribute_saved_activations, *args)
