@@ -433,7 +433,7 @@ class MemoryOptions:
         Option("recompute.num_layers", "int", 1, "recompute=full|full_keep_attn: Megatron's recompute_num_layers",
                low=1, requires=("recompute=full",)),
         Option("recompute.sequence_chunks", "tiles", "off", "recompute=full: each recomputed layer runs chunk by chunk "
-               "over its local sequence in forward and backward: off | auto (ceil(tokens / "
+               "over its local sequence in forward and backward (cp=none or ring): off | auto (ceil(tokens / "
                f"{DEFAULT_SEQUENCE_CHUNK_TOKENS})) | N",
                requires=("recompute=full",)),
     )
@@ -884,9 +884,9 @@ class LongContextOptions:
                      "(cp=ring, or cp=none)")
         if self.memory.sequence_chunks != "off" and self.optim.state.megatron_fsdp is True:
             p.append(f"recompute.sequence_chunks={self.memory.sequence_chunks} with optim.megatron_fsdp=true: not "
-                     "supported in this version (Megatron-FSDP gathers and releases a layer's parameters around every "
-                     "forward call, i.e. once per chunk; untested): use optim.use_distributed_optimizer=true without "
-                     "megatron_fsdp")
+                     "supported in this version (Megatron-FSDP's hooks run around every forward/backward call, i.e. "
+                     "per chunk, and the chunked run's gradients came out wrong on CPU): use "
+                     "optim.use_distributed_optimizer=true without megatron_fsdp")
         if self.memory.sequence_chunks != "off" and ctx.sequence_parallel and _is_int(ctx.tp) and ctx.tp > 1:
             p.append(f"recompute.sequence_chunks={self.memory.sequence_chunks} with {ctx.key('tp')}={ctx.tp} and "
                      "sequence parallelism: not supported in this version (a chunk of each TP rank's rows is not a "

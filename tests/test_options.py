@@ -242,3 +242,18 @@ def test_plan_frontend_bridge_prints_what_the_bridge_app_accepts(model, gpus, se
     want = candidate_options(p.chosen.candidate)
     assert (options.cp.size, options.cp.algorithm, options.memory, options.optim.state, options.tiling) == (
         want.cp.size, want.cp.algorithm, want.memory, want.optim.state, want.tiling)
+
+
+def test_sequence_chunks_run_under_ring_cp_and_refuse_ulysses_hybrid_and_megatron_fsdp():
+    from nemo_longctx.options import Context, LongContextOptions
+
+    def problems(**groups):
+        base = {"recompute": {"name": "full", "sequence_chunks": 4}}
+        return LongContextOptions.from_dict({**base, **groups}).problems(Context(seq_length=8192, world_size=4))
+
+    assert problems(cp={"algorithm": "ring", "size": 4}) == []
+    assert problems(cp={"algorithm": "ring", "size": 1}) == []
+    for cp in ({"algorithm": "ulysses", "size": 4}, {"algorithm": "hybrid", "size": 4, "ulysses_size": 2}):
+        assert any(f"with cp.algorithm={cp['algorithm']} (cp.size=4)" in p for p in problems(cp=cp)), cp
+    fsdp = problems(optim={"use_distributed_optimizer": True, "megatron_fsdp": True})
+    assert any("recompute.sequence_chunks=4 with optim.megatron_fsdp=true" in p for p in fsdp), fsdp

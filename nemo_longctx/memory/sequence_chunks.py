@@ -30,8 +30,13 @@ and merged by log-sum-exp in float32 (the ring's block algebra over chunks of ti
 gradients use the chunk's final (out, lse) (the kernels' split-KV contract). Results equal the unchunked layer up
 to floating-point summation order.
 
+Ring context parallelism (``group``: the local sequence is the rank's zigzag shard, ``ring_window.segments``): each
+chunk's queries attend to every rank's K/V, which pass around the ring once per chunk (and once more in the chunk's
+backward, with the float32 dK/dV accumulators travelling one step behind, as in ``attention.ring``); the K/V pass
+runs first (other ranks need this rank's whole K/V) and dK/dV are complete only after the last chunk (no fused path).
+
 Not here (refused by the integration, by name): random ops inside the layer (dropout), a layer whose K/V for a
-token depend on other tokens, CP > 1, packed documents (THD).
+token depend on other tokens, Ulysses/hybrid CP, packed documents (THD).
 """
 
 from __future__ import annotations
