@@ -215,10 +215,8 @@ def _row(ev: Evaluation) -> list:
     if cp == "hybrid":
         cp = f"hybrid {c.ulysses_size}x{c.ring_size}"
     fits = "yes" if ev.fits else ("host" if ev.fits_gpu else "no")
-    rc = c.recompute + (f"/seqchunks={c.sequence_chunks}" if c.sequence_chunks > 1 else "")
-    rc += f"/layers{c.recompute_layers}" if c.recompute_layers > 1 else ""
-    off = c.offload + (f"/depth{c.prefetch_depth}" if c.offload != "none" and c.prefetch_depth != 1 else "")
-    return [cp, c.cp_size, c.tp, ev.dp, rc, off, c.mlp_tiles, c.loss_chunks, c.model_state.label(),
+    return [cp, c.cp_size, c.tp, ev.dp, c.recompute_label(), c.offload_label(), c.mlp_tiles, c.loss_chunks,
+            c.model_state.label(),
             f"{m['weights']:.1f}", f"{m['grads']:.1f}", f"{m['optimizer']:.1f}", f"{m['activations']:.1f}",
             f"{m['transient']:.1f}", f"{m['comm']:.1f}", f"{m['total']:.1f}", f"{m['host_per_node']:.0f}",
             f"{ev.cost:.3f}", fits]

@@ -265,15 +265,21 @@ class Candidate:
     def ring_size(self) -> int:
         return self.cp_size // self.ulysses_size
 
+    def recompute_label(self) -> str:
+        """``recompute`` with its sequence chunks and layers per checkpoint (``/seqchunks=N``, ``/layersK``)."""
+        return (self.recompute + (f"/seqchunks={self.sequence_chunks}" if self.sequence_chunks > 1 else "")
+                + (f"/layers{self.recompute_layers}" if self.recompute_layers > 1 else ""))
+
+    def offload_label(self) -> str:
+        """``offload`` with a prefetch depth other than 1 (``/depthN``)."""
+        return self.offload + (f"/depth{self.prefetch_depth}" if self.offload != "none" and self.prefetch_depth != 1
+                               else "")
+
     def label(self) -> str:
         cp = self.cp_algorithm if self.cp_size > 1 else "none"
         if cp == "hybrid":
             cp = f"hybrid{self.ulysses_size}x{self.ring_size}"
-        rc = self.recompute + (f"/seqchunks={self.sequence_chunks}" if self.sequence_chunks > 1 else "")
-        rc += f"/layers{self.recompute_layers}" if self.recompute_layers > 1 else ""
-        off = self.offload + (f"/depth{self.prefetch_depth}" if self.offload != "none" and self.prefetch_depth != 1
-                              else "")
-        return (f"cp={cp}:{self.cp_size} tp={self.tp} rc={rc} off={off} "
+        return (f"cp={cp}:{self.cp_size} tp={self.tp} rc={self.recompute_label()} off={self.offload_label()} "
                 f"tiles={self.mlp_tiles} chunks={self.loss_chunks} state={self.model_state.label()}")
 
 

@@ -130,8 +130,8 @@ class ChunkState:
     def check_group(self, group) -> None:
         """The core attention's CP group must be the one the chunked layer runs under (its K/V pass and its ring
         passes must agree on the layout)."""
-        if group_size_and_rank(group) != (self.cp_size, self.cp_rank):
-            got = group_size_and_rank(group)
+        got = group_size_and_rank(group)
+        if got != (self.cp_size, self.cp_rank):
             raise ValueError(f"sequence-chunked layer: its core attention runs with a CP group of {got[0]} ranks "
                              f"(rank {got[1]}) but the layer was chunked for {self.cp_size} (rank {self.cp_rank})")
 
@@ -204,8 +204,9 @@ def _key_rows(state: ChunkState, window: Tuple[int, int]) -> int:
 
 
 def _sources(state: ChunkState):
-    """(step, source rank, pending exchange) of a ring pass of the K/V buffers: step 0 is this rank's own; each
-    later source's K/V arrive from the previous rank while the current block is computed (posted first)."""
+    """Yields (step, source rank, (k, v) of that source, the ring exchange or None) for one ring pass of the K/V
+    buffers: step 0 is this rank's own; each later source's K/V arrive from the previous rank while the current block
+    is computed (the exchange is posted first)."""
     size, rank = state.cp_size, state.cp_rank
     ring = RingExchange(state.group) if size > 1 else None
     kv = (state.k, state.v)
@@ -227,8 +228,8 @@ class _ChunkAttention(torch.autograd.Function):
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         out, lse = empty_accumulators(q, state.v, acc)
         for _, src, (k, v), _ in _sources(state):
-            window_forward_blocks(q, k, v, _blocks(state, state.rows, window, key_rows, src), window, scale, kernel, out, lse,
-                                  merge_rows_)
+            blocks = _blocks(state, state.rows, window, key_rows, src)
+            window_forward_blocks(q, k, v, blocks, window, scale, kernel, out, lse, merge_rows_)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, out, lse)
         ctx.state, ctx.key_rows, ctx.window, ctx.scale, ctx.kernel = state, key_rows, window, scale, kernel
@@ -289,8 +290,8 @@ def chunk_core_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale
             state.store(k, v)
         state.captured = (k, v)
         raise StopAfterKV()
-    if state.dk is None:  # forward: the chunk's keys join the buffers before it attends
-        state.store(k, v)
+    if state.dk is None and state.filled < state.rows[1]:  # forward: the chunk's keys join the buffers before it
+        state.store(k, v)  # attends (after a K/V pass they are there already)
     return _ChunkAttention.apply(q, k, v, state, window, float(scale), kernel)
 
 
