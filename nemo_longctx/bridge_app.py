@@ -22,6 +22,8 @@ import sys
 import time
 from typing import Any, List, Optional, Tuple
 
+from nemo_longctx.process_exit import exit_process
+
 OUR_KEYS = ("cp", "optim", "recompute", "offload", "tiling", "memory", "recipe", "init_from", "output_dir", "launcher",
             "run")
 # our keys under a root that is Bridge's (checkpoint.on_signal is mapped onto Bridge's train.exit_signal_handler)
@@ -399,10 +401,10 @@ def main(argv: Optional[List[str]] = None) -> None:
         print(f"nemo-longctx bridge: {e}", file=sys.stderr)
         sys.exit(2)
     if os.environ.get("NEMO_LONGCTX_BRIDGE_RANK"):  # a rank of our local launcher (it checked the container)
-        sys.exit(run_rank(cfg, bridge, options))
+        exit_process(run_rank(cfg, bridge, options))  # without the interpreter's teardown (process_exit.py)
     launch = detect_external_launch()  # torchrun's or srun's ranks: SLURM_* -> RANK/WORLD_SIZE/MASTER_ADDR/...
     if launch is not None:
-        sys.exit(external_rank(cfg, bridge, options, launch))
+        exit_process(external_rank(cfg, bridge, options, launch))
     # the launching process: the container once (every problem before any rank starts), then the ranks
     from nemo_longctx.integrations.bridge import cpu_compat
     from nemo_longctx.integrations.bridge.checkpoint import checkpoint_problems
@@ -441,7 +443,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         max_steps=int(container.train.train_iters), prefix="nemo-longctx bridge",
         paths=[("metrics", metrics), ("checkpoints", save), ("rank logs", os.path.join(output_dir, "rank_logs"))])),
         flush=True)
-    sys.exit(code)
+    exit_process(code)  # this process imported Megatron-Bridge to check the container (process_exit.py)
 
 
 if __name__ == "__main__":
