@@ -392,7 +392,7 @@ RECOMPUTED_BY = {
     "layernorm": {"input_layernorm", "pre_mlp_layernorm"},
 }
 KEEP_ATTN_ALGORITHMS = ("ring",)
-SEQUENCE_CHUNK_ALGORITHMS = ("ring",)  # recompute.sequence_chunks at cp.size > 1
+SEQUENCE_CHUNK_ALGORITHMS = ("ring", "ulysses", "hybrid")  # recompute.sequence_chunks at cp.size > 1
 # the keys each choice of the two groups may set (besides `name`)
 GROUP_KEYS = {
     "recompute": {"selective": ("modules",), "full": ("method", "num_layers", "sequence_chunks"),
@@ -433,7 +433,7 @@ class MemoryOptions:
         Option("recompute.num_layers", "int", 1, "recompute=full|full_keep_attn: Megatron's recompute_num_layers",
                low=1, requires=("recompute=full",)),
         Option("recompute.sequence_chunks", "tiles", "off", "recompute=full: each recomputed layer runs chunk by chunk "
-               "over its local sequence in forward and backward (cp=none or ring): off | auto (ceil(tokens / "
+               "over its local sequence in forward and backward (any cp algorithm): off | auto (ceil(tokens / "
                f"{DEFAULT_SEQUENCE_CHUNK_TOKENS})) | N",
                requires=("recompute=full",)),
     )
@@ -880,8 +880,18 @@ class LongContextOptions:
         if (self.memory.sequence_chunks != "off" and cp_ok and self.cp.size > 1
                 and self.cp.algorithm not in SEQUENCE_CHUNK_ALGORITHMS):
             p.append(f"recompute.sequence_chunks={self.memory.sequence_chunks} with cp.algorithm={self.cp.algorithm} "
-                     f"(cp.size={self.cp.size}): sequence-chunked layers run under ring CP only in this version "
-                     "(cp=ring, or cp=none)")
+                     f"(cp.size={self.cp.size}): sequence-chunked layers run under "
+                     f"{', '.join(SEQUENCE_CHUNK_ALGORITHMS)} CP (or cp=none)")
+        if self.memory.sequence_chunks != "off" and cp_ok and self.cp.size > 1 and self.cp.algorithm in (
+                "ulysses", "hybrid"):
+            # the chunked attention sends each sequence chunk's heads at once and saves nothing gathered
+            redundant = [f"cp.head_chunks={self.cp.head_chunks}"] if self.cp.head_chunks != 1 else []
+            if self.cp.kwargs.get("regather_in_backward"):
+                redundant.append("cp.kwargs.regather_in_backward=true")
+            if redundant:
+                p.append(f"recompute.sequence_chunks={self.memory.sequence_chunks} with {' and '.join(redundant)}: "
+                         "a sequence-chunked layer's all-to-alls already move one sequence chunk at a time and keep "
+                         "nothing gathered for backward; drop " + " and ".join(r.split("=")[0] for r in redundant))
         if self.memory.sequence_chunks != "off" and self.optim.state.megatron_fsdp is True:
             p.append(f"recompute.sequence_chunks={self.memory.sequence_chunks} with optim.megatron_fsdp=true: not "
                      "supported in this version (Megatron-FSDP's hooks run around every forward/backward call, i.e. "

@@ -244,7 +244,7 @@ def test_plan_frontend_bridge_prints_what_the_bridge_app_accepts(model, gpus, se
         want.cp.size, want.cp.algorithm, want.memory, want.optim.state, want.tiling)
 
 
-def test_sequence_chunks_run_under_ring_cp_and_refuse_ulysses_hybrid_and_megatron_fsdp():
+def test_sequence_chunks_run_under_every_cp_algorithm_and_refuse_redundant_head_chunks_and_megatron_fsdp():
     from nemo_longctx.options import Context, LongContextOptions
 
     def problems(**groups):
@@ -254,6 +254,9 @@ def test_sequence_chunks_run_under_ring_cp_and_refuse_ulysses_hybrid_and_megatro
     assert problems(cp={"algorithm": "ring", "size": 4}) == []
     assert problems(cp={"algorithm": "ring", "size": 1}) == []
     for cp in ({"algorithm": "ulysses", "size": 4}, {"algorithm": "hybrid", "size": 4, "ulysses_size": 2}):
-        assert any(f"with cp.algorithm={cp['algorithm']} (cp.size=4)" in p for p in problems(cp=cp)), cp
+        assert problems(cp=cp) == [], cp
+        got = problems(cp={**cp, "head_chunks": 2, "kwargs": {"regather_in_backward": True}})
+        assert any("recompute.sequence_chunks=4 with cp.head_chunks=2 and cp.kwargs.regather_in_backward=true" in p
+                   and "drop cp.head_chunks and cp.kwargs.regather_in_backward" in p for p in got), got
     fsdp = problems(optim={"use_distributed_optimizer": True, "megatron_fsdp": True})
     assert any("recompute.sequence_chunks=4 with optim.megatron_fsdp=true" in p for p in fsdp), fsdp

@@ -40,6 +40,7 @@ class ToyLayer(torch.nn.Module):
         self.wo, self.w1, self.w2 = p(h, hq * dv), p(2 * ffn, h), p(h, ffn)
         self.kernel = select_kernel(torch.device("cpu"), dtype)
         self.cp_group = None  # the ring CP group its chunked core attention runs under (test_sequence_chunks_cp)
+        self.ulysses_group = None  # and the Ulysses group (Ulysses or hybrid CP)
 
     @staticmethod
     def norm(x, w):
@@ -64,7 +65,7 @@ class ToyLayer(torch.nn.Module):
         if active_sequence_chunking() is not None:
             o = chunk_core_attention(q, k.contiguous(), v.contiguous(), causal=self.causal,
                                      scale=1 / math.sqrt(self.d), kernel=self.kernel, window_size=self.window,
-                                     group=self.cp_group)
+                                     group=self.cp_group, ulysses_group=self.ulysses_group)
         else:
             o = local_attention(q, k, v, self.causal, kernel=self.kernel.name, window_size=self.window)
         x = x + o.transpose(0, 1).reshape(s, b, -1) @ self.wo.T

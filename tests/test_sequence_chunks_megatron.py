@@ -1,6 +1,7 @@
 """``recompute.sequence_chunks`` on real Megatron GPT models: losses and every parameter gradient equal full recompute.
 
-One process (CP size 1; Megatron's model-parallel state over gloo), and two with ring CP=2: a 3-layer Llama-like GPTModel (local spec, our
+One process (CP size 1; Megatron's model-parallel state over gloo), two with ring CP=2, and float64 runs under Ulysses
+CP=2 and hybrid 2x2: a 3-layer Llama-like GPTModel (local spec, our
 core attention, GQA) built for each setting with the parameters of one initial model, 3 SGD steps on fixed data, in
 float64 and float32. Compared with ``recompute=full`` (Megatron's own checkpoint of each layer): per-step loss and
 every gradient, fp64 <= 1e-10, fp32 <= 1e-6 relative. Settings: 2, 3 (uneven) and 4 chunks, with layer-input offload,
@@ -40,7 +41,7 @@ CP_SETTINGS = ("full", "chunks2", "chunks3", "chunks3+layer_input", "block2", "b
                "uniform2+chunks3+layer_input")
 
 
-def _worker(rank: int, world: int, dtypes=("float64", "float32")):
+def _worker(rank: int, world: int, dtypes=("float64", "float32"), algorithm="ring", cp_kwargs=None, settings=None):
     import torch
 
     from nemo_longctx.integrations.megatron import cpu_compat
@@ -53,7 +54,7 @@ def _worker(rank: int, world: int, dtypes=("float64", "float32")):
     from nemo_longctx.integrations.megatron.memory_probe import (
         build_probe_model, full_batches, run_probe_steps, tiny_gpt_config)
 
-    ps.initialize_model_parallel(context_parallel_size=world)  # world > 1: ring CP over every rank
+    ps.initialize_model_parallel(context_parallel_size=world)  # world > 1: CP over every rank
     tensor_parallel.model_parallel_cuda_manual_seed(11)
     out = {"parity": {}, "peaks": {}, "errors": {}}
     batches = full_batches(STEPS, SEQ, VOCAB, seed=3)
@@ -66,8 +67,10 @@ def _worker(rank: int, world: int, dtypes=("float64", "float32")):
             for name, (kw, ref) in SETTINGS.items():
                 if (window is not None and name not in ("full", "chunks3")) or (world > 1 and name not in CP_SETTINGS):
                     continue
+                if settings is not None and name not in settings:
+                    continue
                 model, rt = build_probe_model(cfg, MemoryOptions(**kw), vocab_size=VOCAB, seq_length=SEQ,
-                                              params_from=init)
+                                              params_from=init, cp_algorithm=algorithm, cp_kwargs=cp_kwargs)
                 results[name] = r = run_probe_steps(model, rt, batches, lr=0.05, count_peak=True)
                 if ref is not None:
                     r0 = results[ref]
@@ -133,6 +136,19 @@ def test_chunked_layers_under_ring_cp_match_full_recompute():
         check_parity(res["parity"], n_settings=len(CP_SETTINGS) - 2)
 
 
+@pytest.mark.parametrize("algorithm,world,cp_kwargs", [
+    ("ulysses", 2, None),
+    # 4 Megatron processes on CI's 2 cores: ~4 min; the toy layer covers hybrid 2x2 in CI (test_sequence_chunks_cp)
+    pytest.param("hybrid", 4, {"ulysses_size": 2}, marks=pytest.mark.slow)], ids=["ulysses2", "hybrid2x2"])
+def test_chunked_layers_under_ulysses_and_hybrid_cp_match_full_recompute(algorithm, world, cp_kwargs):
+    """The same under Ulysses CP=2 and hybrid 2x2 (Ulysses pairs, a ring of 2 across them; each chunk's heads
+    travel by all-to-all), float64, against full recompute under the same CP: chunks 3 (uneven, straddling the
+    zigzag halves), with layer-input offload and two layers per checkpoint; the sliding window with chunks 3."""
+    settings = ("full", "chunks3", "chunks3+layer_input", "uniform2+chunks3+layer_input")
+    for res in run_distributed(_worker, world, ("float64",), algorithm, cp_kwargs, settings, timeout=600):
+        check_parity(res["parity"], n_dtypes=1, n_settings=len(settings) - 1)
+
+
 def test_chunked_layers_lower_the_activation_peak(results):
     peaks = results["peaks"]
     assert peaks["chunks4"] < peaks["full"], peaks
@@ -155,9 +171,8 @@ def _app_losses(tmp_path, name, extra):
     from app_runner import run_app
 
     out_dir = tmp_path / name
-    code, out = run_app([str(Path(sys.executable).parent / "nemo-longctx"), "train", f"output_dir={out_dir}", "cp=ring",
-                         "cp.size=2",
-                         "recompute=full", "offload=layer_input", "tiling.loss_chunks=2", "memory.track_peak=true",
+    code, out = run_app([str(Path(sys.executable).parent / "nemo-longctx"), "train", f"output_dir={out_dir}",
+                         "cp.size=2", "recompute=full", "offload=layer_input", "tiling.loss_chunks=2", "memory.track_peak=true",
                          "trainer.max_steps=3", "model.seq_length=2048", "run.timeout_s=240", *extra], 300)
     assert code == 0, out[-4000:]
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
@@ -166,23 +181,23 @@ def _app_losses(tmp_path, name, extra):
 
 
 def test_app_losses_with_sequence_chunks_equal_full_recompute(tmp_path):
-    """`nemo-longctx train recompute.sequence_chunks=4` takes the same three steps as `recompute=full` (both with
-    layer-input offload and the chunked loss; ring CP over 2 ranks): per-step losses within 1e-6, and the tracked
-    activation peak is lower (the chunked layers really ran)."""
-    ref, ref_peak = _app_losses(tmp_path, "full", [])
-    got, peak = _app_losses(tmp_path, "chunks", ["recompute.sequence_chunks=4"])
+    """`nemo-longctx train cp=ulysses recompute.sequence_chunks=4` takes the same three steps as `cp=ring
+    recompute=full` (both with layer-input offload and the chunked loss; CP over 2 ranks): per-step losses within
+    1e-6, and the tracked activation peak is lower (the chunked layers really ran)."""
+    ref, ref_peak = _app_losses(tmp_path, "full", ["cp=ring"])
+    got, peak = _app_losses(tmp_path, "chunks", ["cp=ulysses", "recompute.sequence_chunks=4"])
     for a, b in zip(got, ref):
         assert abs(a - b) <= 1e-6 * abs(b), (got, ref)
     assert peak < ref_peak, (peak, ref_peak)
 
 
-def test_app_refuses_sequence_chunks_with_ulysses_before_spawning():
+def test_app_refuses_sequence_chunks_with_head_chunks_before_spawning():
     import sys
     from pathlib import Path
 
     from app_runner import run_app
 
     code, out = run_app([str(Path(sys.executable).parent / "nemo-longctx"), "train", "cp=ulysses", "cp.size=2",
-                         "recompute=full", "recompute.sequence_chunks=4"], 120)
-    assert code == 2 and "recompute.sequence_chunks=4 with cp.algorithm=ulysses (cp.size=2)" in out, out[-3000:]
+                         "cp.head_chunks=2", "recompute=full", "recompute.sequence_chunks=4"], 120)
+    assert code == 2 and "recompute.sequence_chunks=4 with cp.head_chunks=2" in out, out[-3000:]
     assert "spawning" not in out

@@ -35,8 +35,17 @@ chunk's queries attend to every rank's K/V, which pass around the ring once per 
 backward, with the float32 dK/dV accumulators travelling one step behind, as in ``attention.ring``); the K/V pass
 runs first (other ranks need this rank's whole K/V) and dK/dV are complete only after the last chunk (no fused path).
 
+Ulysses context parallelism (``ulysses_group``): each chunk's queries, keys and values go to the group's ranks by
+head with one all-to-all each (this rank's query heads and the KV heads they use, replicated when the KV heads do
+not divide by the group size, as in ``attention.ulysses``), so the buffers hold this rank's heads of the whole
+sequence (as many bytes as the rank's own K/V of all heads); the chunk's output, its gradient and dQ travel back
+the same way, and each chunk's completed dK/dV rows return to their owners after the last chunk (``kv_grads``).
+Hybrid CP is both: Ulysses inside groups of consecutive ranks, and the ring across them passes the buffers (the
+ring rank's share of the sequence, ``attention.hybrid``'s layout). Chunking adds no all-to-all traffic over the
+unchunked Ulysses attention (the same tensors travel, in N pieces).
+
 Not here (refused by the integration, by name): random ops inside the layer (dropout), a layer whose K/V for a
-token depend on other tokens, Ulysses/hybrid CP, packed documents (THD).
+token depend on other tokens, packed documents (THD).
 """
 
 from __future__ import annotations
@@ -45,10 +54,12 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..attention.all_to_all import all_to_all_equal
 from ..attention.comm import RingExchange, group_size_and_rank
 from ..attention.kernels import AttentionKernel
 from ..attention.ring_window import Segment, segments
 from ..attention.thd import empty_accumulators, merge_rows_
+from ..attention.ulysses import UlyssesHeadPlan, plan_ulysses_heads
 from ..attention.window import INF, normalize_window, window_backward_blocks, window_forward_blocks, windowed_blocks
 from ..options import DEFAULT_SEQUENCE_CHUNK_TOKENS, auto_tiles
 
@@ -86,24 +97,32 @@ class ChunkState:
     """One pass of a chunked layer: the chunk being run, the mode, the K/V buffers and (backward) their float32
     gradient accumulators. ``mode``: ``kv`` (store K/V, stop the layer) or ``attend`` (attend and go on)."""
 
-    def __init__(self, bounds: Sequence[Tuple[int, int]], group=None) -> None:
+    def __init__(self, bounds: Sequence[Tuple[int, int]], group=None, ulysses_group=None) -> None:
         self.bounds = list(bounds)
-        self.length = self.bounds[-1][1]
+        self.length = self.bounds[-1][1]  # local rows
         self.index = 0
         self.mode = "attend"
-        self.k: Optional[Tensor] = None  # [b, S, hkv, d]
+        self.k: Optional[Tensor] = None  # [b, key_length, hkv (this rank's Ulysses share), d]
         self.v: Optional[Tensor] = None
-        self.filled = 0  # rows [0, filled) of the buffers hold this layer's K/V
+        self.filled = 0  # local rows [0, filled) have their K/V in the buffers
         self.dk: Optional[Tensor] = None  # float32/float64 accumulators, backward only
         self.dv: Optional[Tensor] = None
         self.fused = False  # backward: the attention returns its own chunk's completed dK/dV rows
         self.captured: Optional[Tuple[Tensor, Tensor]] = None  # kv mode: the chunk's k, v (with their graph)
         self.causal_like: Optional[bool] = None  # learned from the layer's core attention
-        self.cp_size, self.cp_rank = group_size_and_rank(group)
-        self.group = group if self.cp_size > 1 else None  # the ring CP group (None: no CP)
+        self.ring_size, self.ring_rank = group_size_and_rank(group)
+        self.ulysses_size, self.ulysses_rank = group_size_and_rank(ulysses_group)
+        self.group = group if self.ring_size > 1 else None  # the ring group (None: no ring)
+        self.ulysses_group = ulysses_group if self.ulysses_size > 1 else None  # the all-to-all group
+        # hybrid's numbering (attention.hybrid): Ulysses groups are runs of consecutive CP ranks
+        self.cp_size = self.ring_size * self.ulysses_size
+        self.cp_rank = self.ring_rank * self.ulysses_size + self.ulysses_rank
+        # the buffers hold the ring rank's share of the sequence: its Ulysses group's shards for this rank's heads
+        self.key_length = self.length * self.ulysses_size
+        self.heads: Optional[UlyssesHeadPlan] = None  # which heads go to which Ulysses rank (set by plan_heads)
         if self.cp_size > 1 and self.length % 2:
-            raise ValueError(f"sequence-chunked layer under ring CP: {self.length} local tokens are not two zigzag "
-                             "halves")
+            raise ValueError(f"sequence-chunked layer under context parallelism: {self.length} local tokens are not "
+                             "two zigzag halves")
 
     @property
     def rows(self) -> Tuple[int, int]:
@@ -112,45 +131,133 @@ class ChunkState:
     def begin(self, index: int, mode: str) -> None:
         self.index, self.mode, self.captured = index, mode, None
 
+    def plan_heads(self, hq: int, hkv: int) -> None:
+        """Under Ulysses: which query and key/value heads each Ulysses rank attends (``ulysses.plan_ulysses_heads``:
+        KV heads are replicated when their count does not divide by the group size)."""
+        if self.ulysses_size > 1 and self.heads is None:
+            self.heads = plan_ulysses_heads(hq, hkv, self.ulysses_size, 1, fn="sequence-chunked attention")
+
     def store(self, k: Tensor, v: Tensor) -> None:
-        """Write the current chunk's K/V ([b, rows, h, d]) into the buffers (allocated at the first chunk)."""
+        """Write the current chunk's K/V ([b, rows, h, d]) into the buffers (allocated at the first chunk); under
+        Ulysses, this rank's heads of every Ulysses rank's chunk, at their places in the ring rank's share."""
         a, b = self.rows
         if k.shape[1] != b - a or v.shape[1] != b - a:
             raise ValueError(f"sequence-chunked layer: core attention got {k.shape[1]} key rows for chunk "
                              f"{self.index} of {b - a} rows (sequence parallelism or a layer that changes the "
                              "sequence length is not supported)")
-        if self.k is None:
-            self.k = k.new_empty((k.shape[0], self.length) + tuple(k.shape[2:]))
-            self.v = v.new_empty((v.shape[0], self.length) + tuple(v.shape[2:]))
         with torch.no_grad():
-            self.k[:, a:b].copy_(k)
-            self.v[:, a:b].copy_(v)
+            k, v = self.gather_kv(k), self.gather_kv(v)
+            if self.k is None:
+                self.k = k.new_empty((k.shape[0], self.key_length) + tuple(k.shape[2:]))
+                self.v = v.new_empty((v.shape[0], self.key_length) + tuple(v.shape[2:]))
+            for row, n, buf in self.buffer_rows((a, b)):
+                self.k[:, buf:buf + n].copy_(k[:, row:row + n])
+                self.v[:, buf:buf + n].copy_(v[:, row:row + n])
         self.filled = max(self.filled, b)
 
-    def check_group(self, group) -> None:
-        """The core attention's CP group must be the one the chunked layer runs under (its K/V pass and its ring
+    def buffer_rows(self, rows: Tuple[int, int]) -> List[Tuple[int, int, int]]:
+        """(row of the gathered chunk, length, buffer row) pieces of a chunk's rows [a, b): where each Ulysses rank's
+        part of the chunk lives in the ring rank's buffers (without Ulysses: the rows themselves)."""
+        own = segments(self.ring_size, self.ring_rank, self.key_length)
+        out = []
+        for g, row, n in self.query_segments(rows):
+            for gs, buf, ns in own:
+                lo, hi = max(g, gs), min(g + n, gs + ns)
+                if lo < hi:
+                    out.append((row + lo - g, hi - lo, buf + lo - gs))
+        return out
+
+    def _send(self, x: Tensor, heads) -> Tensor:
+        """[b, rows, h, d] -> [U, b, rows, h/U, d]: the heads ``heads(j)`` picks for Ulysses rank j, in slot j."""
+        return torch.stack([x[:, :, heads(j)] for j in range(self.ulysses_size)])
+
+    def _gather(self, x: Tensor, heads) -> Tensor:
+        send = self._send(x, heads)
+        recv = all_to_all_equal(send, torch.empty_like(send), self.ulysses_group)
+        return recv.transpose(0, 1).flatten(1, 2)  # [b, U*rows, h/U, d]: source rank by source rank
+
+    def gather_q(self, x: Tensor) -> Tensor:
+        """Under Ulysses: a chunk's queries (or output gradients) [b, rows, hq, d] -> this rank's query heads of every
+        Ulysses rank's chunk [b, U*rows, hq/U, d] (one all-to-all); without Ulysses ``x``."""
+        if self.ulysses_group is None:
+            return x
+        return self._gather(x, lambda j: self.heads.q_heads(j, 0))
+
+    def gather_kv(self, x: Tensor) -> Tensor:
+        """``gather_q`` for keys or values: the (replicated) KV heads this rank's query heads use."""
+        if self.ulysses_group is None:
+            return x
+        return self._gather(x, lambda j: self.heads.kv_heads(j, 0, x.device))
+
+    def _scatter(self, x: Tensor) -> Tensor:
+        """[b, U*rows, h/U, d] (this rank's heads of every Ulysses rank's chunk) -> [U, b, rows, h/U, d] received:
+        slot j holds Ulysses rank j's heads of this rank's chunk (the all-to-all back)."""
+        u = self.ulysses_size
+        send = x.unflatten(1, (u, x.shape[1] // u)).transpose(0, 1).contiguous()
+        return all_to_all_equal(send, torch.empty_like(send), self.ulysses_group)
+
+    def scatter_q(self, x: Tensor) -> Tensor:
+        """The inverse of ``gather_q`` (attention outputs, query gradients): [b, rows, hq, d]."""
+        if self.ulysses_group is None:
+            return x
+        recv = self._scatter(x)
+        return recv.permute(1, 2, 0, 3, 4).flatten(2, 3)  # query heads are contiguous per Ulysses rank
+
+    def kv_grads(self, index: int, dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
+        """The completed dK/dV of chunk ``index``'s own rows [b, rows, hkv, d] (Ulysses: every rank's share of the
+        accumulators comes back by all-to-all, replicated KV heads summed)."""
+        a, b = self.bounds[index]
+        if self.ulysses_group is None and self.ring_size == 1:
+            return self.dk[:, a:b].to(dtype), self.dv[:, a:b].to(dtype)
+        grads = []
+        for acc in (self.dk, self.dv):
+            rows = acc.new_empty((acc.shape[0], (b - a) * self.ulysses_size) + tuple(acc.shape[2:]))
+            for row, n, buf in self.buffer_rows((a, b)):
+                rows[:, row:row + n].copy_(acc[:, buf:buf + n])
+            if self.ulysses_group is None:
+                grads.append(rows.to(dtype))
+                continue
+            recv = self._scatter(rows)  # slot j: this chunk's rows of the KV heads Ulysses rank j attended
+            hkv = self.heads.hkv
+            out = acc.new_zeros((acc.shape[0], b - a, hkv) + tuple(acc.shape[3:]))
+            for j in range(self.ulysses_size):
+                idx = self.heads.kv_heads(j, 0, acc.device)
+                if isinstance(idx, slice):
+                    out[:, :, idx] += recv[j]
+                else:  # replicated KV heads: their gradients add up
+                    out.index_add_(2, idx, recv[j])
+            grads.append(out.to(dtype))
+        return grads[0], grads[1]
+
+    def check_group(self, group, ulysses_group=None) -> None:
+        """The core attention's CP groups must be the ones the chunked layer runs under (its K/V pass and its ring
         passes must agree on the layout)."""
-        got = group_size_and_rank(group)
-        if got != (self.cp_size, self.cp_rank):
-            raise ValueError(f"sequence-chunked layer: its core attention runs with a CP group of {got[0]} ranks "
-                             f"(rank {got[1]}) but the layer was chunked for {self.cp_size} (rank {self.cp_rank})")
+        for name, got, want in (("ring", group_size_and_rank(group), (self.ring_size, self.ring_rank)),
+                                ("Ulysses", group_size_and_rank(ulysses_group),
+                                 (self.ulysses_size, self.ulysses_rank))):
+            if got != want:
+                raise ValueError(f"sequence-chunked layer: its core attention runs with a {name} group of {got[0]} "
+                                 f"ranks (rank {got[1]}) but the layer was chunked for {want[0]} (rank {want[1]})")
 
     def query_segments(self, rows: Tuple[int, int]) -> List[Segment]:
-        """A chunk's rows [a, b) as (global start, row in the chunk, length): one piece without CP; under ring CP
-        the chunk's part of each of the rank's two zigzag halves."""
+        """The queries of a chunk's rows [a, b) as (global start, row, length): one piece without CP; under CP each
+        rank's part of the chunk lies in its two zigzag halves; under Ulysses the attention sees every Ulysses
+        rank's chunk (source by source, ``gather_q``), so rows count from ``u * (b - a)`` for source u."""
         a, b = rows
         out = []
-        for g, lo, n in segments(self.cp_size, self.cp_rank, self.length):
-            ra, rb = max(a, lo), min(b, lo + n)
-            if ra < rb:
-                out.append((g + ra - lo, ra - a, rb - ra))
+        for u in range(self.ulysses_size):
+            rank = self.ring_rank * self.ulysses_size + u
+            for g, lo, n in segments(self.cp_size, rank, self.length):
+                ra, rb = max(a, lo), min(b, lo + n)
+                if ra < rb:
+                    out.append((g + ra - lo, u * (b - a) + ra - a, rb - ra))
         return out
 
     def key_segments(self, rank: int, key_rows: int) -> List[Segment]:
-        """Rows [0, key_rows) of ``rank``'s K/V buffers as (global start, buffer row, length)."""
+        """Rows [0, key_rows) of ring rank ``rank``'s K/V buffers as (global start, buffer row, length)."""
         if self.cp_size == 1:
             return [(0, 0, key_rows)]
-        return segments(self.cp_size, rank, self.length)
+        return segments(self.ring_size, rank, self.key_length)
 
     def alloc_grads(self) -> None:
         acc = torch.float64 if self.k.dtype == torch.float64 else torch.float32
@@ -186,8 +293,9 @@ def _window(causal: bool, window_size) -> Tuple[int, int]:
 
 
 def _blocks(state: ChunkState, rows: Tuple[int, int], window: Tuple[int, int], key_rows: int, rank: int):
-    """Blocks of the chunk's queries (``rows``) against ``rank``'s K/V buffers."""
-    tile = (rows[1] - rows[0]) if window[0] >= INF else None  # one query tile unless a finite window bands it
+    """Blocks of the chunk's queries (``rows``, gathered under Ulysses) against ring rank ``rank``'s K/V buffers."""
+    # one query tile unless a finite window bands it
+    tile = (rows[1] - rows[0]) * state.ulysses_size if window[0] >= INF else None
     return list(windowed_blocks(state.query_segments(rows), state.key_segments(rank, key_rows), window, tile))
 
 
@@ -200,14 +308,14 @@ def _key_rows(state: ChunkState, window: Tuple[int, int]) -> int:
         raise RuntimeError(f"sequence-chunked attention: chunk {state.index} needs key rows up to {need} but only "
                            f"{state.filled} are computed (a K/V pass must run first for non-causal layers and under "
                            "context parallelism)")
-    return need
+    return state.key_length if state.cp_size > 1 else need
 
 
 def _sources(state: ChunkState):
     """Yields (step, source rank, (k, v) of that source, the ring exchange or None) for one ring pass of the K/V
     buffers: step 0 is this rank's own; each later source's K/V arrive from the previous rank while the current block
     is computed (the exchange is posted first)."""
-    size, rank = state.cp_size, state.cp_rank
+    size, rank = state.ring_size, state.ring_rank
     ring = RingExchange(state.group) if size > 1 else None
     kv = (state.k, state.v)
     for step in range(size):
@@ -226,6 +334,7 @@ class _ChunkAttention(torch.autograd.Function):
     def forward(ctx, q, k_c, v_c, state, window, scale, kernel):
         key_rows = _key_rows(state, window)
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        q = state.gather_q(q)  # Ulysses: this rank's heads of every Ulysses rank's chunk
         out, lse = empty_accumulators(q, state.v, acc)
         for _, src, (k, v), _ in _sources(state):
             blocks = _blocks(state, state.rows, window, key_rows, src)
@@ -234,14 +343,14 @@ class _ChunkAttention(torch.autograd.Function):
         ctx.save_for_backward(q, out, lse)
         ctx.state, ctx.key_rows, ctx.window, ctx.scale, ctx.kernel = state, key_rows, window, scale, kernel
         ctx.rows, ctx.fused = state.rows, state.fused
-        return out
+        return state.scatter_q(out)
 
     @staticmethod
     def backward(ctx, dout):
         q, out, lse = ctx.saved_tensors
         st = ctx.state
         dq = torch.zeros(q.shape, dtype=st.dk.dtype, device=q.device)
-        dout = dout.contiguous() if dout.stride(-1) != 1 else dout
+        dout = st.gather_q(dout.contiguous() if dout.stride(-1) != 1 else dout)
         args = (ctx.window, ctx.scale, ctx.kernel, dq)
         pending = None
         for step, src, (k, v), ring in _sources(st):
@@ -261,24 +370,28 @@ class _ChunkAttention(torch.autograd.Function):
             dk, dv = pending.wait()
             st.dk.add_(dk)
             st.dv.add_(dv)
+        dq = st.scatter_q(dq.to(q.dtype))
         if not ctx.fused:
-            return dq.to(q.dtype), None, None, None, None, None, None
+            return dq, None, None, None, None, None, None
         a, b = ctx.rows  # complete: every later chunk ran its backward before this one
-        return dq.to(q.dtype), st.dk[:, a:b].to(st.k.dtype), st.dv[:, a:b].to(st.v.dtype), None, None, None, None
+        return dq, st.dk[:, a:b].to(st.k.dtype), st.dv[:, a:b].to(st.v.dtype), None, None, None, None
 
 
 def chunk_core_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, kernel: AttentionKernel,
-                         window_size=None, group=None) -> Tensor:
+                         window_size=None, group=None, ulysses_group=None) -> Tensor:
     """What a core attention returns under an active ``ChunkState`` (see the module docstring): q [b, sc, hq, d]
     (the chunk's queries), k/v [b, sc, hkv, d|dv] (the chunk's own keys and values) -> out [b, sc, hq, dv].
     ``kv`` mode stores k/v (keeping them, with their graph, when grad is enabled) and raises ``StopAfterKV``.
     ``group``: the ring CP group (the local sequence is the rank's zigzag shard, ``ring_window.segments``); every
     chunk's queries then see every rank's K/V, passed around the ring once per chunk (forward, and again in its
-    backward with the dK/dV accumulators travelling home)."""
+    backward with the dK/dV accumulators travelling home). ``ulysses_group``: Ulysses CP (hybrid with ``group``
+    the ring across Ulysses groups): each chunk's queries, keys and values reach the group's ranks by head with one
+    all-to-all each, the output and gradients come back the same way."""
     state = active_sequence_chunking()
     if state is None:
         raise RuntimeError("chunk_core_attention called outside a sequence-chunked layer")
-    state.check_group(group)
+    state.check_group(group, ulysses_group)
+    state.plan_heads(q.shape[2], k.shape[2])
     window = _window(causal, window_size)
     causal_like = window[1] == 0
     if state.causal_like is None:
@@ -344,9 +457,9 @@ class _ParamGrads:
 
 class _SequenceChunkedLayer(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, run_chunk, n_chunks, seq_dim, kv_first, params, group, hidden):
+    def forward(ctx, run_chunk, n_chunks, seq_dim, kv_first, params, groups, hidden):
         bounds = chunk_bounds(hidden.shape[seq_dim], n_chunks)
-        state = ChunkState(bounds, group)
+        state = ChunkState(bounds, *groups)
         kv_first = kv_first or state.cp_size > 1  # other ranks' queries need this rank's whole K/V
         out = None  # written chunk by chunk (no list of chunk outputs next to a concatenated copy)
         with torch.no_grad(), _Active(state):
@@ -362,7 +475,7 @@ class _SequenceChunkedLayer(torch.autograd.Function):
                     out = y.new_empty(shape)
                 out.narrow(seq_dim, a, b - a).copy_(y)
                 del y
-        ctx.run_chunk, ctx.bounds, ctx.seq_dim, ctx.params, ctx.group = run_chunk, bounds, seq_dim, params, group
+        ctx.run_chunk, ctx.bounds, ctx.seq_dim, ctx.params, ctx.groups = run_chunk, bounds, seq_dim, params, groups
         ctx.save_for_backward(hidden)
         return out
 
@@ -370,7 +483,7 @@ class _SequenceChunkedLayer(torch.autograd.Function):
     def backward(ctx, grad_out):
         (hidden,) = ctx.saved_tensors
         run_chunk, bounds, seq_dim = ctx.run_chunk, ctx.bounds, ctx.seq_dim
-        state = ChunkState(bounds, ctx.group)
+        state = ChunkState(bounds, *ctx.groups)
         grad_in = torch.zeros_like(hidden)
         param_grads = _ParamGrads(ctx.params)
         with _Active(state):
@@ -398,7 +511,7 @@ class _SequenceChunkedLayer(torch.autograd.Function):
                     a, b = bounds[i]
                     with torch.enable_grad():
                         k, v = _run_kv(run_chunk, hidden, state, seq_dim, i, x=x)
-                    param_grads.backward([k, v], [state.dk[:, a:b].to(k.dtype), state.dv[:, a:b].to(v.dtype)], x)
+                    param_grads.backward([k, v], list(state.kv_grads(i, k.dtype)), x)
                     grad_in.narrow(seq_dim, a, b - a).add_(x.grad)
         param_grads.deliver()
         return None, None, None, None, None, None, grad_in
@@ -406,7 +519,8 @@ class _SequenceChunkedLayer(torch.autograd.Function):
 
 def sequence_chunked_checkpoint(run_chunk: Callable[[Tensor, int, int], Tensor], hidden: Tensor, n_chunks: int,
                                 *, seq_dim: int = 0, kv_first: bool = False,
-                                params: Optional[Sequence[Tensor]] = None, group=None) -> Tensor:
+                                params: Optional[Sequence[Tensor]] = None, group=None,
+                                ulysses_group=None) -> Tensor:
     """Run a layer chunk by chunk as a full-recompute checkpoint (module docstring).
 
     ``run_chunk(x, start, end)`` runs the layer on ``x`` = rows [start, end) of ``hidden`` along ``seq_dim`` and
@@ -417,13 +531,15 @@ def sequence_chunked_checkpoint(run_chunk: Callable[[Tensor, int, int], Tensor],
     ``params``: the layer's parameters; their chunk gradients are summed and reach autograd once per backward
     (gradient-accumulation hooks fire once, as Megatron DDP's overlapped grad reduce requires). Without it each chunk's
     backward accumulates into ``.grad``. ``group``: the ring CP group when ``hidden`` is this rank's zigzag shard
-    (``ring_window.segments``); the core attention must pass the same group to ``chunk_core_attention``."""
+    (``ring_window.segments``); ``ulysses_group``: the Ulysses CP group (alone, or with ``group`` as hybrid's ring
+    across Ulysses groups); the core attention must pass the same groups to ``chunk_core_attention``."""
     if not torch.is_grad_enabled():  # evaluation: the same chunked forward, nothing saved
-        return _SequenceChunkedLayer.forward(_NoCtx(), run_chunk, n_chunks, seq_dim, kv_first, params, group,
-                                             hidden)
+        return _SequenceChunkedLayer.forward(_NoCtx(), run_chunk, n_chunks, seq_dim, kv_first, params,
+                                             (group, ulysses_group), hidden)
     if not hidden.requires_grad:  # e.g. frozen embeddings: the layer's parameters still need their gradients
         hidden = hidden.detach().requires_grad_(True)
-    return _SequenceChunkedLayer.apply(run_chunk, n_chunks, seq_dim, kv_first, params, group, hidden)
+    return _SequenceChunkedLayer.apply(run_chunk, n_chunks, seq_dim, kv_first, params, (group, ulysses_group),
+                                       hidden)
 
 
 class _NoCtx:

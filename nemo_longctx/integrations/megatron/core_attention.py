@@ -184,6 +184,22 @@ class LongContextCoreAttention(MegatronModule):
             )
         return attn_mask_type
 
+    def sequence_chunk_groups(self) -> Tuple[Any, Any]:
+        """(ring group, Ulysses group) a sequence-chunked layer (``recompute.sequence_chunks``) runs this attention's
+        CP with: ring (the CP group, None), Ulysses (None, the CP group), hybrid (its ring and Ulysses groups);
+        (None, None) without CP."""
+        if self.cp_size == 1:
+            return None, None
+        name = self.algorithm.name
+        if name not in SEQUENCE_CHUNK_ALGORITHMS:
+            raise ValueError(f"recompute.sequence_chunks does not run under cp.algorithm={name} (CP size "
+                             f"{self.cp_size}): choose one of {', '.join(SEQUENCE_CHUNK_ALGORITHMS)}")
+        if name == "ring":
+            return self.cp_group, None
+        if name == "ulysses":
+            return None, self.cp_group
+        return self.algorithm_kwargs["ring_group"], self.algorithm_kwargs["ulysses_group"]
+
     def forward(
         self,
         query: Tensor,
@@ -232,14 +248,12 @@ class LongContextCoreAttention(MegatronModule):
         if active_sequence_chunking() is not None:  # recompute.sequence_chunks: this layer runs chunk by chunk
             if packed_seq_params is not None:
                 raise ValueError("recompute.sequence_chunks does not support packed documents in this version")
-            if self.cp_size > 1 and self.algorithm.name not in SEQUENCE_CHUNK_ALGORITHMS:
-                raise ValueError(f"recompute.sequence_chunks runs under ring CP only in this version (cp.algorithm="
-                                 f"{self.algorithm.name}, CP size {self.cp_size})")
+            ring_group, ulysses_group = self.sequence_chunk_groups()
             kernel = select_kernel(q.device, q.dtype, self.algorithm_kwargs.get("kernel"), head_dim=q.shape[-1],
                                    value_dim=dv)
             out = chunk_core_attention(q, k, v, causal=mask_type == AttnMaskType.causal, scale=self.softmax_scale,
-                                       kernel=kernel, window_size=self.window_size,
-                                       group=self.cp_group if self.cp_size > 1 else None)
+                                       kernel=kernel, window_size=self.window_size, group=ring_group,
+                                       ulysses_group=ulysses_group)
             return out.transpose(0, 1).reshape(sq, b, hq * dv)
         if self.kept_attention_cache is not None:
             if thd:

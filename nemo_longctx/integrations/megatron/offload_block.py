@@ -83,9 +83,9 @@ class LongContextTransformerBlock(TransformerBlock):
             core = layer.self_attention.core_attention
             kv_first = getattr(core, "attn_mask_type", None) != AttnMaskType.causal
             params = [p for p in layer.parameters() if p.requires_grad]
-            group = core.cp_group if getattr(core, "cp_size", 1) > 1 else None  # ring CP: the rank's zigzag shard
+            ring_group, ulysses_group = core.sequence_chunk_groups()  # CP: the rank's zigzag shard
             return sequence_chunked_checkpoint(run_chunk, hidden_states, n, seq_dim=0, kv_first=kv_first,
-                                               params=params, group=group), context
+                                               params=params, group=ring_group, ulysses_group=ulysses_group), context
 
         def run_layers_chunked(start: int, end: int):
             def forward(hidden_states, attention_mask, context, context_mask, rotary_pos_emb):
