@@ -1,7 +1,7 @@
 """``data.packing=documents`` through the train app (real NeMo objects, gloo on CPU): a tiny Mistral (sliding window
 24 on every layer) trains on rows of documents with per-document attention -- THD + SWA through our data module,
 data step, forward step and core attention -- with the same per-step losses at cp=none (1 process) and under ring
-CP=2 (the app spawns 2 processes). Two app runs, 3 SGD steps at seq 512, documents of 48..144 tokens."""
+CP=2 with sequence-chunked layers (the app spawns 2 processes). Two app runs, 3 SGD steps at seq 512, documents of 48..144 tokens."""
 
 from __future__ import annotations
 
@@ -25,7 +25,10 @@ def _losses(out_dir: Path):
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("packed")
     out = {}
-    for name, extra in (("none", ["cp=none", "trainer.devices=1"]), ("ring", ["cp=ring"])):
+    # ring CP=2 with sequence-chunked layers (3 chunks each crossing documents, full recompute): the documents and
+    # their RoPE positions reach every chunk (ring alone on packed documents: tests/test_packed_megatron.py)
+    for name, extra in (("none", ["cp=none", "trainer.devices=1"]),
+                        ("ring", ["cp=ring", "recompute=full", "recompute.sequence_chunks=3"])):
         code, text = run_app([sys.executable, "-m", "nemo_longctx.train", f"output_dir={base / name}", *COMMON,
                               *extra], timeout=400)
         assert code == 0, text[-4000:]

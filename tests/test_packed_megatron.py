@@ -6,7 +6,8 @@ sequence, attending within documents through the mask Megatron's GPTDataset buil
 (``_get_ltor_masks_and_position_ids``, documents end after each EOD token). Ours: the same weights with our core
 attention; the sample goes through ``PerDocumentPacking`` (what ``data.packing=documents`` yields) and our data step
 (``long_context_data_step``: each document padded to a multiple of 2*cp, sharded per document, PackedSeqParams),
-for cp=none and ring / Ulysses / hybrid at CP=2. NeMo's packed fine-tuning data (a packed .npy read by NeMo's
+for cp=none and ring / Ulysses / hybrid at CP=2, each also with sequence-chunked layers (``recompute.sequence_chunks``,
+full recompute, layer-input offload). NeMo's packed fine-tuning data (a packed .npy read by NeMo's
 GPTSFTPackedDataset through ``data=packed_sft``'s data module, its own collate) against a block-diagonal causal mask
 over the same documents. The summed loss over real tokens and every gradient must match
 (fp64 model; Megatron's RoPE and cross entropy run in float32). Also: NeMo's packed fine-tuning format (documents
@@ -116,6 +117,8 @@ def _worker(rank, world, tmp):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    from nemo_longctx.integrations.megatron.memory_options import (
+        MemoryOptions, apply_recompute_fields, attach_memory_options)
     from nemo_longctx.integrations.megatron.spec import long_context_layer_spec
     from nemo_longctx.integrations.nemo.data import PerDocumentPacking
     from nemo_longctx.integrations.nemo.steps import long_context_data_step
@@ -125,10 +128,14 @@ def _worker(rank, world, tmp):
     S = sum(DOCS)
     collate = torch.utils.data.default_collate
 
-    def build(cp, spec):
+    def build(cp, spec, opts=None):
         tensor_parallel.model_parallel_cuda_manual_seed(7)
         torch.manual_seed(7)
-        return GPTModel(_config(cp), spec, vocab_size=VOCAB, max_sequence_length=4 * S, position_embedding_type="rope")
+        config = _config(cp) if opts is None else apply_recompute_fields(_config(cp), opts)
+        model = GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=4 * S, position_embedding_type="rope")
+        if opts is not None:
+            attach_memory_options(model, opts)
+        return model
 
     def grads(model):
         return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
@@ -143,8 +150,8 @@ def _worker(rank, world, tmp):
     loss.backward()
     ref = (loss.item(), grads(ref_model))
 
-    def ours(cp, algo, kwargs, batch, packed=True):
-        model = build(cp, long_context_layer_spec(base, algo, **kwargs))
+    def ours(cp, algo, kwargs, batch, packed=True, opts=None):
+        model = build(cp, long_context_layer_spec(base, algo, **kwargs), opts)
         model.load_state_dict(state, strict=False)
         local = long_context_data_step(iter([batch]))
         if not packed:  # anchor: the same shards attended causally across documents
@@ -165,11 +172,16 @@ def _worker(rank, world, tmp):
     packed = collate([PerDocumentPacking([sample])[0]])
     res = {"ref": ref[0], "S": S}
     res["none"] = ours(1, "ring", {}, packed)
+    # sequence-chunked layers (3 chunks: uneven, crossing document boundaries) with full recompute and layer-input
+    # offload: the documents reach the chunk state, Megatron's THD RoPE positions go row by row
+    chunked = MemoryOptions(recompute="full", sequence_chunks=3, offload="layer_input", min_bytes=0)
+    res["chunks_none"] = ours(1, "ring", {}, packed, opts=chunked)
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(context_parallel_size=world)
     for name, algo, kwargs in (("ring", "ring", {}), ("ulysses", "ulysses", {}),
                                ("hybrid", "hybrid", {"ulysses_size": 2})):
         res[name] = ours(world, algo, kwargs, packed)
+        res[f"chunks_{name}"] = ours(world, algo, kwargs, packed, opts=chunked)
     res["nemo_prepadded"] = ours(world, "ring", {}, _nemo_prepadded(sample, world))
     noisy = _nemo_prepadded(sample, world)
     g = torch.Generator().manual_seed(rank + 99)
@@ -255,7 +267,8 @@ def results(tmp_path_factory):
 def test_packed_losses_and_grads_equal_megatron_document_mask(results):
     for r in results:
         ref = r["ref"]
-        for key in ("none", "ring", "ulysses", "hybrid", "nemo_prepadded", "pads_changed"):
+        for key in ("none", "ring", "ulysses", "hybrid", "nemo_prepadded", "pads_changed", "chunks_none",
+                    "chunks_ring", "chunks_ulysses", "chunks_hybrid"):
             loss, grad_err, real, _ = r[key]
             assert loss == pytest.approx(ref, rel=2e-6, abs=0), (key, r)
             assert grad_err < 1e-5, (key, r)

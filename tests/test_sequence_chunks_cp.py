@@ -22,7 +22,7 @@ from distributed import run_distributed
 from test_sequence_chunks import CASES, ToyLayer, _rel
 
 from nemo_longctx.attention.hybrid import make_cp_groups
-from nemo_longctx.attention.layouts import zigzag_indices
+from nemo_longctx.attention.layouts import thd_zigzag_indices, zigzag_indices
 from nemo_longctx.memory.sequence_chunks import chunk_core_attention, sequence_chunked_checkpoint
 
 S = 48  # global tokens: 24 per rank at CP=2 (halves of 12), 12 at CP=4 (halves of 6)
@@ -73,6 +73,76 @@ def _worker(rank, world, algorithm, cases):
            for case, chunks, dt in cases}
     out["control"] = _case_errors(rank, world, "causal_gqa", 3, torch.float64, cp=False)
     return out
+
+
+DOCS = [13, 3, 20, 1, 9, 6]  # real lengths; each padded to a multiple of 4 (pads at every CP size, 2 and 4 ranks)
+
+
+def _docs_errors(rank, world, algorithm, case, chunks, dtype, documents=True):
+    """Packed documents: the layer on each document's real tokens alone (RoPE from 0 in each) is the reference;
+    the chunked run takes the padded packed sequence (per-document zigzag shards under CP, pad rows' output
+    gradients 0, as a loss mask gives them): real rows' outputs, every input gradient row and the parameter
+    gradients must agree. ``documents=False``: the control, chunked across document boundaries."""
+    layer = ToyLayer(dtype=dtype, **CASES[case])
+    mult = 4 if world <= 2 else 2 * world
+    padded = [-(-n // mult) * mult for n in DOCS]
+    cu = [0] + torch.tensor(DOCS).cumsum(0).tolist()
+    cu_padded = [0] + torch.tensor(padded).cumsum(0).tolist()
+    total = cu_padded[-1]
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(total, 1, 32, generator=g, dtype=dtype)
+    dy = torch.randn(total, 1, 32, generator=g, dtype=dtype)
+    real = torch.zeros(total, dtype=torch.bool)
+    pos = torch.zeros(total, dtype=torch.long)  # each token's position in its document (RoPE)
+    for start, n, p in zip(cu_padded, DOCS, padded):
+        real[start:start + n] = True
+        pos[start:start + p] = torch.arange(p)
+    dy[~real] = 0
+    ref_out, ref_dx = torch.zeros_like(x), torch.zeros_like(x)
+    for start, n in zip(cu_padded, DOCS):  # every document alone: its gradients add up over the documents
+        xd = x[start:start + n].clone().requires_grad_(True)
+        out = layer(xd)
+        out.backward(dy[start:start + n])
+        ref_out[start:start + n], ref_dx[start:start + n] = out.detach(), xd.grad
+    ref_params = [p.grad.clone() for p in layer.parameters()]
+    layer.zero_grad()
+
+    idx = thd_zigzag_indices(cu_padded, world, rank)
+    layer.cp_group, layer.ulysses_group = _groups(algorithm) if world > 1 else (None, None)
+    xl = x[idx].clone().requires_grad_(True)
+    out = sequence_chunked_checkpoint(lambda xc, a, b: layer(xc, pos[idx][a:b]), xl, chunks,
+                                      kv_first=not layer.causal, params=list(layer.parameters()),
+                                      group=layer.cp_group, ulysses_group=layer.ulysses_group,
+                                      documents=(cu, cu_padded) if documents else None)
+    out.backward(dy[idx])
+    grads = [p.grad.clone() for p in layer.parameters()]
+    if world > 1:
+        for t in grads:
+            dist.all_reduce(t)
+    keep = real[idx]
+    errs = {"out": _rel(out.detach()[keep], ref_out[idx][keep]), "dx": _rel(xl.grad, ref_dx[idx])}
+    errs.update({n: _rel(gt, r) for (n, _), gt, r in zip(layer.named_parameters(), grads, ref_params)})
+    return errs
+
+
+def _docs_worker(rank, world, algorithm, cases):
+    out = {(case, chunks): _docs_errors(rank, world, algorithm, case, chunks, torch.float64)
+           for case, chunks in cases}
+    out["control"] = _docs_errors(rank, world, algorithm, "causal_gqa", 3, torch.float64, documents=False)
+    return out
+
+
+DOC_CASES = [("causal_gqa", 2), ("causal_gqa", 7), ("full_gqa", 3), ("causal_window", 3), ("causal_mqa", 3)]
+
+
+@pytest.mark.parametrize("algorithm,world", [("none", 1), ("ring", 2), ("ulysses", 2), ("hybrid", 4)],
+                         ids=["cp1", "ring2", "ulysses2", "hybrid2x2"])
+def test_chunked_layer_on_packed_documents_matches_each_document_alone(algorithm, world):
+    for rank, res in enumerate(run_distributed(_docs_worker, world, algorithm, DOC_CASES, threads=1, timeout=600)):
+        control = res.pop("control")
+        for key, errs in res.items():
+            assert max(errs.values()) <= 1e-10, (rank, key, errs)
+        assert max(control.values()) > 1e-3, (rank, control)
 
 
 def _mismatched_group(rank, world):

@@ -44,8 +44,11 @@ Hybrid CP is both: Ulysses inside groups of consecutive ranks, and the ring acro
 ring rank's share of the sequence, ``attention.hybrid``'s layout). Chunking adds no all-to-all traffic over the
 unchunked Ulysses attention (the same tensors travel, in N pieces).
 
+Packed documents (``documents``: THD's cu_seqlens and cu_seqlens_padded, each document zigzag-sharded on its own
+under CP): the same blocks, cut to each document's real tokens and paired only within a document.
+
 Not here (refused by the integration, by name): random ops inside the layer (dropout), a layer whose K/V for a
-token depend on other tokens, packed documents (THD).
+token depend on other tokens.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ from ..attention.all_to_all import all_to_all_equal
 from ..attention.comm import RingExchange, group_size_and_rank
 from ..attention.kernels import AttentionKernel
 from ..attention.ring_window import Segment, segments
-from ..attention.thd import empty_accumulators, merge_rows_
+from ..attention.thd import ThdLayout, empty_accumulators, merge_rows_
 from ..attention.ulysses import UlyssesHeadPlan, plan_ulysses_heads
 from ..attention.window import INF, normalize_window, window_backward_blocks, window_forward_blocks, windowed_blocks
 from ..options import DEFAULT_SEQUENCE_CHUNK_TOKENS, auto_tiles
@@ -97,7 +100,7 @@ class ChunkState:
     """One pass of a chunked layer: the chunk being run, the mode, the K/V buffers and (backward) their float32
     gradient accumulators. ``mode``: ``kv`` (store K/V, stop the layer) or ``attend`` (attend and go on)."""
 
-    def __init__(self, bounds: Sequence[Tuple[int, int]], group=None, ulysses_group=None) -> None:
+    def __init__(self, bounds: Sequence[Tuple[int, int]], group=None, ulysses_group=None, documents=None) -> None:
         self.bounds = list(bounds)
         self.length = self.bounds[-1][1]  # local rows
         self.index = 0
@@ -120,7 +123,14 @@ class ChunkState:
         # the buffers hold the ring rank's share of the sequence: its Ulysses group's shards for this rank's heads
         self.key_length = self.length * self.ulysses_size
         self.heads: Optional[UlyssesHeadPlan] = None  # which heads go to which Ulysses rank (set by plan_heads)
-        if self.cp_size > 1 and self.length % 2:
+        # packed documents (cu_seqlens, cu_seqlens_padded): attention within each document's real tokens only
+        self.docs: Optional[ThdLayout] = None
+        if documents is not None:
+            self.docs = ThdLayout(*documents, cp_size=self.cp_size, fn="sequence-chunked layer")
+            if self.docs.total != self.length * self.cp_size:
+                raise ValueError(f"sequence-chunked layer: cu_seqlens_padded covers {self.docs.total} positions but "
+                                 f"the local sequence has {self.length} tokens on each of {self.cp_size} CP ranks")
+        elif self.cp_size > 1 and self.length % 2:
             raise ValueError(f"sequence-chunked layer under context parallelism: {self.length} local tokens are not "
                              "two zigzag halves")
 
@@ -158,10 +168,10 @@ class ChunkState:
     def buffer_rows(self, rows: Tuple[int, int]) -> List[Tuple[int, int, int]]:
         """(row of the gathered chunk, length, buffer row) pieces of a chunk's rows [a, b): where each Ulysses rank's
         part of the chunk lives in the ring rank's buffers (without Ulysses: the rows themselves)."""
-        own = segments(self.ring_size, self.ring_rank, self.key_length)
+        own = self._layout(self.ring_size, self.ring_rank, self.key_length)
         out = []
-        for g, row, n in self.query_segments(rows):
-            for gs, buf, ns in own:
+        for g, row, n, _ in self.query_segments(rows):
+            for gs, buf, ns, _ in own:
                 lo, hi = max(g, gs), min(g + n, gs + ns)
                 if lo < hi:
                     out.append((row + lo - g, hi - lo, buf + lo - gs))
@@ -239,25 +249,56 @@ class ChunkState:
                 raise ValueError(f"sequence-chunked layer: its core attention runs with a {name} group of {got[0]} "
                                  f"ranks (rank {got[1]}) but the layer was chunked for {want[0]} (rank {want[1]})")
 
-    def query_segments(self, rows: Tuple[int, int]) -> List[Segment]:
-        """The queries of a chunk's rows [a, b) as (global start, row, length): one piece without CP; under CP each
-        rank's part of the chunk lies in its two zigzag halves; under Ulysses the attention sees every Ulysses
-        rank's chunk (source by source, ``gather_q``), so rows count from ``u * (b - a)`` for source u."""
+    def _layout(self, size: int, rank: int, length: int) -> List[Tuple[int, int, int, int]]:
+        """(global start, local row, length, document) pieces of ``rank``'s ``length`` rows in a zigzag layout over
+        ``size`` ranks: the two halves of the sequence's 2*size chunks (``ring_window.segments``, document 0), or,
+        with packed documents, the two chunks of each document's 2*size (``layouts.thd_zigzag_indices``)."""
+        if self.docs is None:
+            return [(g, row, n, 0) for g, row, n in segments(size, rank, length)]
+        out, row = [], 0
+        for doc, (start, padded) in enumerate(zip(self.docs.starts, self.docs.padded)):
+            if size == 1:
+                out.append((start, row, padded, doc))
+            else:
+                c = padded // (2 * size)
+                out += [(start + rank * c, row, c, doc), (start + (2 * size - 1 - rank) * c, row + c, c, doc)]
+            row += padded // size
+        return out
+
+    def query_segments(self, rows: Tuple[int, int]) -> List[Tuple[int, int, int, int]]:
+        """The queries of a chunk's rows [a, b) as (global start, row, length, document): one piece without CP
+        (one per document when packed); under CP each rank's part of the chunk lies in its two zigzag halves (of each
+        document); under Ulysses the attention sees every Ulysses rank's chunk (source by source, ``gather_q``), so
+        rows count from ``u * (b - a)`` for source u."""
         a, b = rows
         out = []
         for u in range(self.ulysses_size):
             rank = self.ring_rank * self.ulysses_size + u
-            for g, lo, n in segments(self.cp_size, rank, self.length):
+            for g, lo, n, doc in self._layout(self.cp_size, rank, self.length):
                 ra, rb = max(a, lo), min(b, lo + n)
                 if ra < rb:
-                    out.append((g + ra - lo, u * (b - a) + ra - a, rb - ra))
+                    out.append((g + ra - lo, u * (b - a) + ra - a, rb - ra, doc))
         return out
 
-    def key_segments(self, rank: int, key_rows: int) -> List[Segment]:
-        """Rows [0, key_rows) of ring rank ``rank``'s K/V buffers as (global start, buffer row, length)."""
+    def key_segments(self, rank: int, key_rows: int) -> List[Tuple[int, int, int, int]]:
+        """Rows [0, key_rows) of ring rank ``rank``'s K/V buffers as (global start, buffer row, length, document)."""
         if self.cp_size == 1:
-            return [(0, 0, key_rows)]
-        return segments(self.ring_size, rank, self.key_length)
+            return [(g, row, min(n, key_rows - row), doc) for g, row, n, doc in self._layout(1, 0, self.length)
+                    if row < key_rows]
+        return self._layout(self.ring_size, rank, self.key_length)
+
+    def real(self, pieces, doc: int) -> List[Segment]:
+        """``pieces`` of document ``doc`` cut to its real tokens (padding is never a key and its queries attend
+        nothing), as (global start, row, length); without packed documents: all of them."""
+        if self.docs is None:
+            return [(g, row, n) for g, row, n, _ in pieces]
+        lo, hi = self.docs.starts[doc], self.docs.starts[doc] + self.docs.lengths[doc]
+        out = []
+        for g, row, n, d in pieces:
+            a, b = max(g, lo), min(g + n, hi)
+            if d == doc and a < b:
+                out.append((a, row + a - g, b - a))
+        return out
 
     def alloc_grads(self) -> None:
         acc = torch.float64 if self.k.dtype == torch.float64 else torch.float32
@@ -296,7 +337,11 @@ def _blocks(state: ChunkState, rows: Tuple[int, int], window: Tuple[int, int], k
     """Blocks of the chunk's queries (``rows``, gathered under Ulysses) against ring rank ``rank``'s K/V buffers."""
     # one query tile unless a finite window bands it
     tile = (rows[1] - rows[0]) * state.ulysses_size if window[0] >= INF else None
-    return list(windowed_blocks(state.query_segments(rows), state.key_segments(rank, key_rows), window, tile))
+    queries, keys = state.query_segments(rows), state.key_segments(rank, key_rows)
+    out = []
+    for doc in sorted({q[3] for q in queries}):  # packed documents: each document's queries attend its own keys
+        out += windowed_blocks(state.real(queries, doc), state.real(keys, doc), window, tile)
+    return out
 
 
 def _key_rows(state: ChunkState, window: Tuple[int, int]) -> int:
@@ -520,7 +565,7 @@ class _SequenceChunkedLayer(torch.autograd.Function):
 def sequence_chunked_checkpoint(run_chunk: Callable[[Tensor, int, int], Tensor], hidden: Tensor, n_chunks: int,
                                 *, seq_dim: int = 0, kv_first: bool = False,
                                 params: Optional[Sequence[Tensor]] = None, group=None,
-                                ulysses_group=None) -> Tensor:
+                                ulysses_group=None, documents=None) -> Tensor:
     """Run a layer chunk by chunk as a full-recompute checkpoint (module docstring).
 
     ``run_chunk(x, start, end)`` runs the layer on ``x`` = rows [start, end) of ``hidden`` along ``seq_dim`` and
@@ -532,14 +577,18 @@ def sequence_chunked_checkpoint(run_chunk: Callable[[Tensor, int, int], Tensor],
     (gradient-accumulation hooks fire once, as Megatron DDP's overlapped grad reduce requires). Without it each chunk's
     backward accumulates into ``.grad``. ``group``: the ring CP group when ``hidden`` is this rank's zigzag shard
     (``ring_window.segments``); ``ulysses_group``: the Ulysses CP group (alone, or with ``group`` as hybrid's ring
-    across Ulysses groups); the core attention must pass the same groups to ``chunk_core_attention``."""
+    across Ulysses groups); the core attention must pass the same groups to ``chunk_core_attention``.
+    ``documents``: (cu_seqlens, cu_seqlens_padded) of packed documents (``attention.thd``'s convention, global;
+    ``hidden`` is the rank's per-document zigzag shard): each query attends the real keys of its own document only,
+    padding rows attend nothing. The layer itself runs without packed-sequence parameters (``run_chunk`` gives its
+    RoPE the positions within each document)."""
     if not torch.is_grad_enabled():  # evaluation: the same chunked forward, nothing saved
         return _SequenceChunkedLayer.forward(_NoCtx(), run_chunk, n_chunks, seq_dim, kv_first, params,
-                                             (group, ulysses_group), hidden)
+                                             (group, ulysses_group, documents), hidden)
     if not hidden.requires_grad:  # e.g. frozen embeddings: the layer's parameters still need their gradients
         hidden = hidden.detach().requires_grad_(True)
-    return _SequenceChunkedLayer.apply(run_chunk, n_chunks, seq_dim, kv_first, params, (group, ulysses_group),
-                                       hidden)
+    return _SequenceChunkedLayer.apply(run_chunk, n_chunks, seq_dim, kv_first, params,
+                                       (group, ulysses_group, documents), hidden)
 
 
 class _NoCtx:

@@ -247,7 +247,9 @@ class LongContextCoreAttention(MegatronModule):
             thd["window_size"] = self.window_size
         if active_sequence_chunking() is not None:  # recompute.sequence_chunks: this layer runs chunk by chunk
             if packed_seq_params is not None:
-                raise ValueError("recompute.sequence_chunks does not support packed documents in this version")
+                raise ValueError("sequence-chunked layer: packed_seq_params reached the core attention (the chunked "
+                                 "layer's block hands the documents to the chunk state and runs the layer without "
+                                 "them: is this layer inside nemo_longctx's transformer block?)")
             ring_group, ulysses_group = self.sequence_chunk_groups()
             kernel = select_kernel(q.device, q.dtype, self.algorithm_kwargs.get("kernel"), head_dim=q.shape[-1],
                                    value_dim=dv)

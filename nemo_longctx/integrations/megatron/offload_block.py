@@ -20,12 +20,34 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import torch
 from megatron.core import tensor_parallel
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_block import TransformerBlock
 
+from nemo_longctx.attention.comm import group_size_and_rank
 from nemo_longctx.memory.sequence_chunks import auto_sequence_chunks, sequence_chunked_checkpoint
 from nemo_longctx.memory.tracker import memory_scope
+
+from .core_attention import packed_seq_layout
+
+
+def thd_rope_per_row(freqs, cu_seqlens_padded, cp_size: int, cp_rank: int):
+    """The RoPE frequencies Megatron applies to each row of this rank's packed (THD) sequence, as a per-row tensor
+    [s_local, 1, 1, d] that its ordinary (sbhd) RoPE path takes row by row -- so a chunk of the rows can run through
+    the layer without packed-sequence parameters. Megatron's ``rope_utils._apply_rotary_pos_emb_thd`` picks them per
+    document with ``_get_thd_freqs_on_this_cp_rank`` (each row's position in its document and CP zigzag chunk; the
+    whole packed sequence's positions when ``freqs`` covers exactly ``cu_seqlens_padded[-1]`` rows); the same helper,
+    with the same two cases, is used here."""
+    from megatron.core.models.common.embeddings.rope_utils import _get_thd_freqs_on_this_cp_rank
+
+    cu = [int(v) for v in (cu_seqlens_padded.tolist() if hasattr(cu_seqlens_padded, "tolist") else cu_seqlens_padded)]
+    exact = freqs.dim() >= 1 and freqs.size(0) == cu[-1]
+    parts = []
+    for start, end in zip(cu, cu[1:]):
+        rows = freqs.new_empty(((end - start) // cp_size, 0))  # (the helper reads only the row count)
+        parts.append(_get_thd_freqs_on_this_cp_rank(cp_rank, cp_size, rows, freqs, start if exact else 0))
+    return torch.cat(parts)
 
 
 class LongContextTransformerBlock(TransformerBlock):
@@ -68,24 +90,31 @@ class LongContextTransformerBlock(TransformerBlock):
 
         def run_one_layer_chunked(index, hidden_states, attention_mask, context, context_mask, rotary_pos_emb):
             layer = self._get_layer(index)
+            core = layer.self_attention.core_attention
+            documents, rope = None, rotary_pos_emb
+            if packed_seq_params is not None:  # packed documents: the chunked attention keeps them apart; the
+                cu, cu_padded = packed_seq_layout(packed_seq_params)  # layer runs without packed-sequence params,
+                documents = (cu, cu_padded)  # its RoPE with each row's position in its document (Megatron's own)
+                if rope is not None:
+                    rope = thd_rope_per_row(rope, cu_padded, *group_size_and_rank(core.cp_group))
 
             def run_chunk(x, a, b):
                 out, _ = layer(
                     hidden_states=x, attention_mask=attention_mask, context=context, context_mask=context_mask,
-                    rotary_pos_emb=None if rotary_pos_emb is None else rotary_pos_emb[a:b],
-                    attention_bias=attention_bias, inference_context=None, packed_seq_params=packed_seq_params,
-                    **extra,
+                    rotary_pos_emb=None if rope is None else rope[a:b],
+                    attention_bias=attention_bias, inference_context=None,
+                    packed_seq_params=None if documents is not None else packed_seq_params, **extra,
                 )
                 return out
 
             n = self.longctx_sequence_chunks
             n = auto_sequence_chunks(hidden_states.shape[0]) if n == "auto" else int(n)
-            core = layer.self_attention.core_attention
             kv_first = getattr(core, "attn_mask_type", None) != AttnMaskType.causal
             params = [p for p in layer.parameters() if p.requires_grad]
             ring_group, ulysses_group = core.sequence_chunk_groups()  # CP: the rank's zigzag shard
             return sequence_chunked_checkpoint(run_chunk, hidden_states, n, seq_dim=0, kv_first=kv_first,
-                                               params=params, group=ring_group, ulysses_group=ulysses_group), context
+                                               params=params, group=ring_group, ulysses_group=ulysses_group,
+                                               documents=documents), context
 
         def run_layers_chunked(start: int, end: int):
             def forward(hidden_states, attention_mask, context, context_mask, rotary_pos_emb):
