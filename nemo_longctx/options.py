@@ -892,11 +892,6 @@ class LongContextOptions:
                 p.append(f"recompute.sequence_chunks={self.memory.sequence_chunks} with {' and '.join(redundant)}: "
                          "a sequence-chunked layer's all-to-alls already move one sequence chunk at a time and keep "
                          "nothing gathered for backward; drop " + " and ".join(r.split("=")[0] for r in redundant))
-        if self.memory.sequence_chunks != "off" and self.optim.state.megatron_fsdp is True:
-            p.append(f"recompute.sequence_chunks={self.memory.sequence_chunks} with optim.megatron_fsdp=true: not "
-                     "supported in this version (Megatron-FSDP's hooks run around every forward/backward call, i.e. "
-                     "per chunk, and the chunked run's gradients came out wrong on CPU): use "
-                     "optim.use_distributed_optimizer=true without megatron_fsdp")
         if self.memory.sequence_chunks != "off" and ctx.sequence_parallel and _is_int(ctx.tp) and ctx.tp > 1:
             p.append(f"recompute.sequence_chunks={self.memory.sequence_chunks} with {ctx.key('tp')}={ctx.tp} and "
                      "sequence parallelism: not supported in this version (a chunk of each TP rank's rows is not a "

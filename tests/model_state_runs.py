@@ -38,6 +38,9 @@ RUNS = {  # name: (overrides, baseline run, relative tolerance of its losses aga
     "precision_aware": (PA, "ddp", 1e-4),
     "precision_aware_half_rc": ([*PA, "optim.optimizer_offload_fraction=0.5", *RC_OFF], "ddp_rc", 1e-4),
     "fsdp_rc": (["optim=fsdp", *RC_OFF], "ddp_rc", 1e-4),
+    # sequence-chunked layers under Megatron-FSDP: the layer's one call (chunked_layer.py) keeps FSDP's all-gather,
+    # release and reduce-scatter hooks at one per layer and step
+    "fsdp_rc_chunks": (["optim=fsdp", *RC_OFF, "recompute.sequence_chunks=4"], "fsdp_rc", 1e-4),
     # the default job's own precision (fp32): the distributed optimizer against DDP
     "ddp_fp32": (["trainer.precision=32"], None, None),
     "distributed_fp32": (["optim=distributed", "trainer.precision=32"], "ddp_fp32", 1e-5),

@@ -114,7 +114,7 @@ def _structure(model):
     """What the built model really runs: core-attention algorithms, MLP classes, block / model classes."""
     from nemo_longctx.integrations.megatron.core_attention import LongContextCoreAttention
 
-    layers = [m for m in model.modules() if type(m).__name__ == "TransformerLayer"]
+    layers = [m for m in model.modules() if type(m).__name__ in ("TransformerLayer", "LongContextTransformerLayer")]
     return {
         "algorithms": sorted({m.algorithm.name for m in model.modules() if isinstance(m, LongContextCoreAttention)}),
         "mlp": sorted({type(layer.mlp).__name__ for layer in layers}),

@@ -8,8 +8,8 @@ Layers, arrows only pointing down::
     neutral       nemo_longctx.integrations.megatron.*   (megatron-core and torch; never nemo/lightning/hydra/bridge)
     memory        nemo_longctx.memory.*                  (plain torch; may use attention)
     attention     nemo_longctx.attention.*               (plain torch)
-    leaves        nemo_longctx (``__init__``), nemo_longctx.options, .console, .signals and .reaper (standard library
-                  only),
+    leaves        nemo_longctx (``__init__``), nemo_longctx.options, .console, .signals, .reaper and .process_exit
+                  (standard library only),
                   nemo_longctx.overrides (Hydra's override parser and compose API only),
                   nemo_longctx.conf (the
                   Hydra config package: data), nemo_longctx.integrations (the namespace ``__init__``)
@@ -40,8 +40,8 @@ PKG_DIR = ROOT / PKG
 
 APPS = ("train", "bridge_app", "bridge_convert", "plan", "plan_keys", "help", "cli", "convert", "__main__", "selftest")
 FRONT_ENDS = ("integrations.nemo", "integrations.bridge")
-LEAVES = {PKG, f"{PKG}.options", f"{PKG}.console", f"{PKG}.signals", f"{PKG}.reaper", f"{PKG}.overrides", f"{PKG}.conf",
-          f"{PKG}.integrations"}
+LEAVES = {PKG, f"{PKG}.options", f"{PKG}.console", f"{PKG}.signals", f"{PKG}.reaper", f"{PKG}.process_exit",
+          f"{PKG}.overrides", f"{PKG}.conf", f"{PKG}.integrations"}
 
 # rank of each layer: an import may only go to the same or a lower rank (leaves: anyone may import them)
 RANKS = {"apps": 4, "front end": 3, "integrations.megatron": 2, "memory": 1, "attention": 0}
@@ -242,13 +242,13 @@ def test_attention_and_memory_import_no_integration_and_no_app():
     assert not bad, _report("attention/memory import nemo_longctx.integrations or an app", bad)
 
 
-@pytest.mark.parametrize("leaf", ["options", "console", "signals", "reaper"])
+@pytest.mark.parametrize("leaf", ["options", "console", "signals", "reaper", "process_exit"])
 def test_options_module_is_standard_library_only(leaf):
     name = f"{PKG}.{leaf}"
     if name not in MODULES:
         pytest.skip(f"nemo_longctx/{leaf}.py does not exist yet")
     stdlib = sys.stdlib_module_names | {"__future__"}
-    plain = {f"{PKG}.{m}" for m in ("options", "console", "signals", "reaper")}  # each other's: stdlib-only too
+    plain = {f"{PKG}.{m}" for m in ("options", "console", "signals", "reaper", "process_exit")}  # stdlib-only too
     bad = [i for i in IMPORTS if i.src == name and i.target.split(".")[0] not in stdlib and i.target not in plain]
     assert not bad, _report(f"nemo_longctx/{leaf}.py imports beyond the standard library", bad)
 

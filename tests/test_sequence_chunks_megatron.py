@@ -102,7 +102,7 @@ def _worker(rank: int, world: int, dtypes=("float64", "float32"), algorithm="rin
     moe.num_moe_experts = 4
     expect("moe", moe)
     mla = tiny_gpt_config(num_layers=3)
-    mla.multi_latent_attention = True
+    mla.multi_latent_attention, mla.apply_rope_fusion = True, True
     expect("mla", mla)
     ps.destroy_model_parallel()
     return out
@@ -159,7 +159,104 @@ def test_model_level_refusals_name_the_field(results):
     e = results["errors"]
     assert "model.hidden_dropout=0" in e["dropout"]
     assert "model.num_moe_experts=4" in e["moe"]
-    assert "model.multi_latent_attention" in e["mla"]
+    assert "multi-latent attention needs model.apply_rope_fusion=false" in e["mla"]
+
+
+# ------------------------------------------------------------------------------------------------ MLA
+def _mla_config(cp, rope_type):
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    return MLATransformerConfig(
+        num_layers=2, hidden_size=64, num_attention_heads=4, context_parallel_size=cp, q_lora_rank=None,
+        kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16, attention_dropout=0.0,
+        hidden_dropout=0.0, masked_softmax_fusion=False, add_bias_linear=False, rope_type=rope_type,
+        rotary_base=10000, normalization="RMSNorm", params_dtype=torch_dtype("float64"), bf16=False,
+        init_method_std=0.2, apply_rope_fusion=False,
+    )
+
+
+def torch_dtype(name):
+    import torch
+
+    return getattr(torch, name)
+
+
+def _packed_params(world):
+    """Four packed documents (real lengths 50, 7, 70, 31; each padded to a multiple of 2*CP): Megatron's
+    PackedSeqParams (THD) and the positions of this layout's tokens."""
+    import torch
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    real = [50, 7, 70, 31]
+    padded = [-(-n // (2 * world)) * 2 * world for n in real]
+    cu = torch.tensor([0] + real, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    cu_padded = torch.tensor([0] + padded, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_padded,
+                             cu_seqlens_kv_padded=cu_padded, max_seqlen_q=max(padded), max_seqlen_kv=max(padded))
+    return params, int(cu_padded[-1])
+
+
+def _mla_worker(rank, world, algorithm):
+    """A 2-layer MLA GPTModel (Megatron's MLASelfAttention, local spec, our core attention), float64: 3 chunks (+ the
+    layer-input offload) against full recompute, RoPE and YaRN, on one sequence and on packed documents (THD)."""
+    import torch
+
+    from nemo_longctx.integrations.megatron import cpu_compat
+
+    cpu_compat.apply()
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    from nemo_longctx.attention.layouts import thd_zigzag_indices, zigzag_indices
+    from nemo_longctx.integrations.megatron.memory_options import MemoryOptions
+    from nemo_longctx.integrations.megatron.memory_probe import build_probe_model
+
+    ps.initialize_model_parallel(context_parallel_size=world)
+    tensor_parallel.model_parallel_cuda_manual_seed(11)
+    g = torch.Generator().manual_seed(4)
+    out = {}
+    for rope_type in ("rope", "yarn"):
+        cfg = _mla_config(world, rope_type)
+        init, _ = build_probe_model(cfg, MemoryOptions(), vocab_size=VOCAB, seq_length=SEQ)
+        for packed in (False, True):
+            params, total = _packed_params(world) if packed else (None, SEQ)
+            tokens = torch.randint(0, VOCAB, (1, total + 1), generator=g)
+            idx = thd_zigzag_indices(params.cu_seqlens_q_padded, world, rank) if packed else \
+                zigzag_indices(total, world, rank)
+            results = {}
+            for name, kw in (("full", dict(recompute="full")), ("chunks3", dict(recompute="full", sequence_chunks=3)),
+                             ("chunks3+layer_input", dict(recompute="full", sequence_chunks=3, offload="layer_input",
+                                                          min_bytes=0))):
+                model, rt = build_probe_model(cfg, MemoryOptions(**kw), vocab_size=VOCAB, seq_length=total,
+                                              params_from=init, cp_algorithm=algorithm)
+                loss = model(tokens[:, :-1][:, idx], torch.arange(total)[None, idx] if not packed else None, None,
+                             labels=tokens[:, 1:][:, idx], packed_seq_params=params).sum()
+                loss.backward()
+                rt.after_step()
+                results[name] = (loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()})
+            ref_loss, ref_grads = results.pop("full")
+            for name, (loss, grads) in results.items():
+                worst = {}  # per gradient dtype (Megatron's norms keep float32 weights in a float64 model)
+                for n in ref_grads:
+                    d = str(ref_grads[n].dtype)
+                    worst[d] = max(worst.get(d, 0.0), _rel(grads[n], ref_grads[n]))
+                out[(rope_type, packed, name)] = (abs(loss - ref_loss) / abs(ref_loss), worst, len(grads))
+    ps.destroy_model_parallel()
+    return out
+
+
+@pytest.mark.parametrize("algorithm,world", [("ring", 1), ("ring", 2), ("ulysses", 2)], ids=["cp1", "ring2", "ulysses2"])
+def test_chunked_mla_layers_match_full_recompute(algorithm, world):
+    """Megatron's MLA makes its RoPE table inside the layer from the length it is given; the chunked layer's rotary
+    hook hands each chunk its rows of the whole sequence's table (RoPE and YaRN; on packed documents, Megatron's THD
+    positions). Loss and every gradient equal full recompute's (float64 <= 1e-10; the float32 norm weights' gradients
+    <= 1e-6): 2 x 2 x 2 cases per rank."""
+    tol = {"torch.float64": 1e-10, "torch.float32": 1e-6}
+    for res in run_distributed(_mla_worker, world, algorithm, timeout=600):
+        assert len(res) == 8, res
+        for key, (loss, grads, n) in res.items():
+            assert n > 10 and loss <= 1e-10 and "torch.float64" in grads, (key, loss, grads)
+            assert all(err <= tol[d] for d, err in grads.items()), (key, grads)
 
 
 # ------------------------------------------------------------------------------------------------ the app

@@ -473,14 +473,17 @@ def working_sets(shape: ModelShape, c: Candidate, coef: ActivationCoefficients, 
         if c.sequence_chunks > 1:  # one chunk's recomputed layer (and its attention accumulators) + K/V buffers
             n = c.sequence_chunks
             accum = 4 * coef.attn_accum * shape.q_width / tp
-            kv = (coef.chunk_kv * b + coef.chunk_kv_grad * 4) * shape.kv_width / tp
+            # (Ulysses: the buffers hold this rank's heads of the whole sequence, KV heads replicated as attention
+            # needs them when they do not divide by the Ulysses size)
+            rep = kv_replication(shape, tp, c.ulysses_size)
+            kv = (coef.chunk_kv * b + coef.chunk_kv_grad * 4) * shape.kv_width / tp * rep
             param_sums = coef.chunk_param_grads * 4 * shape.layer_parameters() / tp
             chunk = (regained + accum) * tokens / n + mlp_bwd / n
             if c.ring_size > 1:
                 # under ring CP each chunk's attention backward passes the whole local K/V around the ring with the
                 # fp32 dK/dV accumulators travelling (sent + received), at the full local length; alive then: the
                 # gradients of the modules after attention (o-proj, MLP) and part of the chunk's graph
-                ring = (coef.chunk_ring_kv * b + coef.chunk_ring_grad * 4) * shape.kv_width / tp * tokens
+                ring = (coef.chunk_ring_kv * b + coef.chunk_ring_grad * 4) * shape.kv_width / tp * rep * tokens
                 after_attn = shape.layer_parameters() - h * (shape.q_width + 2 * shape.kv_width)
                 chunk = max(chunk, ring + 4 * after_attn / tp + coef.chunk_ring_graph * chunk)
             # k layers per checkpoint: the checkpoint's recompute keeps the k-1 inner layers' inputs and its own
@@ -894,9 +897,8 @@ def candidate_configs(shape: ModelShape, seq_length: int, hw: Hardware,
             tokens = seq_length / cp
             tiles = sorted({1, planned_mlp_tiles(tokens, tp)}) if tiling else [1]
             chunks = sorted({1, planned_loss_chunks(tokens)}) if tiling else [1]
-            # sequence-chunked layers run without sequence parallelism, at CP size 1 or under ring CP, in this
-            # version (the option model refuses the rest); they make the tiled MLP redundant (a chunk's MLP is
-            # chunk-sized)
+            # sequence-chunked layers run without sequence parallelism (the option model refuses it), under every
+            # CP algorithm; they make the tiled MLP redundant (a chunk's MLP is chunk-sized)
             seq_chunks = planned_sequence_chunks(tokens) if (sequence_chunks and tp == 1) else []
             for algo, u in layouts:
                 for rc in recompute:

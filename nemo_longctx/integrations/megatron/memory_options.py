@@ -51,9 +51,10 @@ def memory_model_problems(opts: MemoryOptions, model_config: Any, pp: int = 1,
                  "(te_checkpoint) is not supported")
     if opts.sequence_chunks != "off":
         key = f"recompute.sequence_chunks={opts.sequence_chunks}"
-        if getattr(model_config, "multi_latent_attention", False):
-            p.append(f"{key}: multi-latent attention (model.multi_latent_attention) computes its rotary positions "
-                     "inside the layer from the chunk's length; not supported in this version")
+        if getattr(model_config, "multi_latent_attention", False) and getattr(model_config, "apply_rope_fusion",
+                                                                               False):
+            p.append(f"{key} with multi-latent attention needs model.apply_rope_fusion=false: MLA's fused RoPE reads "
+                     "its cos/sin tables for the chunk's own length (the unfused path gets the whole sequence's rows)")
         if getattr(model_config, "num_moe_experts", None):
             p.append(f"{key}: MoE layers (model.num_moe_experts={model_config.num_moe_experts}) route and balance "
                      "over the tokens of one call; chunking would change routing: not supported")
@@ -161,7 +162,8 @@ def attach_memory_options(model: Any, opts: MemoryOptions, *, record_events: boo
 
     from .core_attention import LongContextCoreAttention
     from .norm_recompute_layer import install_norm_recompute
-    from .offload_block import LongContextTransformerBlock, route_block_recompute
+    from .offload_block import (LongContextTransformerBlock, chunk_rotary_hook, chunk_rotary_pre_hook,
+                                is_multi_latent_attention, route_block_recompute)
 
     blocks = transformer_blocks(model)
     if not blocks:
@@ -189,6 +191,13 @@ def attach_memory_options(model: Any, opts: MemoryOptions, *, record_events: boo
                 b.__class__ = LongContextTransformerBlock
             b.longctx_offloader = rt.offloader if opts.offload == "layer_input" else None
             b.longctx_sequence_chunks = None if opts.sequence_chunks == "off" else opts.sequence_chunks
+            if opts.sequence_chunks != "off":  # MLA's rotary table, made inside the layer, gets the chunk's rows
+                for layer in b.layers:
+                    attention = getattr(layer, "self_attention", None)
+                    if is_multi_latent_attention(attention):
+                        rotary = attention.rotary_pos_emb
+                        rt._handles += [rotary.register_forward_pre_hook(chunk_rotary_pre_hook, with_kwargs=True),
+                                        rotary.register_forward_hook(chunk_rotary_hook, with_kwargs=True)]
         else:
             rt._handles.append(scope_modules({f"layer{layer.layer_number}": layer for layer in b.layers}))
         if opts.recompute == "selective" and "layernorm" in (opts.recompute_modules or ()):

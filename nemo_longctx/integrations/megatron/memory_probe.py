@@ -45,7 +45,8 @@ def _local_spec(config: Any) -> Any:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 
     if importlib.util.find_spec("transformer_engine") is None:
-        return get_gpt_layer_local_spec(normalization="RMSNorm")
+        return get_gpt_layer_local_spec(normalization="RMSNorm",
+                                        multi_latent_attention=bool(getattr(config, "multi_latent_attention", False)))
     return get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
 
 

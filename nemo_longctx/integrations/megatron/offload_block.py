@@ -17,8 +17,9 @@ dropout masks are replayed exactly. fp8/fp4 (te_checkpoint) is refused.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any
+from typing import Any, List, Optional, Tuple
 
 import torch
 from megatron.core import tensor_parallel
@@ -29,6 +30,7 @@ from nemo_longctx.attention.comm import group_size_and_rank
 from nemo_longctx.memory.sequence_chunks import auto_sequence_chunks, sequence_chunked_checkpoint
 from nemo_longctx.memory.tracker import memory_scope
 
+from .chunked_layer import LongContextTransformerLayer
 from .core_attention import packed_seq_layout
 
 
@@ -48,6 +50,62 @@ def thd_rope_per_row(freqs, cu_seqlens_padded, cp_size: int, cp_rank: int):
         rows = freqs.new_empty(((end - start) // cp_size, 0))  # (the helper reads only the row count)
         parts.append(_get_thd_freqs_on_this_cp_rank(cp_rank, cp_size, rows, freqs, start if exact else 0))
     return torch.cat(parts)
+
+
+_ROTARY_ROWS: List["_MLARotaryRows"] = []  # while a chunk of a multi-latent attention layer runs: its rotary rows
+
+
+def chunk_rotary_pre_hook(module, args, kwargs):
+    """Forward pre-hook on a multi-latent attention's rotary embedding module (``attach_memory_options`` installs
+    it, with ``chunk_rotary_hook``, when layers run in sequence chunks). Megatron's MLA builds its RoPE table inside the
+    layer for the length of the rows it is given (``get_rotary_seq_len``), which for a chunk would mean positions 0..
+    of the chunk: while a chunk runs, the module is asked for the table the unchunked layer asks for instead, and
+    ``chunk_rotary_hook`` cuts the chunk's rows out of it. Outside a chunk: unchanged."""
+    if not _ROTARY_ROWS:
+        return None
+    length, packed = _ROTARY_ROWS[-1].request(module)
+    return (length,), {**kwargs, "packed_seq": packed}
+
+
+def chunk_rotary_hook(module, args, kwargs, output):
+    return _ROTARY_ROWS[-1].rows(output) if _ROTARY_ROWS else output
+
+
+class _MLARotaryRows:
+    """Rows [a, b) of a chunked MLA layer's RoPE table: the unchunked layer's request (``local_rows`` x CP positions,
+    sliced to this rank's zigzag rows by the module; packed documents: Megatron's THD length and, row by row, its
+    THD positions, ``thd_rope_per_row``), cut to the chunk's rows."""
+
+    def __init__(self, layer, local_rows: int, packed_seq_params, cp: Tuple[int, int], a: int, b: int) -> None:
+        self.layer, self.local_rows, self.packed, self.cp, self.a, self.b = layer, local_rows, packed_seq_params, cp, a, b
+
+    def request(self, module) -> Tuple[int, bool]:
+        if self.packed is None:
+            return self.local_rows * self.cp[0], False
+        return module.get_rotary_seq_len(None, None, None, self.layer.config, self.packed), True
+
+    def rows(self, output):
+        emb, rest = (output[0], tuple(output[1:])) if isinstance(output, tuple) else (output, ())
+        if self.packed is not None:
+            emb = thd_rope_per_row(emb, packed_seq_layout(self.packed)[1], *self.cp)
+        return (emb[self.a:self.b], *rest) if isinstance(output, tuple) else emb[self.a:self.b]
+
+
+@contextlib.contextmanager
+def _rotary_rows(rows: Optional[_MLARotaryRows]):
+    if rows is None:
+        yield
+        return
+    _ROTARY_ROWS.append(rows)
+    try:
+        yield
+    finally:
+        _ROTARY_ROWS.pop()
+
+
+def is_multi_latent_attention(attention) -> bool:
+    return bool(getattr(getattr(attention, "config", None), "multi_latent_attention", False)) and hasattr(
+        attention, "rotary_pos_emb")
 
 
 class LongContextTransformerBlock(TransformerBlock):
@@ -90,31 +148,44 @@ class LongContextTransformerBlock(TransformerBlock):
 
         def run_one_layer_chunked(index, hidden_states, attention_mask, context, context_mask, rotary_pos_emb):
             layer = self._get_layer(index)
+            if not isinstance(layer, LongContextTransformerLayer):
+                raise ValueError(f"recompute.sequence_chunks: layer {layer.layer_number} is a {type(layer).__name__}, "
+                                 "not built from a layer spec of nemo_longctx (LongContextTransformerLayer)")
             core = layer.self_attention.core_attention
+            cp = group_size_and_rank(core.cp_group)
             documents, rope = None, rotary_pos_emb
             if packed_seq_params is not None:  # packed documents: the chunked attention keeps them apart; the
                 cu, cu_padded = packed_seq_layout(packed_seq_params)  # layer runs without packed-sequence params,
                 documents = (cu, cu_padded)  # its RoPE with each row's position in its document (Megatron's own)
                 if rope is not None:
-                    rope = thd_rope_per_row(rope, cu_padded, *group_size_and_rank(core.cp_group))
-
-            def run_chunk(x, a, b):
-                out, _ = layer(
-                    hidden_states=x, attention_mask=attention_mask, context=context, context_mask=context_mask,
-                    rotary_pos_emb=None if rope is None else rope[a:b],
-                    attention_bias=attention_bias, inference_context=None,
-                    packed_seq_params=None if documents is not None else packed_seq_params, **extra,
-                )
-                return out
-
+                    rope = thd_rope_per_row(rope, cu_padded, *cp)
+            mla = is_multi_latent_attention(layer.self_attention)  # MLA makes its own RoPE table (chunk_rotary_hook)
             n = self.longctx_sequence_chunks
             n = auto_sequence_chunks(hidden_states.shape[0]) if n == "auto" else int(n)
             kv_first = getattr(core, "attn_mask_type", None) != AttnMaskType.causal
-            params = [p for p in layer.parameters() if p.requires_grad]
             ring_group, ulysses_group = core.sequence_chunk_groups()  # CP: the rank's zigzag shard
-            return sequence_chunked_checkpoint(run_chunk, hidden_states, n, seq_dim=0, kv_first=kv_first,
-                                               params=params, group=ring_group, ulysses_group=ulysses_group,
-                                               documents=documents), context
+
+            def chunked(layer, kwargs):  # inside the layer's one call (chunked_layer.py): its hooks fire once
+                hidden = kwargs.pop("hidden_states")  # (run_chunk is kept for backward: it must not hold the input,
+                rows_total = hidden.shape[0]  # which the offload scope moves to the host)
+
+                def run_chunk(x, a, b):
+                    rows = _MLARotaryRows(layer, rows_total, packed_seq_params, cp, a, b) if mla else None
+                    with _rotary_rows(rows):
+                        out, _ = layer.layer_forward(**{
+                            **kwargs, "hidden_states": x, "rotary_pos_emb": None if rope is None else rope[a:b],
+                            "packed_seq_params": None if documents is not None else packed_seq_params})
+                    return out
+
+                params = [p for p in layer.parameters() if p.requires_grad]
+                out = sequence_chunked_checkpoint(run_chunk, hidden, n, seq_dim=0, kv_first=kv_first, params=params,
+                                                  group=ring_group, ulysses_group=ulysses_group, documents=documents)
+                return out, kwargs.get("context")
+
+            return layer(hidden_states=hidden_states, attention_mask=attention_mask, context=context,
+                         context_mask=context_mask, rotary_pos_emb=rotary_pos_emb, attention_bias=attention_bias,
+                         inference_context=None, packed_seq_params=packed_seq_params, longctx_chunking=chunked,
+                         **extra)
 
         def run_layers_chunked(start: int, end: int):
             def forward(hidden_states, attention_mask, context, context_mask, rotary_pos_emb):

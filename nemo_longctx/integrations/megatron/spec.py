@@ -4,8 +4,9 @@
 (or of a block spec, ``TransformerBlockSubmodules`` with ``layer_specs``) whose every
 ``submodules.self_attention.submodules.core_attention`` is
 ``ModuleSpec(module=LongContextCoreAttention, params={"cp_algorithm": ..., "cp_algorithm_kwargs": {...}})``.
-Only ``core_attention`` changes: the projections, norms and MLP stay as the original spec built them -- except
-Megatron's own MoE layer, whose routing is made CP-correct (``integrations.megatron.moe``; same parameters, same state
+Only ``core_attention`` changes: the projections, norms and MLP stay as the original spec built them; a layer of
+exactly Megatron's ``TransformerLayer`` becomes ``chunked_layer.LongContextTransformerLayer`` (the same layer, which
+can also run one call in sequence chunks) -- except Megatron's own MoE layer, whose routing is made CP-correct (``integrations.megatron.moe``; same parameters, same state
 dict): its router becomes ``moe.GroupSinkhornRouter`` (Sinkhorn balanced over the whole sequence), and on a
 Megatron-core older than 0.19 the layer becomes ``moe.LongContextMoELayer``, which also gives the auxiliary losses the
 CP-size gradient factor those versions leave out (before 0.17; 0.19 with ``calculate_per_token_loss``).
@@ -20,7 +21,9 @@ import inspect
 from typing import Any, Iterable, Optional
 
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from .chunked_layer import LongContextTransformerLayer
 from .core_attention import LongContextCoreAttention
 from .cp_algorithms import get_cp_algorithm
 
@@ -71,6 +74,8 @@ def long_context_layer_spec(spec: Any, cp_algorithm: str = "ring", **algorithm_k
                 f"{getattr(attn, 'module', attn)!r}); only standard (GQA/MHA) self-attention layers are supported"
             )
         attn_sub.core_attention = core_attention_spec(cp_algorithm, **algorithm_kwargs)
+        if getattr(layer, "module", None) is TransformerLayer:  # the same layer, able to run a call in sequence
+            layer.module = LongContextTransformerLayer  # chunks (recompute.sequence_chunks, chunked_layer.py)
         _fix_moe_routing_for_cp(layer)
     return new
 
