@@ -245,7 +245,8 @@ def _mla_worker(rank, world, algorithm):
     return out
 
 
-@pytest.mark.parametrize("algorithm,world", [("ring", 1), ("ring", 2), ("ulysses", 2)], ids=["cp1", "ring2", "ulysses2"])
+@pytest.mark.parametrize("algorithm,world", [("ring", 1), ("ring", 2), ("ulysses", 2)],
+                         ids=["cp1", "ring2", "ulysses2"])
 def test_chunked_mla_layers_match_full_recompute(algorithm, world):
     """Megatron's MLA makes its RoPE table inside the layer from the length it is given; the chunked layer's rotary
     hook hands each chunk its rows of the whole sequence's table (RoPE and YaRN; on packed documents, Megatron's THD

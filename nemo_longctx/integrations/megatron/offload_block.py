@@ -77,7 +77,8 @@ class _MLARotaryRows:
     THD positions, ``thd_rope_per_row``), cut to the chunk's rows."""
 
     def __init__(self, layer, local_rows: int, packed_seq_params, cp: Tuple[int, int], a: int, b: int) -> None:
-        self.layer, self.local_rows, self.packed, self.cp, self.a, self.b = layer, local_rows, packed_seq_params, cp, a, b
+        self.layer, self.local_rows, self.packed, self.cp = layer, local_rows, packed_seq_params, cp
+        self.a, self.b = a, b
 
     def request(self, module) -> Tuple[int, bool]:
         if self.packed is None:
