@@ -217,16 +217,13 @@ class ChunkState:
         """The completed dK/dV of chunk ``index``'s own rows [b, rows, hkv, d] (Ulysses: every rank's share of the
         accumulators comes back by all-to-all, replicated KV heads summed)."""
         a, b = self.bounds[index]
-        if self.ulysses_group is None and self.ring_size == 1:
+        if self.ulysses_group is None:  # the buffers' rows are the local rows
             return self.dk[:, a:b].to(dtype), self.dv[:, a:b].to(dtype)
         grads = []
         for acc in (self.dk, self.dv):
             rows = acc.new_empty((acc.shape[0], (b - a) * self.ulysses_size) + tuple(acc.shape[2:]))
             for row, n, buf in self.buffer_rows((a, b)):
                 rows[:, row:row + n].copy_(acc[:, buf:buf + n])
-            if self.ulysses_group is None:
-                grads.append(rows.to(dtype))
-                continue
             recv = self._scatter(rows)  # slot j: this chunk's rows of the KV heads Ulysses rank j attended
             hkv = self.heads.hkv
             out = acc.new_zeros((acc.shape[0], b - a, hkv) + tuple(acc.shape[3:]))

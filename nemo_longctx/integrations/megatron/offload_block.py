@@ -147,6 +147,10 @@ class LongContextTransformerBlock(TransformerBlock):
 
             return forward
 
+        # packed documents under sequence chunks: Megatron's RoPE row by row, one table for every layer of this forward
+        # (each layer's chunk closure is kept for its backward: a table per layer would be held once per layer)
+        thd_rope = {}  # filled by the first chunked layer
+
         def run_one_layer_chunked(index, hidden_states, attention_mask, context, context_mask, rotary_pos_emb):
             layer = self._get_layer(index)
             if not isinstance(layer, LongContextTransformerLayer):
@@ -156,10 +160,11 @@ class LongContextTransformerBlock(TransformerBlock):
             cp = group_size_and_rank(core.cp_group)
             documents, rope = None, rotary_pos_emb
             if packed_seq_params is not None:  # packed documents: the chunked attention keeps them apart; the
-                cu, cu_padded = packed_seq_layout(packed_seq_params)  # layer runs without packed-sequence params,
-                documents = (cu, cu_padded)  # its RoPE with each row's position in its document (Megatron's own)
-                if rope is not None:
-                    rope = thd_rope_per_row(rope, cu_padded, *cp)
+                documents = packed_seq_layout(packed_seq_params)  # layer runs without packed-sequence params, its
+                if rope is not None:  # RoPE with each row's position in its document (Megatron's own)
+                    if "rows" not in thd_rope:
+                        thd_rope["rows"] = thd_rope_per_row(rope, documents[1], *cp)
+                    rope = thd_rope["rows"]
             mla = is_multi_latent_attention(layer.self_attention)  # MLA makes its own RoPE table (chunk_rotary_hook)
             n = self.longctx_sequence_chunks
             n = auto_sequence_chunks(hidden_states.shape[0]) if n == "auto" else int(n)

@@ -6,7 +6,8 @@
 ``ModuleSpec(module=LongContextCoreAttention, params={"cp_algorithm": ..., "cp_algorithm_kwargs": {...}})``.
 Only ``core_attention`` changes: the projections, norms and MLP stay as the original spec built them; a layer of
 exactly Megatron's ``TransformerLayer`` becomes ``chunked_layer.LongContextTransformerLayer`` (the same layer, which
-can also run one call in sequence chunks) -- except Megatron's own MoE layer, whose routing is made CP-correct (``integrations.megatron.moe``; same parameters, same state
+can also run one call in sequence chunks) -- except Megatron's own MoE layer, whose routing is made CP-correct
+(``integrations.megatron.moe``; same parameters, same state
 dict): its router becomes ``moe.GroupSinkhornRouter`` (Sinkhorn balanced over the whole sequence), and on a
 Megatron-core older than 0.19 the layer becomes ``moe.LongContextMoELayer``, which also gives the auxiliary losses the
 CP-size gradient factor those versions leave out (before 0.17; 0.19 with ``calculate_per_token_loss``).
