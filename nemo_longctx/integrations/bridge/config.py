@@ -32,7 +32,6 @@ BRIDGE_KEYS = {"seq_length": "model.seq_length", "tp": "model.tensor_model_paral
                "pp": "model.pipeline_model_parallel_size", "sequence_parallel": "model.sequence_parallel",
                "precision": "mixed_precision", "checkpointing": "checkpoint.save_interval",
                "world_size": "the world size (WORLD_SIZE)", "num_layers": "model.num_layers"}
-_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def precision_of(cfg: Any) -> str:
@@ -102,18 +101,14 @@ def long_context_callbacks(cfg: Any) -> List[Any]:
 
 def _apply_model_state(cfg: Any, options: LongContextOptions) -> None:
     """The ``optim`` options on Bridge's ``OptimizerConfig`` / ``DistributedDataParallelConfig`` fields (the same
-    fields Megatron's own ``OptimizerConfig`` has: ``integrations.megatron.model_state.optimizer_config``)."""
-    import torch
+    fields Megatron's own ``OptimizerConfig`` has: ``integrations.megatron.model_state.optimizer_fields``)."""
+    from nemo_longctx.integrations.megatron.model_state import optimizer_fields
 
     s = options.optim.state
     o, ddp = cfg.optimizer, cfg.ddp
-    o.optimizer = s.optimizer
-    o.use_distributed_optimizer = ddp.use_distributed_optimizer = bool(s.use_distributed_optimizer)
-    o.optimizer_cpu_offload = bool(s.optimizer_cpu_offload)
-    o.optimizer_offload_fraction = float(s.optimizer_offload_fraction) if s.optimizer_cpu_offload else 0.0
-    o.use_precision_aware_optimizer = bool(s.use_precision_aware_optimizer)
-    for f in ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
-        setattr(o, f, getattr(torch, _DTYPES[getattr(s, f)]))
+    for name, value in optimizer_fields(s).items():
+        setattr(o, name, value)
+    ddp.use_distributed_optimizer = o.use_distributed_optimizer
     ddp.use_megatron_fsdp = bool(s.megatron_fsdp)
     if s.megatron_fsdp:
         ddp.data_parallel_sharding_strategy = "optim_grads_params"

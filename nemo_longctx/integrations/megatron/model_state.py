@@ -56,21 +56,26 @@ def _torch_dtype(name: str) -> Any:
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
-def optimizer_config(opts: ModelStateOptions, lr: float, weight_decay: float, clip_grad: float, adam_beta2: float,
-                     precision: str) -> Any:
-    """Megatron's ``OptimizerConfig`` for ``opts``."""
-    from megatron.core.optimizer import OptimizerConfig
-
-    return OptimizerConfig(
-        optimizer=opts.optimizer, lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, adam_beta2=adam_beta2,
-        use_distributed_optimizer=bool(opts.use_distributed_optimizer),
-        bf16=precision.startswith("bf16"), fp16=precision.startswith("16"),
+def optimizer_fields(opts: ModelStateOptions) -> Dict[str, Any]:
+    """The model-state fields of Megatron's ``OptimizerConfig`` (the same names on Bridge's and on a NeMo recipe's
+    optimizer config): what every front end writes for ``opts``."""
+    return dict(
+        optimizer=opts.optimizer, use_distributed_optimizer=bool(opts.use_distributed_optimizer),
         optimizer_cpu_offload=bool(opts.optimizer_cpu_offload),
         optimizer_offload_fraction=float(opts.optimizer_offload_fraction) if opts.optimizer_cpu_offload else 0.0,
         use_precision_aware_optimizer=bool(opts.use_precision_aware_optimizer),
         main_grads_dtype=_torch_dtype(opts.main_grads_dtype), main_params_dtype=_torch_dtype(opts.main_params_dtype),
         exp_avg_dtype=_torch_dtype(opts.exp_avg_dtype), exp_avg_sq_dtype=_torch_dtype(opts.exp_avg_sq_dtype),
     )
+
+
+def optimizer_config(opts: ModelStateOptions, lr: float, weight_decay: float, clip_grad: float, adam_beta2: float,
+                     precision: str) -> Any:
+    """Megatron's ``OptimizerConfig`` for ``opts``."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, adam_beta2=adam_beta2,
+                           bf16=precision.startswith("bf16"), fp16=precision.startswith("16"), **optimizer_fields(opts))
 
 
 def grad_reduce_in_fp32(opts: ModelStateOptions) -> bool:
