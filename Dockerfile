@@ -2,14 +2,17 @@
 #
 #   docker build -t nemo-longctx .                                     # NeMo 2 base (NEMO_IMAGE, below)
 #   docker build --build-arg NEMO_IMAGE=nvcr.io/nvidia/nemo:25.09 -t nemo-longctx .
+#   docker build --build-arg STRICT_VERSIONS=1 -t nemo-longctx .     # fail on a NeMo/Megatron pair not tested
 #   docker build --build-arg FRONTEND=bridge -t nemo-longctx-bridge .  # Bridge-era base (BRIDGE_IMAGE, below)
 #   enroot import dockerd://nemo-longctx && IMAGE=$PWD/nemo-longctx.sqsh sbatch examples/slurm/llama3_8b_1m.sbatch
 #   enroot import dockerd://nemo-longctx-bridge && IMAGE=$PWD/nemo-longctx-bridge.sqsh \
 #     sbatch examples/slurm/bridge_llama3_8b_128k.sbatch
 #
-# FRONTEND=nemo (`nemo-longctx train`): a NeMo 2.x container (nemo.collections.llm + nemo.lightning, Megatron-core,
-# TE, CUDA torch). 25.07 is a NeMo 2.x-era release with the LLM collection this plugin integrates with; override
-# NEMO_IMAGE to use another 2.x tag (26.04 is the last container with NeMo 2).
+# FRONTEND=nemo (`nemo-longctx train`, NeMo-Run recipes): a NeMo 2.x container (nemo.collections.llm +
+# nemo.lightning, Megatron-core, TE, CUDA torch). Default 26.04, the last container with NeMo 2 (NeMo 2.7.3, the
+# version the tests run; it pairs it with Megatron-core 0.17.0). The build prints the installed NeMo / Megatron-core /
+# NeMo-Run versions and checks them against the tested stacks (python -m nemo_longctx.versions): a warning for an
+# untested pair, an error with STRICT_VERSIONS=1. The README's "Supported NeMo versions" says what is tested how.
 # FRONTEND=bridge (`nemo-longctx bridge`): a Megatron-Bridge-era container (no NeMo 2). 26.08 ships Megatron-Bridge
 # 0.6.0 / Megatron-core 0.19.0 / TE 2.17.1 on Python 3.12: the NVIDIA build closest to the `[bridge]` extra's pins
 # (constraints/bridge.txt: Bridge 0.6.2, Megatron-core 0.19.2, TE 2.20.2); override BRIDGE_IMAGE for another tag.
@@ -17,7 +20,7 @@
 # build (checked below by importing it, never reinstalled), so the container's torch, TransformerEngine,
 # Megatron-core, NeMo and Megatron-Bridge stay exactly as NVIDIA built them. BuildKit (docker's default builder)
 # pulls only the selected base.
-ARG NEMO_IMAGE=nvcr.io/nvidia/nemo:25.07
+ARG NEMO_IMAGE=nvcr.io/nvidia/nemo:26.04
 ARG BRIDGE_IMAGE=nvcr.io/nvidia/nemo:26.08
 ARG FRONTEND=nemo
 
@@ -26,6 +29,7 @@ FROM ${BRIDGE_IMAGE} AS base-bridge
 
 FROM base-${FRONTEND}
 ARG FRONTEND
+ARG STRICT_VERSIONS=0
 WORKDIR /opt/nemo-longctx
 COPY pyproject.toml README.md ./
 COPY nemo_longctx ./nemo_longctx
@@ -48,6 +52,7 @@ RUN python -m pip install --no-cache-dir --no-deps . \
       python -c "from nemo.collections import llm; import megatron.core; \
         from nemo_longctx.integrations.megatron.spec import long_context_layer_spec; \
         print('NeMo LLM collection + integration import OK')" \
+      && STRICT_VERSIONS="$STRICT_VERSIONS" python -m nemo_longctx.versions \
       && nemo-longctx plan model=llama3_8b plan.seq_length=1048576 plan.gpus=8 plan.gpu_memory_gb=80 plan.show=3; \
     else \
       echo "FRONTEND=$FRONTEND must be nemo or bridge" >&2 && exit 2; \

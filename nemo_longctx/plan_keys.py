@@ -94,7 +94,7 @@ PLAN_OPTIONS: Tuple[Option, ...] = (
     Option("plan.write_sbatch", "str", None, "path: write an sbatch script (pyxis, NGC container) for the chosen "
            "plan", nullable=True),
     Option("plan.plot", "str", None, "path: PNG of predicted per-GPU memory vs sequence length", nullable=True),
-    Option("plan.container_image", "str", "nvcr.io#nvidia/nemo:25.07", "sbatch container image (pyxis/enroot "
+    Option("plan.container_image", "str", "nvcr.io#nvidia/nemo:26.04", "sbatch container image (pyxis/enroot "
            "syntax: REGISTRY#IMAGE:TAG)"),
     Option("plan.bridge_container_image", "str", "nvcr.io#nvidia/nemo:26.08", "plan.frontend=bridge: the sbatch's "
            "Megatron-Bridge-era image"),

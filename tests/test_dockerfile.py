@@ -3,7 +3,9 @@ front end (NeMo 2 by default, or Megatron-Bridge) chosen by FRONTEND, plugin ins
 TransformerEngine install, the front end's imports checked at build time (the RUN step's shell run here with stubs for
 python, pip and nemo-longctx), context kept small."""
 
+import os
 import re
+import sys
 import subprocess
 from pathlib import Path
 
@@ -47,6 +49,10 @@ def test_the_base_is_a_pinned_ngc_nemo_image_chosen_by_build_args():
     args = _global_args(ins)
     assert args["FRONTEND"] == "nemo"  # NeMo 2 stays the default path
     assert _tag(args["NEMO_IMAGE"]) <= (26, 4), "26.04 is the last container with NeMo 2"
+    from nemo_longctx.versions import NEMO2_CONTAINERS
+
+    tag = "%02d.%02d" % _tag(args["NEMO_IMAGE"])
+    assert tag in [c.tag for c in NEMO2_CONTAINERS], "the default base must be a container of the version table"
     assert _tag(args["BRIDGE_IMAGE"]) >= (26, 6), "Megatron-Bridge is the LLM entry from 26.06 on"
     froms = [rest for op, rest in ins if op == "FROM"]
     assert froms == ["${NEMO_IMAGE} AS base-nemo", "${BRIDGE_IMAGE} AS base-bridge", "base-${FRONTEND}"], froms
@@ -95,10 +101,31 @@ def test_the_run_step_checks_the_chosen_front_end(tmp_path, frontend):
         assert r.returncode == 2 and "FRONTEND=neither must be nemo or bridge" in r.stderr
         return
     assert r.returncode == 0, r.stderr
-    check, plan = calls[2:]
+    if frontend == "nemo":  # the installed NeMo / Megatron-core checked against the tested stacks
+        check, versions, plan = calls[2:]
+        assert versions == "python -m nemo_longctx.versions"
+    else:
+        check, plan = calls[2:]
     if frontend == "bridge":
         assert "megatron.bridge.training.pretrain" in check and "nemo.collections" not in check
         assert plan.startswith("nemo-longctx plan ") and "plan.frontend=bridge" in plan
     else:
         assert "from nemo.collections import llm" in check and "megatron.bridge" not in check
         assert plan.startswith("nemo-longctx plan ") and "frontend" not in plan
+
+
+def test_the_version_check_names_untested_stacks_and_fails_only_when_strict(tmp_path):
+    from nemo_longctx import versions
+
+    assert versions.problems({"nemo": "2.7.3", "megatron_core": "0.15.3", "nemo_run": "0.11.1"}) == []
+    p = versions.problems({"nemo": "2.7.3", "megatron_core": "0.17.0rc1+abc", "nemo_run": "0.9.0"})
+    assert len(p) == 1 and "megatron-core 0.17.0rc1+abc (NGC NeMo 26.04) is not a tested stack" in p[0], p
+    assert "nemo-toolkit 2.7.3 + megatron-core 0.15.3" in p[0]
+    assert "needs both installed" in versions.problems({"nemo": None, "megatron_core": "0.19.2"})[0]
+    # the module run the Dockerfile does: a warning, or an error with STRICT_VERSIONS=1 (stubbed metadata)
+    code = ("import sys, nemo_longctx.versions as v; v.installed = lambda: {'nemo': '2.6.0', 'megatron_core': "
+            "'0.15.0', 'nemo_run': '0.7.0'}; sys.exit(v.main())")
+    for strict, rc, word in (("0", 0, "WARNING"), ("1", 1, "ERROR")):
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "STRICT_VERSIONS": strict})
+        assert r.returncode == rc and f"{word}: nemo-toolkit 2.6.0 + megatron-core 0.15.0 (NGC NeMo 25.11)" in r.stderr

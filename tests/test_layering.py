@@ -8,7 +8,7 @@ Layers, arrows only pointing down::
     neutral       nemo_longctx.integrations.megatron.*   (megatron-core and torch; never nemo/lightning/hydra/bridge)
     memory        nemo_longctx.memory.*                  (plain torch; may use attention)
     attention     nemo_longctx.attention.*               (plain torch)
-    leaves        nemo_longctx (``__init__``), nemo_longctx.options, .console, .signals, .reaper and .process_exit
+    leaves        nemo_longctx (``__init__``), nemo_longctx.options, .versions, .console, .signals, .reaper and .process_exit
                   (standard library only),
                   nemo_longctx.overrides (Hydra's override parser and compose API only),
                   nemo_longctx.conf (the
@@ -40,7 +40,7 @@ PKG_DIR = ROOT / PKG
 
 APPS = ("train", "bridge_app", "bridge_convert", "plan", "plan_keys", "help", "cli", "convert", "__main__", "selftest")
 FRONT_ENDS = ("integrations.nemo", "integrations.bridge")
-LEAVES = {PKG, f"{PKG}.options", f"{PKG}.console", f"{PKG}.signals", f"{PKG}.reaper", f"{PKG}.process_exit",
+LEAVES = {PKG, f"{PKG}.options", f"{PKG}.versions", f"{PKG}.console", f"{PKG}.signals", f"{PKG}.reaper", f"{PKG}.process_exit",
           f"{PKG}.overrides", f"{PKG}.conf", f"{PKG}.integrations"}
 
 # rank of each layer: an import may only go to the same or a lower rank (leaves: anyone may import them)
