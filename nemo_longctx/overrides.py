@@ -13,6 +13,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
+from pathlib import Path
 from typing import Any, List, Optional, Sequence, Tuple
 
 CONFIG_MODULE = "nemo_longctx.conf"
@@ -150,3 +151,15 @@ def _unknown_key_problem(config_name: str, key: str, overrides: Sequence[str]) -
     extra = (f"; a field of the model config that its YAML does not list is added with +{key}=..."
              if parent.split(".")[0] == "model" and not near else "")
     return f"{key}: no such key in the config ({hint}{listed}){extra}".replace(" ()", "").replace("? )", "?)")
+
+
+def conf_dir() -> str:
+    """The Hydra config tree: the installed `nemo_longctx.conf` package if present, else the repo's conf/."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("nemo_longctx.conf")
+    if spec is not None and spec.submodule_search_locations:
+        for loc in spec.submodule_search_locations:
+            if (Path(loc) / "plan.yaml").exists():
+                return str(loc)
+    return str(Path(__file__).resolve().parents[1] / "conf")

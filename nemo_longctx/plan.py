@@ -24,6 +24,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from nemo_longctx.memory.model_shapes import shape_from_config
 from nemo_longctx.options import ConfigError, Context, raise_problems  # noqa: F401  (ConfigError: main's refusal)
+from nemo_longctx.overrides import conf_dir  # noqa: F401  (plan.conf_dir: the Hydra tree, used by the apps)
 from nemo_longctx.plan_keys import PLAN_OPTIONS, plan_key_problems  # noqa: F401  (PLAN_OPTIONS: plan's keys)
 from nemo_longctx.signals import DEFAULT_GRACE_S
 from nemo_longctx.memory.planner import (  # noqa: F401  (RECOMPUTE_GROUP, option_model: the contract's names)
@@ -82,18 +83,6 @@ def app_accepts(precision: str = "bf16-mixed", target: str = "gpu"):
     if target not in ("gpu", "cpu"):
         raise ValueError(f"plan.target={target!r} must be gpu or cpu")
     return lambda algo, rc, off, ms: not app_problems(algo, rc, off, ms, precision, target)
-
-
-def conf_dir() -> str:
-    """The Hydra config tree: the installed `nemo_longctx.conf` package if present, else the repo's conf/."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("nemo_longctx.conf")
-    if spec is not None and spec.submodule_search_locations:
-        for loc in spec.submodule_search_locations:
-            if (Path(loc) / "plan.yaml").exists():
-                return str(loc)
-    return str(Path(__file__).resolve().parents[1] / "conf")
 
 
 # ------------------------------------------------------------------------------------------------- config

@@ -124,6 +124,7 @@ class SyntheticDataModule(pl.LightningDataModule):
         self.micro_batch_size, self.global_batch_size = micro_batch_size, global_batch_size
         self.num_train_samples, self.period, self.skew, self.seed = num_train_samples, period, skew, seed
         self.num_val_samples = num_val_samples
+        self.tokenizer = None  # token ids, no text: NeMo's llm.pretrain hands data.tokenizer to the model
         self.data_sampler = MegatronDataSampler(
             seq_len=seq_length, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size
         )

@@ -1,7 +1,11 @@
 """``LongContextStrategy``: a ``nemo.lightning.MegatronStrategy`` that owns the long-context settings.
 
 Extra arguments: ``cp_algorithm`` (name in ``cp_algorithms.CP_ALGORITHMS``, default "ring"),
-``cp_algorithm_kwargs`` and ``collective_timeout_s`` (the timeout of every process group: the world group and all of
+``cp_algorithm_kwargs``, ``long_context_options`` (the option groups as a plain mapping, the input of
+``LongContextOptions.from_dict``: the NeMo-Run front end passes them, and they are checked again against the final
+layout in ``connect``),
+``option_keys`` ("hydra": messages name the app's keys, ``cp.size``; "recipe": the recipe arguments, ``cp_size``) and
+``collective_timeout_s`` (the timeout of every process group: the world group and all of
 Megatron's and our sub-groups, so a hung peer ends the job with an error instead of waiting Megatron's default 30
 minutes); the CP size is MegatronStrategy's own ``context_parallel_size``. When a model is connected
 (``trainer.fit`` -> ``strategy.connect``, before the model is built and before any step), the strategy extends the
@@ -12,7 +16,7 @@ raising ValueError that names the config fields.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 from nemo import lightning as nl
@@ -20,7 +24,7 @@ from nemo import lightning as nl
 from nemo_longctx.integrations.megatron.validation import long_context_problems
 from nemo_longctx.options import Context, ModelStateOptions, raise_problems
 
-from .config_keys import NEMO_KEYS
+from .config_keys import NEMO_KEYS, RECIPE_KEYS, rename_problems
 
 from .compat import megatron_groups_timeout
 from .model import enable_long_context
@@ -43,8 +47,16 @@ def strategy_kwargs(state: ModelStateOptions) -> Dict[str, Any]:
 
 class LongContextStrategy(nl.MegatronStrategy):
     def __init__(self, *args: Any, cp_algorithm: str = "ring", cp_algorithm_kwargs: Optional[Dict[str, Any]] = None,
-                 collective_timeout_s: Optional[float] = None, **kwargs: Any) -> None:
+                 collective_timeout_s: Optional[float] = None, long_context_options: Optional[Dict[str, Any]] = None,
+                 option_keys: str = "hydra", **kwargs: Any) -> None:
+        from .compat import apply as apply_cpu_fixes
+
+        apply_cpu_fixes()  # CPU-only processes (a recipe run by NeMo-Run builds this first): a no-op with CUDA
         super().__init__(*args, **kwargs)
+        if option_keys not in ("hydra", "recipe"):
+            raise ValueError(f"LongContextStrategy(option_keys={option_keys!r}): 'hydra' or 'recipe'")
+        self.long_context_options = dict(long_context_options) if long_context_options is not None else None
+        self.option_keys = option_keys
         self.cp_algorithm = cp_algorithm
         self.validated_config = None  # a model config already checked (the app checks it when it builds the run)
         self.cp_algorithm_kwargs = dict(cp_algorithm_kwargs or {})
@@ -77,12 +89,39 @@ class LongContextStrategy(nl.MegatronStrategy):
         return len(devices) * max(1, int(getattr(self, "num_nodes", 1) or 1))
 
     def validate_model(self, config: Any, world_size: Optional[int] = None) -> None:
-        """Raise ``ConfigError`` naming every problem of the model config against this strategy's layout."""
-        raise_problems(long_context_problems(
-            config, self.context_parallel_size, self.cp_algorithm,
-            world_size if world_size is not None else self.expected_world_size(), self.tensor_model_parallel_size,
-            self.pipeline_model_parallel_size, self.cp_algorithm_kwargs, Context(keys=NEMO_KEYS)))
+        """Raise ``ConfigError`` naming every problem of the model config against this strategy's layout (and, with
+        ``long_context_options``, of the options against the final layout and the model)."""
+        world = world_size if world_size is not None else self.expected_world_size()
+        tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
+        if self.long_context_options is None:
+            raise_problems(long_context_problems(config, self.context_parallel_size, self.cp_algorithm, world, tp, pp,
+                                                 self.cp_algorithm_kwargs, Context(keys=NEMO_KEYS)))
+        else:
+            raise_problems(self.option_problems(config, world))
         self.validated_config = config
+
+    def option_problems(self, config: Any, world_size: Optional[int]) -> List[str]:
+        """``long_context_options`` against this strategy's final layout and ``config`` (the front end checked them
+        against what it knew; a later ``trainer.devices=`` override is caught here with the same message)."""
+        from nemo_longctx.integrations.megatron.validation import model_problems
+        from nemo_longctx.options import LongContextOptions
+
+        options = LongContextOptions.from_dict(self.long_context_options)
+        keys = RECIPE_KEYS if self.option_keys == "recipe" else NEMO_KEYS
+        tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
+        precision = str(getattr(getattr(self, "_precision_plugin", None), "precision", "32"))
+        ctx = Context(seq_length=int(config.seq_length), tp=tp, pp=pp, world_size=world_size,
+                      sequence_parallel=bool(self.sequence_parallel), precision=precision, keys=keys)
+        p = options.problems(ctx)
+        if not p:
+            if (options.cp.size, options.cp.algorithm) != (self.context_parallel_size, self.cp_algorithm):
+                p.append(f"cp.size={options.cp.size}/cp.algorithm={options.cp.algorithm} of the options disagree "
+                         f"with the strategy's context_parallel_size={self.context_parallel_size}/cp_algorithm="
+                         f"{self.cp_algorithm}")
+            p = p + model_problems(config, options, world_size, tp, pp, ctx)
+        if self.option_keys == "recipe":
+            p = rename_problems(p)
+        return list(dict.fromkeys(p))
 
     def connect(self, model: Any) -> None:
         super().connect(model)  # copies the parallel sizes onto model.config
