@@ -79,8 +79,30 @@ class RecordAttention:
         return _Record()
 
 
+def write_slurm_sbatch(out: str, sbatch: str, partition: str = "local") -> None:
+    """The tiny recipe with ``LongContextPlugin`` under NeMo-Run's ``SlurmExecutor`` (1 node, torchrun with 2
+    processes, ``LocalTunnel`` into ``$NEMORUN_HOME/experiments``, no packaging): the experiment's dry run (which
+    applies the plugin and writes the task's configs) and the sbatch script it would submit, written to ``sbatch``."""
+    import nemo_run as run
+
+    from nemo_longctx.integrations.nemo.recipes import LongContextPlugin
+
+    home = os.environ["NEMORUN_HOME"]
+    executor = run.SlurmExecutor(account="", partition=partition, nodes=1, ntasks_per_node=2, time="00:10:00",
+                                 tunnel=run.LocalTunnel(job_dir=os.path.join(home, "experiments")),
+                                 packager=run.Packager())
+    executor.launcher = "torchrun"  # NeMo-Run turns it into 1 task per node running torchrun --nproc-per-node 2
+    with run.Experiment("slurm_tiny", executor=executor) as exp:
+        exp.add(tiny_llama3_recipe(out), name="tiny",
+                plugins=[LongContextPlugin(cp="ring", cp_size=2, recompute="full", offload="layer_input")])
+        exp.dryrun(log=False, delete_exp_dir=False)  # keep the configs the script points at
+        script = exp.jobs[0]._dryrun_info.request.materialize()
+    with open(sbatch, "w") as f:
+        f.write(script)
+
+
 def main(argv: List[str]) -> None:
-    """``python tests/nemo_run_recipes.py OUT_DIR``: NeMo's recipe, shrunk, through ``run.run`` with
+    """``python tests/nemo_run_recipes.py OUT_DIR``: NeMo's recipe, shrunk, through ``run.Experiment`` with
     ``LocalExecutor`` (torchrun, 2 CPU processes) and ``LongContextPlugin(cp="ring", cp_size=2, recompute="full",
     offload="layer_input")``; exits 1 when the job does not succeed. (NeMo-Run loads this file again in every rank
     as its "external main": everything runs under the ``__main__`` guard.)"""
@@ -91,6 +113,9 @@ def main(argv: List[str]) -> None:
     import nemo_run_recipes  # the callback by its module name (importable in the ranks through PYTHONPATH)
     from nemo_longctx.integrations.nemo.recipes import LongContextPlugin
 
+    if argv[0] == "--slurm-sbatch":  # OUT_DIR SBATCH: write the SlurmExecutor's sbatch script, run nothing
+        write_slurm_sbatch(argv[1], argv[2])
+        return
     out = argv[0]
     recipe = tiny_llama3_recipe(out)
     recipe.trainer.callbacks.append(run.Config(nemo_run_recipes.RecordAttention, path=os.path.join(out, "attention")))

@@ -154,3 +154,34 @@ def test_a_preempted_demo_job_saves_requeues_and_resumes(demo_job, tmp_path):
     ref = {r["step"]: r["loss"] for r in demo_job[3]}
     for r in rows:
         assert abs(r["loss"] - ref[r["step"]]) <= 1e-6 * abs(ref[r["step"]]), (r["step"], r["loss"], ref[r["step"]])
+
+
+def test_a_nemo_run_slurm_executor_sbatch_trains_the_recipe_with_the_plugin_like_the_app(slurm_cluster, tmp_path):
+    """NeMo's llama3_8b recipe (shrunk, tests/nemo_run_recipes.py) with LongContextPlugin under NeMo-Run's
+    SlurmExecutor: the sbatch script of its dry run, submitted to the local Slurm as NeMo-Run would (sbatch), trains
+    3 steps under srun + torchrun with the same per-step losses as ``nemo-longctx train``."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from nemo_run_recipes import APP_ARGS
+
+    env = dict(os.environ, NEMORUN_HOME=str(tmp_path / "nemorun_home"),
+               PATH=str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"])
+    out, sbatch = tmp_path / "out", tmp_path / "job.sbatch"
+    made = subprocess.run([sys.executable, str(ROOT / "tests" / "nemo_run_recipes.py"), "--slurm-sbatch", str(out),
+                           str(sbatch)], env=env, capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stdout[-2000:] + made.stderr[-3000:]
+    script = sbatch.read_text()
+    assert "#SBATCH --partition=local" in script and "torchrun" in script and "--nproc-per-node 2" in script
+    sub = subprocess.run(["sbatch", "--parsable", f"--chdir={tmp_path}", str(sbatch)], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert sub.returncode == 0, sub.stderr
+    job = sub.stdout.strip().split(";")[0]
+    waited = _slurm("wait", job, "420", timeout=480)
+    logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in (tmp_path / "nemorun_home").rglob("*.out"))
+    assert waited.returncode == 0, f"job {job} failed: {waited.stderr}\n{logs}"
+    losses = [r["loss"] for r in _rows(out / "nemo_longctx")]
+    app = tmp_path / "app"
+    ran = subprocess.run([sys.executable, "-m", "nemo_longctx", "train", *APP_ARGS, "cp=ring", "cp.size=2",
+                          "recompute=full", "offload=layer_input", f"output_dir={app}"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=400)
+    assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
+    assert len(losses) == 3 and losses == pytest.approx([r["loss"] for r in _rows(app)], rel=1e-6, abs=0)
