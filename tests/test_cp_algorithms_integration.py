@@ -267,6 +267,7 @@ def _check_parity(results, settings):
             assert r["update_err"] <= 2e-4, (where, r["update_err"])  # a wrong gradient scale would give ~1
 
 
+@pytest.mark.matrix  # the version-matrix smoke set (scripts/matrix_smoke.sh)
 def test_ulysses_and_hybrid_match_cp1_on_2_ranks(results2):
     _show(results2, 2)
     _check_parity(results2, SETTINGS_2)

@@ -138,6 +138,7 @@ def test_rope_variants_are_not_vacuous(world):
     assert world["nemo"]["qwen_base/ulysses"]["rotary_base"] == 100000.0
 
 
+@pytest.mark.matrix  # the version-matrix smoke set (scripts/matrix_smoke.sh)
 def test_trained_checkpoint_exports_to_the_same_logits(world):
     """NeMo logits of the checkpoint trained under CP=2 == HF logits of its export; training moved the weights."""
     for name, plain in (("trained_llama/ring", "plain_llama"), ("trained_qwen/ulysses", "plain_qwen")):

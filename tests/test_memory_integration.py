@@ -144,6 +144,7 @@ def results():
     return run_distributed(_parity_worker, 2, timeout=400)
 
 
+@pytest.mark.matrix  # the version-matrix smoke set (scripts/matrix_smoke.sh)
 def test_every_recompute_offload_combination_matches_none(results):
     for rank, res in enumerate(results):
         assert len(res["parity"]) == 2 * 2 * len(COMBOS)

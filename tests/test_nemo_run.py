@@ -80,6 +80,7 @@ register_recipe_factories()  # tiny_llama3_long_context, as for NeMo's own recip
     return d
 
 
+@pytest.mark.matrix  # the version-matrix smoke set (scripts/matrix_smoke.sh)
 def test_plugin_through_run_experiment_equals_the_app_and_every_attention_is_ours(tmp_path, app_losses):
     out = tmp_path / "out"
     code, log = _run([sys.executable, str(TESTS / "nemo_run_recipes.py"), str(out)], tmp_path, tmp_path)

@@ -36,6 +36,7 @@ def runs(tmp_path_factory):
     return out
 
 
+@pytest.mark.matrix  # the version-matrix smoke set (scripts/matrix_smoke.sh)
 def test_packed_documents_with_window_train_with_cp_none_losses(runs):
     none, ring = runs["none"][0], runs["ring"][0]
     assert len(none) == len(ring) == 3

@@ -59,6 +59,7 @@ def test_app_default_writes_metrics_and_prints_steps(runs):
     assert f"step {STEPS}/{STEPS} | loss" in out and "tokens/s" in out and "elapsed" in out
 
 
+@pytest.mark.matrix  # the version-matrix smoke set (scripts/matrix_smoke.sh)
 def test_loss_parity_cp_none_vs_ring(runs):
     ring, none = _metrics(runs["ring"][0]), _metrics(runs["none"][0])
     assert len(ring) == len(none) == STEPS >= 5

@@ -34,7 +34,6 @@ import torch
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.utils import is_layer_window_attention
 
 from nemo_longctx.attention.kernels import select_kernel
 from nemo_longctx.memory.keep_attention import kept_ring_attention
@@ -42,6 +41,7 @@ from nemo_longctx.memory.sequence_chunks import active_sequence_chunking, chunk_
 from nemo_longctx.options import SEQUENCE_CHUNK_ALGORITHMS
 
 from .cp_algorithms import check_cp_options, get_cp_algorithm, is_checked, mark_checked
+from .mcore_versions import is_layer_window_attention, process_groups
 
 Tensor = torch.Tensor
 
@@ -106,9 +106,11 @@ class LongContextCoreAttention(MegatronModule):
         cp_algorithm_kwargs: Optional[Dict[str, Any]] = None,
         k_channels: Optional[int] = None,
         v_channels: Optional[int] = None,
+        model_comm_pgs: Any = None,  # Megatron-core 0.14's name of pg_collection (mcore_versions.process_groups)
         **params: Any,
     ) -> None:
         super().__init__(config=config)
+        pg_collection = process_groups(pg_collection, model_comm_pgs)
         if params:
             raise ValueError(f"LongContextCoreAttention got unknown ModuleSpec params {sorted(params)}")
         self.layer_number = max(1, layer_number)
@@ -128,7 +130,7 @@ class LongContextCoreAttention(MegatronModule):
         # Sliding window per layer exactly as Megatron's DotProductAttention decides it (window_attn_skip_freq:
         # every n-th layer full, or a per-layer list); (left, right) in flash-attn's convention, as Megatron's
         self.window_size = None
-        if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
+        if is_layer_window_attention(config, layer_number):
             self.window_size = _window_of(config.window_size)
         if getattr(config, "softmax_type", "vanilla") != "vanilla":
             raise ValueError(f"model.softmax_type={config.softmax_type!r} is not supported (only 'vanilla')")

@@ -25,6 +25,8 @@ from nemo_longctx.options import (  # noqa: F401  (re-exported: the names the Me
     raise_problems,
 )
 
+from .mcore_versions import uses_fp8_or_fp4
+
 
 def _cuda_available() -> bool:
     import torch
@@ -46,7 +48,7 @@ def memory_model_problems(opts: MemoryOptions, model_config: Any, pp: int = 1,
             and not _cuda_available()):
         p.append("recompute.modules=[mlp] with model.add_bias_linear=true recurses without end in Megatron's "
                  "CheckpointFunction backward on CPU: set model.add_bias_linear=false or recompute another module")
-    if opts.full and (getattr(model_config, "fp8", None) or getattr(model_config, "fp4", None)):
+    if opts.full and uses_fp8_or_fp4(model_config):
         p.append(f"recompute={r} in nemo_longctx runs Megatron's tensor_parallel.checkpoint: fp8/fp4 "
                  "(te_checkpoint) is not supported")
     if opts.sequence_chunks != "off":

@@ -23,6 +23,8 @@ import torch
 
 from nemo_longctx.memory.norm_recompute import RecomputedNorm
 
+from .mcore_versions import uses_fp8_or_fp4
+
 _PAIRS = (("recompute_input_layernorm", "input_layernorm", "self_attention"),
           ("recompute_pre_mlp_layernorm", "pre_mlp_layernorm", "mlp"))
 
@@ -49,7 +51,7 @@ class NormRecomputeHandle:
 def install_norm_recompute(layer: Any) -> NormRecomputeHandle:
     """Replace Megatron's layernorm recompute of ``layer`` (a TransformerLayer built with
     ``recompute_modules`` containing ``layernorm``) by ``RecomputedNorm``; returns a handle with ``remove()``."""
-    if getattr(layer.config, "fp8", None) or getattr(layer.config, "fp4", None):
+    if uses_fp8_or_fp4(layer.config):
         raise ValueError("recompute.modules=[layernorm] with fp8/fp4 is not supported by nemo_longctx's norm recompute")
     handle = NormRecomputeHandle()
     deferred: List[RecomputedNorm] = []

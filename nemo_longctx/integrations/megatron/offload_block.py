@@ -32,6 +32,7 @@ from nemo_longctx.memory.tracker import memory_scope
 
 from .chunked_layer import LongContextTransformerLayer
 from .core_attention import packed_seq_layout
+from .mcore_versions import thd_freqs_on_this_cp_rank, uses_fp8_or_fp4
 
 
 def thd_rope_per_row(freqs, cu_seqlens_padded, cp_size: int, cp_rank: int):
@@ -40,15 +41,13 @@ def thd_rope_per_row(freqs, cu_seqlens_padded, cp_size: int, cp_rank: int):
     the layer without packed-sequence parameters. Megatron's ``rope_utils._apply_rotary_pos_emb_thd`` picks them per
     document with ``_get_thd_freqs_on_this_cp_rank`` (each row's position in its document and CP zigzag chunk; the
     whole packed sequence's positions when ``freqs`` covers exactly ``cu_seqlens_padded[-1]`` rows); the same helper,
-    with the same two cases, is used here."""
-    from megatron.core.models.common.embeddings.rope_utils import _get_thd_freqs_on_this_cp_rank
-
+    with the same two cases, is used here (``mcore_versions.thd_freqs_on_this_cp_rank``)."""
     cu = [int(v) for v in (cu_seqlens_padded.tolist() if hasattr(cu_seqlens_padded, "tolist") else cu_seqlens_padded)]
     exact = freqs.dim() >= 1 and freqs.size(0) == cu[-1]
     parts = []
     for start, end in zip(cu, cu[1:]):
         rows = freqs.new_empty(((end - start) // cp_size, 0))  # (the helper reads only the row count)
-        parts.append(_get_thd_freqs_on_this_cp_rank(cp_rank, cp_size, rows, freqs, start if exact else 0))
+        parts.append(thd_freqs_on_this_cp_rank(cp_rank, cp_size, rows, freqs, start if exact else 0))
     return torch.cat(parts)
 
 
@@ -117,7 +116,7 @@ class LongContextTransformerBlock(TransformerBlock):
                               attention_bias=None, packed_seq_params=None, use_inner_quantization_context=False,
                               padding_mask=None, extract_layer_indices=None, **unused):
         cfg = self.config
-        if cfg.fp8 or cfg.fp4:
+        if uses_fp8_or_fp4(cfg):
             raise ValueError("nemo_longctx full recompute with offload/kept attention does not support fp8/fp4")
         if extract_layer_indices:
             raise ValueError("nemo_longctx full recompute does not return intermediate layers' hidden states "

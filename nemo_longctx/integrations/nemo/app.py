@@ -592,9 +592,8 @@ def fit(built: Built) -> None:
 def dry_run(cfg: DictConfig, options: Optional[LongContextOptions] = None) -> Dict[str, Any]:
     """Build + validate the real NeMo objects, resolve every layer's core_attention from the layer/block spec,
     print a summary; no process group, no training. Returns the summary dict."""
-    from megatron.core.transformer.transformer_block import _get_block_submodules
-
     from nemo_longctx.integrations.megatron.core_attention import LongContextCoreAttention
+    from nemo_longctx.integrations.megatron.mcore_versions import block_submodules
     from nemo_longctx.integrations.megatron.spec import core_attention_modules, layer_specs_of
 
     built = build(cfg, options=options, checked=options is not None)
@@ -604,7 +603,7 @@ def dry_run(cfg: DictConfig, options: Optional[LongContextOptions] = None) -> Di
     layer_spec = config.transformer_layer_spec(config)
     modules = []
     for pp_rank in range(int(config.pipeline_model_parallel_size)):  # every pipeline stage's layers
-        modules += core_attention_modules(_get_block_submodules(config, layer_spec, vp_stage=None, pp_rank=pp_rank))
+        modules += core_attention_modules(block_submodules(config, layer_spec, pp_rank))
     if len(modules) != config.num_layers or not all(m is LongContextCoreAttention for m in modules):
         raise RuntimeError(f"core_attention does not resolve to LongContextCoreAttention in every layer: {modules}")
     p = parallel_sizes(cfg)
