@@ -118,14 +118,15 @@ def test_the_version_check_names_untested_stacks_and_fails_only_when_strict(tmp_
     from nemo_longctx import versions
 
     assert versions.problems({"nemo": "2.7.3", "megatron_core": "0.15.3", "nemo_run": "0.11.1"}) == []
+    assert versions.problems({"nemo": "2.5.0", "megatron_core": "0.14.0rc2", "nemo_run": "0.6.0"}) == []
     p = versions.problems({"nemo": "2.7.3", "megatron_core": "0.17.0rc1+abc", "nemo_run": "0.9.0"})
     assert len(p) == 1 and "megatron-core 0.17.0rc1+abc (NGC NeMo 26.04) is not a tested stack" in p[0], p
     assert "nemo-toolkit 2.7.3 + megatron-core 0.15.3" in p[0]
     assert "needs both installed" in versions.problems({"nemo": None, "megatron_core": "0.19.2"})[0]
     # the module run the Dockerfile does: a warning, or an error with STRICT_VERSIONS=1 (stubbed metadata)
-    code = ("import sys, nemo_longctx.versions as v; v.installed = lambda: {'nemo': '2.6.0', 'megatron_core': "
-            "'0.15.0', 'nemo_run': '0.7.0'}; sys.exit(v.main())")
+    code = ("import sys, nemo_longctx.versions as v; v.installed = lambda: {'nemo': '2.7.0', 'megatron_core': "
+            "'0.16.0', 'nemo_run': '0.8.0'}; sys.exit(v.main())")
     for strict, rc, word in (("0", 0, "WARNING"), ("1", 1, "ERROR")):
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                            env={**os.environ, "STRICT_VERSIONS": strict})
-        assert r.returncode == rc and f"{word}: nemo-toolkit 2.6.0 + megatron-core 0.15.0 (NGC NeMo 25.11)" in r.stderr
+        assert r.returncode == rc and f"{word}: nemo-toolkit 2.7.0 + megatron-core 0.16.0 (NGC NeMo 26.02)" in r.stderr
