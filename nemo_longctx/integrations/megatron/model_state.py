@@ -83,6 +83,11 @@ def grad_reduce_in_fp32(opts: ModelStateOptions) -> bool:
     return opts.main_grads_dtype == "fp32"
 
 
+# the DistributedDataParallelConfig fields that switch Megatron-FSDP on (ZeRO-3), as NeMo's and Bridge's recipes set them
+MEGATRON_FSDP_DDP_FIELDS = {"use_distributed_optimizer": True, "use_megatron_fsdp": True,
+                            "data_parallel_sharding_strategy": "optim_grads_params"}
+
+
 def ddp_config(opts: ModelStateOptions) -> Any:
     """Megatron-FSDP's ``DistributedDataParallelConfig`` (ZeRO-3: optimizer states, grads and params sharded), the
     way NeMo's and Megatron-Bridge's recipes enable it; None without Megatron-FSDP (the framework's default DDP)."""
@@ -90,10 +95,7 @@ def ddp_config(opts: ModelStateOptions) -> Any:
         return None
     from megatron.core.distributed import DistributedDataParallelConfig
 
-    return DistributedDataParallelConfig(
-        check_for_nan_in_grad=True, use_distributed_optimizer=True, use_megatron_fsdp=True,
-        data_parallel_sharding_strategy="optim_grads_params",
-    )
+    return DistributedDataParallelConfig(check_for_nan_in_grad=True, **MEGATRON_FSDP_DDP_FIELDS)
 
 
 def checkpoint_settings(opts: ModelStateOptions) -> Dict[str, Any]:

@@ -161,9 +161,14 @@ def _get(config: Any, path: str, default: Any = None) -> Any:
     return node
 
 
-def _precision(recipe: Any) -> str:
+def _plugins(recipe: Any) -> List[Any]:
+    """The trainer's plugins (a recipe sets one or a list)."""
     plugins = _get(recipe, "trainer.plugins")
-    for p in (plugins if isinstance(plugins, (list, tuple)) else [plugins]):
+    return list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
+
+
+def _precision(recipe: Any) -> str:
+    for p in _plugins(recipe):
         value = getattr(p, "precision", None)
         if value is not None:
             return str(value)
@@ -262,6 +267,7 @@ def _rewrite(recipe: Any, options: LongContextOptions, groups: Dict[str, Any]) -
     from nemo.lightning.run.plugins import _merge_callbacks
 
     from nemo_longctx.integrations.megatron.model_state import (
+        MEGATRON_FSDP_DDP_FIELDS,
         checkpoint_settings,
         grad_reduce_in_fp32,
         optimizer_fields,
@@ -286,8 +292,8 @@ def _rewrite(recipe: Any, options: LongContextOptions, groups: Dict[str, Any]) -
         if not isinstance(ddp, fdl.Config):
             ddp = run.Config(DistributedDataParallelConfig)
             strategy.ddp = ddp
-        ddp.use_megatron_fsdp = True
-        ddp.data_parallel_sharding_strategy = "optim_grads_params"
+        for name, value in MEGATRON_FSDP_DDP_FIELDS.items():
+            setattr(ddp, name, value)
         strategy.fsdp = "megatron"
         strategy.save_ckpt_format = ckpt["format"]
     elif isinstance(getattr(strategy, "ddp", None), fdl.Config) and getattr(strategy, "fsdp", None) == "megatron":
@@ -305,8 +311,7 @@ def _rewrite(recipe: Any, options: LongContextOptions, groups: Dict[str, Any]) -
         for name, value in optimizer_fields(state).items():
             if not (name.endswith("_dtype") and defaults.get(name) == value):  # unchanged dtypes stay unset
                 setattr(config, name, value)
-    plugins = _get(recipe, "trainer.plugins")
-    for p in (plugins if isinstance(plugins, (list, tuple)) else [plugins]):
+    for p in _plugins(recipe):
         if isinstance(p, fdl.Config) and "grad_reduce_in_fp32" in inspect.signature(fdl.get_callable(p)).parameters:
             p.grad_reduce_in_fp32 = grad_reduce_in_fp32(state)
             if isinstance(getattr(strategy, "ddp", None), fdl.Config):
