@@ -31,8 +31,10 @@ NEMO2_CONTAINERS: Tuple[Container, ...] = (
 # (nemo-toolkit, megatron-core) -> how it is tested here
 TESTED: Dict[Tuple[str, str], str] = {
     ("2.7.3", "0.15.3"): "full suite on Python 3.11 (CI: .ci/run; constraints/nemo.txt)",
-    ("2.5.0", "0.14.0"): "smoke set on Python 3.12 by hand (scripts/matrix_smoke.sh 25.09; not in CI yet)",
-    ("2.6.0", "0.15.0"): "smoke set on Python 3.12 by hand (scripts/matrix_smoke.sh 25.11; not in CI yet)",
+    ("2.5.0", "0.14.0"): "smoke set on Python 3.12 with NeMo-Run 0.6.0 (CI: scripts/matrix_smoke.sh; "
+                         "constraints/nemo-25.09.txt)",
+    ("2.6.0", "0.15.0"): "smoke set on Python 3.12 with NeMo-Run 0.7.0 (CI: scripts/matrix_smoke.sh; "
+                         "constraints/nemo-25.11.txt)",
 }
 PACKAGES = {"nemo": "nemo-toolkit", "megatron_core": "megatron-core", "nemo_run": "nemo_run"}
 

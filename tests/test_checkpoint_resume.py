@@ -112,7 +112,6 @@ def _close(a: float, b: float, rel: float) -> bool:
     return abs(a - b) <= rel * abs(a)
 
 
-@pytest.mark.matrix  # the version-matrix smoke set (scripts/matrix_smoke.sh)
 def test_resume_after_a_killed_rank_continues_the_same_run(runs):
     full, full_val = _metrics(runs["dirs"]["full"])
     assert sorted(full) == list(range(1, STEPS + 1)) and sorted(full_val) == [2, 4, 6]

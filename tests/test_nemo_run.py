@@ -104,6 +104,7 @@ def test_cli_factory_and_cli_plugin_train_like_the_app(tmp_path, workspace, app_
         assert _losses(out / "nemo_longctx") == pytest.approx(app_losses, rel=1e-6, abs=0), name
 
 
+@pytest.mark.matrix  # the version-matrix smoke set (scripts/matrix_smoke.sh): the container's NeMo-Run CLI
 def test_cli_factory_dryrun_shows_the_rewritten_recipe(tmp_path):
     code, log = _run(["nemo", "llm", "pretrain", "--factory", "'llama3_8b_long_context(cp_size=8)'",
                       "trainer.devices=8", "--dryrun", "--yes"], tmp_path, tmp_path)

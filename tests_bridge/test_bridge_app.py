@@ -132,6 +132,16 @@ def test_python_api_enable_long_context_with_keyword_groups():
     enable_long_context(cfg, cp={"size": 2})  # again: from the user's base spec, not nested in our wrappers
     assert isinstance(m.transformer_layer_spec, LongContextSpec) and not isinstance(
         m.transformer_layer_spec.base, (LongContextSpec, TiledMLPLayerSpec))
+    # the model-state keys on Bridge's OptimizerConfig / DistributedDataParallelConfig: Megatron-FSDP the way the
+    # NeMo 2 front ends set it (one set of DDP fields), and back off again
+    from nemo_longctx.integrations.megatron.model_state import MEGATRON_FSDP_DDP_FIELDS
+
+    cfg.checkpoint.save_interval = 0  # Megatron-FSDP's checkpoints are refused by name
+    enable_long_context(cfg, cp={"size": 2}, optim={"megatron_fsdp": True, "use_distributed_optimizer": True})
+    assert {k: getattr(cfg.ddp, k) for k in MEGATRON_FSDP_DDP_FIELDS} == MEGATRON_FSDP_DDP_FIELDS
+    assert cfg.optimizer.use_distributed_optimizer and cfg.ddp.grad_reduce_in_fp32
+    enable_long_context(cfg, cp={"size": 2}, optim={"use_distributed_optimizer": False})
+    assert not cfg.ddp.use_megatron_fsdp and not cfg.ddp.use_distributed_optimizer
     with pytest.raises(ConfigError) as e:
         enable_long_context(cfg, cp={"size": 2.5}, offload={"name": "layer_input"})
     text = str(e.value)

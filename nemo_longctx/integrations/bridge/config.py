@@ -102,17 +102,22 @@ def long_context_callbacks(cfg: Any) -> List[Any]:
 def _apply_model_state(cfg: Any, options: LongContextOptions) -> None:
     """The ``optim`` options on Bridge's ``OptimizerConfig`` / ``DistributedDataParallelConfig`` fields (the same
     fields Megatron's own ``OptimizerConfig`` has: ``integrations.megatron.model_state.optimizer_fields``)."""
-    from nemo_longctx.integrations.megatron.model_state import optimizer_fields
+    from nemo_longctx.integrations.megatron.model_state import (
+        MEGATRON_FSDP_DDP_FIELDS,
+        grad_reduce_in_fp32,
+        optimizer_fields,
+    )
 
     s = options.optim.state
     o, ddp = cfg.optimizer, cfg.ddp
     for name, value in optimizer_fields(s).items():
         setattr(o, name, value)
     ddp.use_distributed_optimizer = o.use_distributed_optimizer
-    ddp.use_megatron_fsdp = bool(s.megatron_fsdp)
+    ddp.use_megatron_fsdp = False
     if s.megatron_fsdp:
-        ddp.data_parallel_sharding_strategy = "optim_grads_params"
-    ddp.grad_reduce_in_fp32 = s.main_grads_dtype == "fp32"
+        for name, value in MEGATRON_FSDP_DDP_FIELDS.items():
+            setattr(ddp, name, value)
+    ddp.grad_reduce_in_fp32 = grad_reduce_in_fp32(s)
 
 
 def model_problems_of(cfg: Any, options: LongContextOptions, world_size: int) -> List[str]:

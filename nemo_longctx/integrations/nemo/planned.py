@@ -1,0 +1,295 @@
+"""The planner-driven NeMo-Run plugin: ``PlannedLongContextPlugin`` (``run.plugins=long_context_planned``) lets
+``nemo-longctx plan``'s planner pick CP / TP / recompute / offload / tiling / model state for the recipe's model on the
+executor's GPUs, then applies the chosen candidate with ``long_context_recipe`` (``LongContextPlugin``'s checks and
+rewrite)::
+
+    run.run(llm.llama3_8b.pretrain_recipe(...), executor=run.LocalExecutor(ntasks_per_node=8, launcher="torchrun"),
+            plugins=[PlannedLongContextPlugin(gpu="h100", seq_length=1048576)])
+    nemo llm pretrain --factory llama3_8b run.executor=... run.plugins=long_context_planned run.plugins.gpu=h100 \\
+        run.plugins.seq_length=1048576
+
+What ``setup(task, executor)`` plans with (``plan_for_recipe``):
+
+- GPUs: ``executor.nnodes() x executor.nproc_per_node()``, ``nproc_per_node()`` per node. GPU type: ``gpu`` (a preset
+  of conf/plan/: h100 | h200), else the one the executor names (``executor_gpu_types``); neither, an unknown preset,
+  or the two disagreeing: ``ConfigError`` (there is no default GPU).
+- model shape: the recipe's model config built (its GPTConfig fields, ``recipe_model_group``); vocabulary: the
+  config's ``vocab_size``, else the recipe's tokenizer when its config spells ``vocab_size`` (padded to
+  ``make_vocab_size_divisible_by``), else the known shape of the config's class (``model_shapes.KNOWN_SHAPES``: the
+  model family's tokenizer; NeMo's ``MockDataModule`` without a tokenizer trains GPT-2's smaller vocabulary, so the
+  plan is on the safe side there), else ``ConfigError`` naming ``model.config.vocab_size``. Dense GPT layers only.
+- ``seq_length`` (written to ``model.config.seq_length`` and ``data.seq_length`` when given), else the recipe's
+  ``model.config.seq_length``; precision: the trainer's precision plugin (16-bit mixed: conf/plan.yaml's
+  ``plan.precision``; 32: 4-byte activations and weights); ``host_memory_gb`` per node (None: conf/plan.yaml's).
+- search space, cost constants, GPU memory: conf/plan.yaml with the preset, composed and read as ``nemo-longctx plan``
+  does (``plan.inputs_from_config``, ``search_space``); a recipe that saves checkpoints (``log.ckpt``) also drops the
+  option combinations the option model refuses with checkpoint saving (Megatron-FSDP) from the search.
+
+Nothing fits: ``ConfigError`` with the planner's ``what_is_missing`` sentence. Otherwise one log line names the
+candidate, and the layout the planner assumes is set (TP, sequence parallelism with TP, pipeline size 1,
+``trainer.devices``/``num_nodes`` = the executor's) before ``long_context_recipe`` checks and rewrites the recipe
+with the candidate's options (``candidate_arguments``).
+"""
+
+import dataclasses  # no `from __future__ import annotations`: NeMo-Run's CLI parser needs the fields' real types
+import functools
+import os
+import re
+from typing import Any, Dict, List, Optional, Tuple
+
+import fiddle as fdl
+import nemo_run as run
+
+from nemo_longctx.options import ConfigError, Context, raise_problems
+from nemo_longctx.overrides import compose, conf_dir
+
+from .config_keys import argument_name
+from .recipes import _get, _model_config, _plain, _precision, long_context_recipe
+
+# the GPTConfig fields model_shapes.shape_from_config reads (besides vocab_size)
+SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                "kv_channels", "gated_linear_unit", "share_embeddings_and_output_weights")
+
+
+# ------------------------------------------------------------------------------------------ the GPU
+def gpu_presets() -> List[str]:
+    """The GPU presets of the plan group (``conf/plan/<name>.yaml``)."""
+    return sorted(f[:-5] for f in os.listdir(os.path.join(conf_dir(), "plan")) if f.endswith(".yaml"))
+
+
+def executor_gpu_types(executor: Any) -> List[str]:
+    """The GPU types an executor names, lower-case: ``SkypilotExecutor``/``SkypilotJobsExecutor.gpus`` ("H100",
+    "H100:8" or a list of alternatives), ``SlurmExecutor.gres`` ("gpu:h100:8"), ``LeptonExecutor.resource_shape``
+    ("gpu.8xh100-80gb"). The other nemo_run 0.11.1 executors (local, Docker, DGX Cloud, Kubeflow, ...) carry a GPU
+    count only."""
+    gpus = getattr(executor, "gpus", None)
+    out = [str(g).split(":")[0] for g in ([gpus] if isinstance(gpus, str) else
+                                          gpus if isinstance(gpus, (list, tuple)) else [])]
+    for part in str(getattr(executor, "gres", None) or "").split(","):
+        kind = part.strip().split(":")
+        if len(kind) == 3 and kind[0] == "gpu":
+            out.append(kind[1])
+    shape = re.fullmatch(r"gpu\.\d+x([\w.-]+)", str(getattr(executor, "resource_shape", None) or ""))
+    if shape:
+        out.append(shape.group(1))
+    return [g.strip().lower() for g in out if g.strip()]
+
+
+def choose_gpu(gpu: Optional[str], executor: Any) -> str:
+    """The GPU preset to plan for: ``gpu``, else the executor's (both given: they must agree)."""
+    presets = gpu_presets()
+    known = f"known presets: {', '.join(presets)} (conf/plan/<name>.yaml)"
+    if gpu is not None and gpu not in presets:
+        raise ConfigError([f"gpu={gpu!r} is not a GPU preset; {known}"])
+    named = executor_gpu_types(executor)
+    found = {next((p for p in presets if re.match(rf"{re.escape(p)}(?!\d)", g)), None) for g in named}
+    where = f"{type(executor).__name__} names {', '.join(repr(g) for g in named)}"
+    if gpu is not None:
+        if named and found != {gpu}:
+            raise ConfigError([f"gpu={gpu!r} disagrees with the executor's GPU type ({where})"])
+        return gpu
+    if not named:
+        raise ConfigError([f"gpu= is not set and the executor ({type(executor).__name__}) names no GPU type: give "
+                           f"gpu=<preset>; {known}"])
+    if None in found or len(found) != 1:
+        raise ConfigError([f"gpu= is not set and the executor's GPU type is not one preset ({where}): give "
+                           f"gpu=<preset>; {known}"])
+    return found.pop()
+
+
+# ------------------------------------------------------------------------------------------ the model
+def _vocab_size(recipe: Any, config: Any) -> Tuple[Optional[int], str]:
+    """(vocabulary size or None, where it came from): None leaves it to the known shape of the config's class."""
+    if getattr(config, "vocab_size", None) is not None:
+        return int(config.vocab_size), "model.config.vocab_size"
+    for key in ("model.tokenizer", "data.tokenizer"):  # llm.pretrain hands the data's tokenizer to the model
+        if _get(recipe, key) is None:
+            continue
+        size = _get(recipe, f"{key}.vocab_size")
+        if isinstance(size, int) and not isinstance(size, bool):
+            multiple = int(getattr(config, "make_vocab_size_divisible_by", 1) or 1)
+            return -(-size // multiple) * multiple, f"{key}.vocab_size={size} padded to a multiple of {multiple}"
+        return None, f"the known shape of {type(config).__name__} ({key} is not loaded here)"
+    return None, f"the known shape of {type(config).__name__} (the recipe names no tokenizer)"
+
+
+def recipe_model_group(recipe: Any) -> Tuple[Dict[str, Any], str]:
+    """(the ``model`` group ``shape_from_config`` reads: the built model config's shape fields, its class as
+    ``_target_`` and its name, where the vocabulary size comes from)."""
+    from nemo_longctx.memory.model_shapes import shape_from_config
+
+    config = _model_config(recipe)
+    for flag in ("num_moe_experts", "multi_latent_attention"):
+        if getattr(config, flag, None):
+            raise ConfigError([f"model.config.{flag}={getattr(config, flag)!r}: the planner models dense GPT "
+                               "layers with standard attention; choose the options yourself (LongContextPlugin)"])
+    cls = type(config)
+    group: Dict[str, Any] = {f: getattr(config, f) for f in SHAPE_FIELDS}
+    group["_target_"] = f"{cls.__module__}.{cls.__qualname__}"
+    try:  # a known model's name (llama3_8b: the planner's sentences name it as `nemo-longctx plan model=...` does)
+        group["name"] = shape_from_config({"_target_": group["_target_"]}).name
+    except ValueError:
+        group["name"] = cls.__name__
+    vocab, source = _vocab_size(recipe, config)
+    if vocab is not None:
+        group["vocab_size"] = vocab
+    try:
+        shape_from_config(group, name=group["name"])
+    except ValueError as e:  # no vocabulary size known (or a shape the planner cannot take)
+        raise ConfigError([str(e).replace("model.", "model.config.") + (
+            ": set model.config.vocab_size (the tokenizer's padded vocabulary size)" if "vocab_size" in str(e)
+            else "")]) from None
+    return group, source
+
+
+# ------------------------------------------------------------------------------------------ planning
+def _precision_overrides(recipe: Any) -> List[str]:
+    precision = _precision(recipe)
+    if precision in ("32", "32-true"):
+        return ["plan.precision.activation_bytes=4", "plan.precision.param_bytes=4"]
+    if "16" in precision:  # bf16-mixed, 16-mixed, ...: conf/plan.yaml's plan.precision
+        return []
+    raise ConfigError([f"trainer.plugins.precision={precision!r}: the planner plans 16-bit mixed or 32-bit runs"])
+
+
+def _with_checkpointing(accept: Any, precision: str, target: str) -> Any:
+    """``accept`` that also refuses what the option model refuses when checkpoints are saved."""
+    from nemo_longctx.memory.planner import option_model
+
+    gpu = target == "gpu"
+
+    @functools.lru_cache(maxsize=None)
+    def accept_saving(cp_algorithm: str, recompute: str, offload: str, ms: Any) -> bool:
+        return accept(cp_algorithm, recompute, offload, ms) and not option_model(
+            cp_algorithm, recompute, offload, ms).problems(Context(precision=precision, cuda=gpu, te=gpu,
+                                                                   checkpointing=True))
+    return accept_saving
+
+
+def plan_for_recipe(recipe: Any, gpus: int, gpus_per_node: int, gpu: str, seq_length: Any,
+                    host_memory_gb: Optional[float] = None,
+                    seq_key: str = "seq_length") -> Tuple[Any, Optional[str], str]:
+    """(Plan, what is missing when nothing fits, where the vocabulary size came from) for ``recipe``'s model on
+    ``gpus`` GPUs of preset ``gpu``: conf/plan.yaml composed with the preset and these values, read by
+    ``nemo-longctx plan``'s own ``inputs_from_config``. ``seq_key``: how problems name the sequence length."""
+    from omegaconf import open_dict
+
+    from nemo_longctx import plan as plan_app
+    from nemo_longctx.memory.planner import plan as make_plan
+    from nemo_longctx.memory.planner import what_is_missing
+
+    model, vocab_source = recipe_model_group(recipe)
+    args = [f"plan={gpu}", f"plan.gpus={gpus}", f"plan.gpus_per_node={gpus_per_node}",
+            f"plan.seq_length={seq_length}", *_precision_overrides(recipe)]
+    if host_memory_gb is not None:
+        args.append(f"plan.host_memory_gb={host_memory_gb}")
+    cfg, problems = compose("plan", args)
+    raise_problems(problems)
+    with open_dict(cfg):
+        cfg.model = model
+    names = {"plan.seq_length": seq_key, "plan.host_memory_gb": "host_memory_gb"}
+    raise_problems([re.sub(r"plan\.(seq_length|host_memory_gb)\b", lambda m: names[m.group(0)], p)
+                    for p in plan_app.key_problems(cfg)])
+    try:
+        shape, seq, hw, precision, coef, cost, search = plan_app.inputs_from_config(cfg)
+    except ValueError as e:
+        raise ConfigError([str(e)]) from None
+    if _get(recipe, "log.ckpt") is not None:
+        search["accept"] = _with_checkpointing(search["accept"], plan_app.train_precision(precision),
+                                               str(cfg.plan.target))
+    p = make_plan(shape, seq, hw, precision, coef, cost, float(cfg.plan.cost_tolerance), **search)
+    return p, (None if p.chosen else what_is_missing(p, coef, cost)), vocab_source
+
+
+# ------------------------------------------------------------------------------------------ applying it
+def candidate_arguments(candidate: Any) -> Dict[str, Any]:
+    """``long_context_recipe`` arguments that run a planner candidate: the option model's overrides of it (what
+    ``nemo-longctx plan`` prints), read back by Hydra's parser, and its whole model state (a field the candidate
+    keeps at its default must not stay at the recipe's value)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from nemo_longctx.memory.planner import candidate_options
+
+    options, parser = candidate_options(candidate), OverridesParser.create()
+    out: Dict[str, Any] = {}
+    for text in options.to_overrides():
+        override = parser.parse_override(text)
+        if not override.key_or_group.startswith("optim."):
+            out[argument_name(override.key_or_group)] = _plain(override.value())
+    state = options.optim.state
+    out.update({f"optim_{f.name}": getattr(state, f.name) for f in dataclasses.fields(state) if f.name != "optimizer"})
+    return out
+
+
+def _set_layout(recipe: Any, tp: int, devices: int, nodes: int) -> List[str]:
+    """The parallel layout the planner assumes: TP with sequence parallelism, pipeline size 1, all executor GPUs.
+    Returns the recipe's values it changed (``key old -> new``) for the log line."""
+    wanted = {"trainer.strategy.tensor_model_parallel_size": tp, "trainer.strategy.sequence_parallel": tp > 1,
+              "trainer.strategy.pipeline_model_parallel_size": 1, "trainer.devices": devices,
+              "trainer.num_nodes": nodes}
+    if _get(recipe, "trainer.strategy.pipeline_model_parallel_size", 1) != 1:
+        wanted["trainer.strategy.virtual_pipeline_model_parallel_size"] = None
+    changed = []
+    for key, value in wanted.items():
+        old = _get(recipe, key)
+        if old != value:
+            changed.append(f"{key} {old} -> {value}")
+        parent, name = key.rsplit(".", 1)
+        setattr(_get(recipe, parent), name, value)
+    return changed
+
+
+@dataclasses.dataclass(kw_only=True)
+class PlannedLongContextPlugin(run.Plugin):
+    """A NeMo-Run plugin that plans the long-context options of a NeMo pretraining recipe for the executor's GPUs
+    (``nemo-longctx plan``'s planner) and rewrites the recipe with the chosen ones (module docstring).
+
+    gpu: GPU preset (conf/plan/: h100 | h200); None: the executor's GPU type. seq_length: None = the recipe's
+    model.config.seq_length. host_memory_gb: host memory per node; None = conf/plan.yaml's."""
+
+    gpu: Optional[str] = None
+    seq_length: Optional[int] = None
+    host_memory_gb: Optional[float] = None
+
+    def setup(self, task: Any, executor: Any) -> None:
+        from nemo.utils import logging
+
+        from nemo_longctx.memory.planner import GIB
+
+        if not isinstance(task, fdl.Buildable) or _get(task, "trainer.strategy") is None:
+            raise ConfigError(["PlannedLongContextPlugin rewrites a NeMo recipe (run.Partial(llm.pretrain, ...)), got "
+                               f"{type(task).__name__}: plan a script's run with nemo-longctx plan instead"])
+        if executor is None:
+            raise ConfigError(["PlannedLongContextPlugin plans for the executor's GPUs: run the recipe with an "
+                               "executor"])
+        nodes, per_node = int(executor.nnodes()), int(executor.nproc_per_node())
+        gpu = choose_gpu(self.gpu, executor)
+        micro = _get(task, "data.micro_batch_size", 1)
+        if micro != 1:
+            raise ConfigError([f"data.micro_batch_size={micro}: the planner plans one sequence per micro batch; set "
+                               "data.micro_batch_size=1"])
+        given = self.seq_length is not None
+        seq = self.seq_length if given else _get(task, "model.config.seq_length")
+        p, missing, vocab = plan_for_recipe(task, nodes * per_node, per_node, gpu, seq, self.host_memory_gb,
+                                            "seq_length" if given else "model.config.seq_length")
+        if p.chosen is None:
+            raise ConfigError([f"no fitting plan: {missing}"])
+        c, hw = p.chosen.candidate, p.hardware
+        if given:
+            task.model.config.seq_length = seq
+            data = _get(task, "data")
+            if isinstance(data, fdl.Buildable) and "seq_length" in fdl.ordered_arguments(data, include_defaults=True):
+                data.seq_length = seq
+        changed = _set_layout(task, c.tp, per_node, nodes)
+        logging.info(f"long_context_planned: {c.label()} (predicted {p.chosen.memory.total / GIB:.1f} of "
+                     f"{hw.gpu_memory_gb:g} GiB per GPU ({gpu}), relative cost {p.chosen.cost:.3f}) for "
+                     f"{p.shape.name} at seq_length={p.seq_length} on {hw.gpus} GPUs ({nodes} x {per_node}); "
+                     f"vocabulary {p.shape.vocab_size} from {vocab}; the recipe's layout changed: "
+                     f"{'; '.join(changed) or 'nothing'}")
+        long_context_recipe(task, world_size=nodes * per_node, **candidate_arguments(c))
+
+
+@run.cli.factory(target=run.Plugin, name="long_context_planned")
+def long_context_planned_plugin() -> run.Config[PlannedLongContextPlugin]:
+    """``run.plugins=long_context_planned run.plugins.gpu=h100 run.plugins.seq_length=1048576`` on NeMo-Run's CLI."""
+    return run.Config(PlannedLongContextPlugin)
