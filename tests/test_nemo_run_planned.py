@@ -156,6 +156,7 @@ def test_the_rewritten_recipe_runs_what_the_plan_cli_chooses(P, references, name
         assert "optim.megatron_fsdp=false" in got
     lines = [r.getMessage() for r in records if "long_context_planned:" in r.getMessage()]
     assert len(lines) == 1 and ref["chosen"]["label"] in lines[0], lines
+    assert ("Megatron-FSDP not searched (the recipe saves checkpoints: log.ckpt)" in lines[0]) is saving, lines[0]
     assert f"{ref['chosen']['memory_gib']['total']:.1f} of {80 if gpu == 'h100' else 141} GiB per GPU" in lines[0]
 
 

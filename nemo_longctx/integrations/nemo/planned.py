@@ -281,11 +281,13 @@ class PlannedLongContextPlugin(run.Plugin):
             if isinstance(data, fdl.Buildable) and "seq_length" in fdl.ordered_arguments(data, include_defaults=True):
                 data.seq_length = seq
         changed = _set_layout(task, c.tp, per_node, nodes)
+        searched = ("; Megatron-FSDP not searched (the recipe saves checkpoints: log.ckpt)"
+                    if _get(task, "log.ckpt") is not None else "")
         logging.info(f"long_context_planned: {c.label()} (predicted {p.chosen.memory.total / GIB:.1f} of "
                      f"{hw.gpu_memory_gb:g} GiB per GPU ({gpu}), relative cost {p.chosen.cost:.3f}) for "
                      f"{p.shape.name} at seq_length={p.seq_length} on {hw.gpus} GPUs ({nodes} x {per_node}); "
                      f"vocabulary {p.shape.vocab_size} from {vocab}; the recipe's layout changed: "
-                     f"{'; '.join(changed) or 'nothing'}")
+                     f"{'; '.join(changed) or 'nothing'}{searched}")
         long_context_recipe(task, world_size=nodes * per_node, **candidate_arguments(c))
 
 
