@@ -14,13 +14,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${1:-.venv-bridge}
 TE=2.20.2
-PY=${PYTHON312:-$(find "${PYENV_ROOT:-$HOME/.pyenv}/versions" -maxdepth 3 -path '*/3.12*/bin/python3.12' 2>/dev/null \
-  | sort | tail -1)}
-PY=${PY:-$(command -v python3.12 || true)}
-if [ -z "$PY" ] || ! "$PY" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
-  echo "install_bridge.sh: needs a Python 3.12 interpreter (set PYTHON312=...; e.g. 'pyenv install 3.12' or 'uv python install 3.12')" >&2
-  exit 2
-fi
+PY=$(scripts/python312.sh install_bridge.sh)
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip)
 "${PIP[@]}" install -q -c constraints/bridge.txt -e '.[bridge,test]'

@@ -9,17 +9,7 @@
 #   scripts/matrix_smoke.sh --install       # only create .venv-matrix (.ci/run does it beside the NeMo 2 suite)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-py=${MATRIX_PYTHON:-}
-if [ -z "$py" ]; then
-  py=$(command -v python3.12 || true)
-  if [ -z "$py" ] && command -v pyenv >/dev/null; then
-    py=$(find "$(pyenv root)/versions" -maxdepth 3 -path '*/3.12*/bin/python3.12' 2>/dev/null | sort | tail -1)
-  fi
-fi
-if [ -z "$py" ] || [ ! -x "$py" ]; then
-  echo "matrix_smoke: no Python 3.12 found (set MATRIX_PYTHON)" >&2
-  exit 2
-fi
+py=$(scripts/python312.sh matrix_smoke.sh)  # PYTHON312=... to choose it
 venv=.venv-matrix
 if [ ! -f "$venv/.installed" ]; then  # written last: an interrupted install is redone
   "$py" -m venv "$venv"
@@ -48,9 +38,15 @@ for stack in "${stacks[@]}"; do
     [ -f "constraints/nemo-$stack.txt" ] || { echo "matrix_smoke: no constraints/nemo-$stack.txt" >&2; exit 2; }
     "$venv/bin/pip" install -q --no-deps -r "constraints/nemo-$stack.txt"
   fi
-  echo "=== matrix stack $stack: $("$venv/bin/python" -m nemo_longctx.versions 2>/dev/null | head -1)"
+  # the test set: `matrix`, or what the stack's constraints file names (`# matrix_smoke.sh: -m <marker> (why)`)
+  marker=matrix
+  if [ "$stack" != primary ]; then
+    named=$(sed -n 's/^# matrix_smoke.sh: -m \([a-z_]*\).*/\1/p' "constraints/nemo-$stack.txt")
+    marker=${named:-matrix}
+  fi
+  echo "=== matrix stack $stack (-m $marker): $("$venv/bin/python" -m nemo_longctx.versions 2>/dev/null | head -1)"
   start=$(date +%s)
-  if "$venv/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m matrix tests; then result=passed; else result=FAILED; status=1; fi
-  echo "=== matrix stack $stack: $result in $(( $(date +%s) - start )) s"
+  if "$venv/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m "$marker" tests; then result=passed; else result=FAILED; status=1; fi
+  echo "=== matrix stack $stack (-m $marker): $result in $(( $(date +%s) - start )) s"
 done
 exit $status

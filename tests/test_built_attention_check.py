@@ -7,6 +7,9 @@ import pytest
 
 from distributed import run_distributed
 
+# the Megatron-core-only version-matrix set (scripts/matrix_smoke.sh on stacks whose NeMo cannot import)
+pytestmark = pytest.mark.matrix_mcore
+
 
 def _worker(rank, world_size):
     from megatron.core import parallel_state as ps

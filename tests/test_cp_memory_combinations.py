@@ -249,6 +249,7 @@ def _check_cases(results, settings):
               f" vs same algorithm {max(r['cases'][name]['vs_base'] for r in results)}")
 
 
+@pytest.mark.matrix_mcore  # the Megatron-core-only version-matrix set (scripts/matrix_smoke.sh)
 def test_ulysses_and_hybrid_with_recompute_offload_tiling_match_ring_2_ranks(results_2):
     _check_cases(results_2, _settings_2())
 
@@ -257,6 +258,7 @@ def test_hybrid_2x2_and_ulysses_with_recompute_offload_match_ring_4_ranks(result
     _check_cases(results_4, _settings_4())
 
 
+@pytest.mark.matrix_mcore  # the Megatron-core-only version-matrix set (scripts/matrix_smoke.sh)
 def test_the_comparison_can_fail_and_anchors_hold(results_2):
     for res in results_2:
         a = res["anchors"]

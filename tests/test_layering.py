@@ -3,7 +3,7 @@
 Layers, arrows only pointing down::
 
     apps          nemo_longctx.train, .bridge_app, .bridge_convert, .plan, .plan_keys, .help, .cli, .convert, .__main__,
-                  .selftest(.*)
+                  .selftest(.*), .nemo_run_planned, .nemo_run_cli
     front ends    nemo_longctx.integrations.nemo.*, nemo_longctx.integrations.bridge.*
     neutral       nemo_longctx.integrations.megatron.*   (megatron-core and torch; never nemo/lightning/hydra/bridge)
     memory        nemo_longctx.memory.*                  (plain torch; may use attention)
@@ -38,7 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PKG = "nemo_longctx"
 PKG_DIR = ROOT / PKG
 
-APPS = ("train", "bridge_app", "bridge_convert", "plan", "plan_keys", "help", "cli", "convert", "__main__", "selftest")
+APPS = ("train", "bridge_app", "bridge_convert", "plan", "plan_keys", "help", "cli", "convert", "__main__", "selftest",
+        "nemo_run_planned", "nemo_run_cli")
 FRONT_ENDS = ("integrations.nemo", "integrations.bridge")
 LEAVES = {PKG, f"{PKG}.options", f"{PKG}.versions", f"{PKG}.console", f"{PKG}.signals", f"{PKG}.reaper", f"{PKG}.process_exit",
           f"{PKG}.overrides", f"{PKG}.conf", f"{PKG}.integrations"}

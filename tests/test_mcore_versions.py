@@ -12,6 +12,9 @@ import pytest
 
 from nemo_longctx.integrations.megatron import mcore_versions as mv
 
+# the Megatron-core-only version-matrix set (scripts/matrix_smoke.sh on stacks whose NeMo cannot import)
+pytestmark = pytest.mark.matrix_mcore
+
 
 @pytest.mark.parametrize("window_size, skip", [(None, None), ((64, 0), None), ((64, 0), 2), ((64, 0), 3),
                                                ((64, 0), [1, 0, 1, 1]), ((32, 32), [0, 0, 1, 0])])

@@ -18,6 +18,9 @@ import torch
 
 from distributed import run_distributed
 
+# the Megatron-core-only version-matrix set (scripts/matrix_smoke.sh on stacks whose NeMo cannot import)
+pytestmark = pytest.mark.matrix_mcore
+
 
 def _config(cp: int, heads: int, groups: int, d: int, dtype=torch.float64, **kw):
     from megatron.core.transformer.transformer_config import TransformerConfig

@@ -15,6 +15,9 @@ import torch
 from distributed import run_distributed
 from reference import reference_forward_backward, rel_err
 
+# the Megatron-core-only version-matrix set (scripts/matrix_smoke.sh on stacks whose NeMo cannot import)
+pytestmark = pytest.mark.matrix_mcore
+
 DK, DV = 24, 16  # MLA: q/k head dim = qk_head_dim + qk_pos_emb_head_dim (16 + 8), v_head_dim 16
 
 

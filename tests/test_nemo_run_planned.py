@@ -1,4 +1,4 @@
-"""The planner-driven NeMo-Run plugin (``integrations/nemo/planned.py``): on NeMo's own ``llama3_8b`` recipe and an
+"""The planner-driven NeMo-Run plugin (``nemo_run_planned.py``): on NeMo's own ``llama3_8b`` recipe and an
 8-GPU executor, ``PlannedLongContextPlugin`` rewrites the recipe to exactly what ``nemo-longctx plan ...
 plan.json=true`` chooses (CP, TP, recompute, offload, tiling, model state); a length nothing fits, a missing or
 unknown GPU type and a disagreeing executor fail in ``setup`` (before anything launches) naming what is wrong, also
@@ -82,9 +82,9 @@ def references(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def P(references):  # the references first: they run while NeMo imports
-    from nemo_longctx.integrations.nemo import planned
+    from nemo_longctx import nemo_run_planned
 
-    return planned
+    return nemo_run_planned
 
 
 def _recipe(saving: bool = False):
@@ -274,10 +274,12 @@ def test_the_plugin_serializes_and_the_cli_factory_resolves(P):
                                                                              host_memory_gb=512.0)
     plugin = _cli_plugin(["run.plugins=long_context_planned", "run.plugins.gpu=h200"])
     assert type(plugin) is P.PlannedLongContextPlugin and (plugin.gpu, plugin.seq_length) == ("h200", None)
-    # the recipes module (NeMo-Run's nemo_run.cli entry point) registers it next to long_context
-    from nemo_longctx.integrations.nemo import recipes
+    # NeMo-Run's nemo_run.cli entry point (llm) is the module that registers it next to long_context
+    from importlib import metadata
 
-    assert recipes.planned is P
+    (ep,) = [e for e in metadata.entry_points().select(group="nemo_run.cli") if e.value.startswith("nemo_longctx")]
+    cli = ep.load()
+    assert ep.name == "llm" and cli.nemo_run_planned is P and hasattr(cli.recipes, "llama3_8b_long_context")
 
 
 def test_the_layout_the_planner_assumes_replaces_the_recipes_and_the_log_says_so(P):

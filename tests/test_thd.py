@@ -226,6 +226,7 @@ def test_thd_ring_work_is_per_document():
         assert total == sum(n * (n + 1) // 2 for n in lengths)  # exactly the unmasked causal pairs
 
 
+@pytest.mark.matrix_mcore  # the Megatron-core-only version-matrix set (scripts/matrix_smoke.sh)
 def test_layout_matches_megatron_thd_rope_slicing():
     """Megatron's own THD partitioning of RoPE frequencies (rope_utils._get_thd_freqs_on_this_cp_rank, the
     offset mode: frequencies of every packed position) picks the positions our shard holds."""

@@ -60,6 +60,9 @@ list). NeMo's fixes keep their numbers and live in ``integrations/nemo/compat.py
     available". Where it is missing, the same ``TransformerConfig.__post_init__`` wrapper as fix 10 turns the flag
     off before the layer spec reads it, so the experts are Megatron's ``SequentialMLP`` (the same math, one GEMM per
     expert), with one warning per process. Never on CUDA (``apply()`` does nothing there).
+16. Multi-latent attention without TE on Megatron-core >= 0.16 (NGC 26.02/26.04): the TE extension module imports
+    without TE (mock stand-ins), so ``multi_latent_attention.HAVE_TE`` is True and building ``MLASelfAttention``
+    fails in ``isinstance(linear_proj, TELinear)`` (TypeError: the mock is no type); set False when TE is absent.
 
 Megatron-FSDP (``optim=fsdp``) has its own fixes (device, DTensor mesh, gradient scaling, exit) in
 ``cpu_compat_fsdp.py``, applied from ``apply()``.
@@ -438,6 +441,19 @@ def _patch_moe_router_without_te() -> None:
 
 
 # --------------------------------------------------------------------------------------------------------------
+# 16: Multi-latent attention without TE on Megatron-core >= 0.16: its TE extension module now imports without TE
+# (MagicMock stand-ins), so multi_latent_attention's `HAVE_TE` is True, and `isinstance(linear_proj, TELinear)`
+# against the mock raises TypeError while building MLASelfAttention (0.14/0.15 set HAVE_TE False there)
+def _patch_mla_without_te() -> None:
+    if importlib.util.find_spec("transformer_engine") is not None:
+        return
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    if getattr(mla, "HAVE_TE", False) and not isinstance(getattr(mla, "TELinear", None), type):
+        mla.HAVE_TE = False  # fix 16: the checks that need TE's Linear are skipped, as without TE before 0.16
+
+
+# --------------------------------------------------------------------------------------------------------------
 # 12: zero-centred LayerNorm / RMSNorm without TE/Apex
 class _ZeroCenteredWeight:
     """Mixin for a torch norm whose affine weight is stored zero-centred (gamma - 1): initialised to 0."""
@@ -505,6 +521,7 @@ def apply(force: bool = False) -> bool:
     _patch_moe_router_without_te()
     _patch_zero_centered_norm()
     _patch_optimizer_config_te_version()
+    _patch_mla_without_te()
     from nemo_longctx.integrations.megatron import cpu_compat_fsdp
 
     cpu_compat_fsdp.apply()  # Megatron-FSDP's device and DTensor mesh on the CPU (cpu_compat_fsdp.py)

@@ -431,5 +431,3 @@ def register_recipe_factories() -> List[str]:
 
 
 RECIPE_FACTORIES = register_recipe_factories()
-
-from . import planned  # noqa: E402,F401  (PlannedLongContextPlugin: registers run.plugins=long_context_planned)

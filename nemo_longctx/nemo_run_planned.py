@@ -43,8 +43,8 @@ import nemo_run as run
 from nemo_longctx.options import ConfigError, Context, raise_problems
 from nemo_longctx.overrides import compose, conf_dir
 
-from .config_keys import argument_name
-from .recipes import _get, _model_config, _plain, _precision, long_context_recipe
+from nemo_longctx.integrations.nemo.config_keys import argument_name
+from nemo_longctx.integrations.nemo.recipes import _get, _model_config, _plain, _precision, long_context_recipe
 
 # the GPTConfig fields model_shapes.shape_from_config reads (besides vocab_size)
 SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
