@@ -32,7 +32,6 @@ with the candidate's options (``candidate_arguments``).
 """
 
 import dataclasses  # no `from __future__ import annotations`: NeMo-Run's CLI parser needs the fields' real types
-import functools
 import os
 import re
 from typing import Any, Dict, List, Optional, Tuple
@@ -40,7 +39,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import fiddle as fdl
 import nemo_run as run
 
-from nemo_longctx.options import ConfigError, Context, raise_problems
+from nemo_longctx.options import ConfigError, raise_problems
 from nemo_longctx.overrides import compose, conf_dir
 
 from nemo_longctx.integrations.nemo.config_keys import argument_name
@@ -152,20 +151,6 @@ def _precision_overrides(recipe: Any) -> List[str]:
     raise ConfigError([f"trainer.plugins.precision={precision!r}: the planner plans 16-bit mixed or 32-bit runs"])
 
 
-def _with_checkpointing(accept: Any, precision: str, target: str) -> Any:
-    """``accept`` that also refuses what the option model refuses when checkpoints are saved."""
-    from nemo_longctx.memory.planner import option_model
-
-    gpu = target == "gpu"
-
-    @functools.lru_cache(maxsize=None)
-    def accept_saving(cp_algorithm: str, recompute: str, offload: str, ms: Any) -> bool:
-        return accept(cp_algorithm, recompute, offload, ms) and not option_model(
-            cp_algorithm, recompute, offload, ms).problems(Context(precision=precision, cuda=gpu, te=gpu,
-                                                                   checkpointing=True))
-    return accept_saving
-
-
 def plan_for_recipe(recipe: Any, gpus: int, gpus_per_node: int, gpu: str, seq_length: Any,
                     host_memory_gb: Optional[float] = None,
                     seq_key: str = "seq_length") -> Tuple[Any, Optional[str], str]:
@@ -194,9 +179,9 @@ def plan_for_recipe(recipe: Any, gpus: int, gpus_per_node: int, gpu: str, seq_le
         shape, seq, hw, precision, coef, cost, search = plan_app.inputs_from_config(cfg)
     except ValueError as e:
         raise ConfigError([str(e)]) from None
-    if _get(recipe, "log.ckpt") is not None:
-        search["accept"] = _with_checkpointing(search["accept"], plan_app.train_precision(precision),
-                                               str(cfg.plan.target))
+    if _get(recipe, "log.ckpt") is not None:  # the recipe saves checkpoints: what the options refuse then is out
+        search["accept"] = plan_app.app_accepts(plan_app.train_precision(precision), str(cfg.plan.target),
+                                                checkpointing=True)
     p = make_plan(shape, seq, hw, precision, coef, cost, float(cfg.plan.cost_tolerance), **search)
     return p, (None if p.chosen else what_is_missing(p, coef, cost)), vocab_source
 

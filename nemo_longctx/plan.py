@@ -64,25 +64,27 @@ def train_precision(precision: Precision) -> str:
 
 @functools.lru_cache(maxsize=None)
 def app_problems(cp_algorithm: str, recompute: str, offload: str, ms: ModelState,
-                 precision: str = "bf16-mixed", target: str = "gpu") -> tuple:
+                 precision: str = "bf16-mixed", target: str = "gpu", checkpointing: bool = False) -> tuple:
     """The train app's own option checks (the option model's ``problems``, and on a CPU target the CPU-only
     refusals) for one option combination, on the planner's target: ``gpu`` = GPU nodes running the NGC NeMo image
-    (CUDA and TransformerEngine present), ``cpu`` = CPU-only nodes without TransformerEngine."""
+    (CUDA and TransformerEngine present), ``cpu`` = CPU-only nodes without TransformerEngine. ``checkpointing``: the
+    run saves checkpoints (what the options refuse then is refused too; the plan app plans without)."""
     gpu = target == "gpu"
     opts = option_model(cp_algorithm, recompute, offload, ms)
-    out = opts.problems(Context(precision=precision, cuda=gpu, te=gpu))
+    out = opts.problems(Context(precision=precision, cuda=gpu, te=gpu, checkpointing=checkpointing))
     if not gpu:
         from nemo_longctx.integrations.megatron.cpu_compat import model_state_cpu_problems
 
-        out += model_state_cpu_problems(opts.optim.state, force=True)
+        out += model_state_cpu_problems(opts.optim.state, force=True, checkpointing=checkpointing)
     return tuple(out)
 
 
-def app_accepts(precision: str = "bf16-mixed", target: str = "gpu"):
-    """``candidate_configs(accept=...)``: keep the option combinations the train app accepts on ``target``."""
+def app_accepts(precision: str = "bf16-mixed", target: str = "gpu", checkpointing: bool = False):
+    """``candidate_configs(accept=...)``: keep the option combinations the train app accepts on ``target``
+    (``checkpointing``: in a run that saves checkpoints)."""
     if target not in ("gpu", "cpu"):
         raise ValueError(f"plan.target={target!r} must be gpu or cpu")
-    return lambda algo, rc, off, ms: not app_problems(algo, rc, off, ms, precision, target)
+    return lambda algo, rc, off, ms: not app_problems(algo, rc, off, ms, precision, target, checkpointing)
 
 
 # ------------------------------------------------------------------------------------------------- config
