@@ -20,6 +20,7 @@ from nemo_longctx.attention import (
     zigzag_shard,
     zigzag_unshard,
 )
+from nemo_longctx.attention import kernels
 from nemo_longctx.attention.kernels import KERNEL_ENV_VAR, TOLERANCE, flash_attn_status
 
 
@@ -154,6 +155,11 @@ def test_select_kernel_auto_override_and_errors(monkeypatch, caplog):
         select_kernel(torch.device("cpu"), torch.float32, "nope")
     with pytest.raises(ValueError, match="needs CUDA"):
         select_kernel(torch.device("cpu"), torch.float32, "sdpa_cuda")
+    # The choice is logged once per (device, dtype, kernel) and process: start from an empty record of logged
+    # choices and count only this block's records (an earlier test in the same worker may have set the logger to
+    # INFO, so the calls above can log too).
+    monkeypatch.setattr(kernels, "_logged_choices", set())
+    caplog.clear()
     with caplog.at_level(logging.INFO, logger="nemo_longctx.attention.kernels"):
         select_kernel(torch.device("cpu"), torch.float16, "math")
         select_kernel(torch.device("cpu"), torch.float16, "math")
