@@ -159,11 +159,18 @@ def test_archive_metrics_moves_to_the_next_free_run_dir(tmp_path):
 @pytest.fixture
 def restored_console(monkeypatch):
     """console.setup changes process-wide state: the warning filters, logger levels, the console level, the
-    PYTHONWARNINGS its child processes inherit."""
+    PYTHONWARNINGS its child processes inherit, and the filters of the root's stream handlers — pytest's own log
+    capture handlers among them, which outlive the test: a ConsoleFilter left there hides every later test's INFO
+    records from ``caplog``."""
     monkeypatch.setenv("PYTHONWARNINGS", "")
     names = console.THIRD_PARTY_LOGGERS + ("nemo_logger",)
     levels = {n: logging.getLogger(n).level for n in names}
     filters = list(logging.getLogger("nemo_logger").filters)
+
+    def handlers():
+        return logging.getLogger("nemo_logger").handlers + logging.getLogger().handlers
+
+    handler_filters = {h: list(h.filters) for h in handlers()}
     state = dict(console._STATE, seen=set(console._STATE["seen"]))
     with warnings.catch_warnings():
         marker = getattr(warnings, "_nemo_longctx_quiet", None)
@@ -175,6 +182,8 @@ def restored_console(monkeypatch):
     for n, lv in levels.items():
         logging.getLogger(n).setLevel(lv)
     logging.getLogger("nemo_logger").filters[:] = filters
+    for h in set(handlers()) | set(handler_filters):
+        h.filters[:] = handler_filters.get(h, [f for f in h.filters if not isinstance(f, console.ConsoleFilter)])
     console._STATE.clear()
     console._STATE.update(state)
 
