@@ -176,12 +176,11 @@ def plan_for_recipe(recipe: Any, gpus: int, gpus_per_node: int, gpu: str, seq_le
     raise_problems([re.sub(r"plan\.(seq_length|host_memory_gb)\b", lambda m: names[m.group(0)], p)
                     for p in plan_app.key_problems(cfg)])
     try:
-        shape, seq, hw, precision, coef, cost, search = plan_app.inputs_from_config(cfg)
+        # a recipe that saves checkpoints: what the options refuse then is out of the search
+        shape, seq, hw, precision, coef, cost, search = plan_app.inputs_from_config(
+            cfg, checkpointing=_get(recipe, "log.ckpt") is not None)
     except ValueError as e:
         raise ConfigError([str(e)]) from None
-    if _get(recipe, "log.ckpt") is not None:  # the recipe saves checkpoints: what the options refuse then is out
-        search["accept"] = plan_app.app_accepts(plan_app.train_precision(precision), str(cfg.plan.target),
-                                                checkpointing=True)
     p = make_plan(shape, seq, hw, precision, coef, cost, float(cfg.plan.cost_tolerance), **search)
     return p, (None if p.chosen else what_is_missing(p, coef, cost)), vocab_source
 

@@ -120,8 +120,9 @@ def model_name(cfg: Any) -> str:
     return str(_get(cfg.model, "name", "model"))
 
 
-def inputs_from_config(cfg: Any):
-    """(shape, seq_length, Hardware, Precision, ActivationCoefficients, CostModel, search kwargs) from `cfg`."""
+def inputs_from_config(cfg: Any, checkpointing: bool = False):
+    """(shape, seq_length, Hardware, Precision, ActivationCoefficients, CostModel, search kwargs) from `cfg`
+    (``checkpointing``: for a run that saves checkpoints, ``search_space``)."""
     p = cfg.plan
     name = model_name(cfg)
     shape = shape_from_config(_container(cfg.model), name=name)
@@ -135,19 +136,21 @@ def inputs_from_config(cfg: Any):
     coef = ActivationCoefficients.preset(str(p.activation_model))
     cost = CostModel(**{k: float(v) for k, v in _container(p.cost).items()})
     search = {k: tuple(v) if not isinstance(v, (int, float)) else v for k, v in _container(p.search).items()}
-    search = search_space(search, precision, target=str(_get(p, "target", "gpu")))
+    search = search_space(search, precision, target=str(_get(p, "target", "gpu")), checkpointing=checkpointing)
     return shape, int(seq), hw, precision, coef, cost, search
 
 
-def search_space(search: Dict[str, Any], precision: Precision, target: str = "gpu") -> Dict[str, Any]:
+def search_space(search: Dict[str, Any], precision: Precision, target: str = "gpu",
+                 checkpointing: bool = False) -> Dict[str, Any]:
     """``plan.search`` -> candidate_configs keywords: the model-state lists become ModelStates, and the train
-    app's validation filters every option combination (``app_accepts``)."""
+    app's validation filters every option combination (``app_accepts``; ``checkpointing``: in a run that saves
+    checkpoints — the plan app plans without)."""
     search = dict(search)
     sharding = tuple(search.pop("sharding", ("distributed",)))
     fractions = tuple(float(f) for f in search.pop("optimizer_offload", (0.0,)))
     pa = tuple(bool(x) for x in search.pop("precision_aware", (False,)))
     search["model_states"] = tuple(ModelState(sh, f, a) for sh, f, a in itertools.product(sharding, fractions, pa))
-    search["accept"] = app_accepts(train_precision(precision), target)  # both front ends take every option
+    search["accept"] = app_accepts(train_precision(precision), target, checkpointing)  # both front ends: every option
     return search
 
 
