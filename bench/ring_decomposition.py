@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nemo_longctx.attention import kernels as K  # noqa: E402
 from nemo_longctx.attention.layouts import zigzag_shard, zigzag_unshard  # noqa: E402
 from nemo_longctx.attention.merge import merge_attention_  # noqa: E402
-from nemo_longctx.attention.ring import _accumulator_dtype, _block_plan  # noqa: E402
+from nemo_longctx.attention.ring import _accumulator_dtype, _block_plan, _grad_accumulator  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -57,19 +57,19 @@ def rank_schedule(kern, qs_all, ks_all, vs_all, douts_all, rank: int, P: int, sc
         else:
             merge_attention_(acc_out[:, qsl], acc_lse[:, :, qsl], out, lse)
     out = acc_out.to(q.dtype)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dq = None
     dk_parts, dv_parts = {}, {}
-    for step in range(P):
+    for step in range(P):  # the accumulation of ring.ring_attention_backward, with each block's buffer kept apart
         src = (rank - step) % P
         qsl, kvs, causal = _block_plan(step, rank, P, True, c)
         dq_i, dk_i, dv_i = kern.backward(dout[:, qsl], q[:, qsl], ks_all[src][:, kvs], vs_all[src][:, kvs],
                                          out[:, qsl], acc_lse[:, :, qsl], causal, scale)
-        dq[:, qsl].add_(dq_i)
-        dk = torch.zeros(ks_all[src].shape, dtype=acc, device=q.device)
-        dv = torch.zeros(vs_all[src].shape, dtype=acc, device=q.device)
-        dk[:, kvs].add_(dk_i)
-        dv[:, kvs].add_(dv_i)
-        dk_parts[src], dv_parts[src] = dk, dv
+        if step == 0:
+            dq = dq_i.to(acc)
+        else:
+            dq[:, qsl].add_(dq_i)
+        dk_parts[src] = _grad_accumulator(dk_i, kvs, ks_all[src], acc)
+        dv_parts[src] = _grad_accumulator(dv_i, kvs, vs_all[src], acc)
     return out, dq.to(q.dtype), dk_parts, dv_parts
 
 

@@ -109,6 +109,36 @@ def test_merge_handles_empty_rows_and_low_precision_partials():
     assert torch.allclose(acc_o, out[:, 1:], atol=1e-6) and torch.allclose(acc_l, lse[:, :, 1:], atol=1e-6)
 
 
+def test_inplace_merge_allocates_nothing_output_sized():
+    """The ring's per-step merge updates its float32 accumulators in place: no output-sized temporary (the old
+    form made three: the upcast partial, the difference and the weighted product). Only per-row [b, h, s]
+    weights are allocated."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Allocations(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.sizes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            aliases = func._schema.returns and func._schema.returns[0].alias_info is not None  # views, in-place, out=
+            if isinstance(out, torch.Tensor) and not aliases:
+                self.sizes.append(out.numel())
+            return out
+
+    b, s, h, d = 1, 16, 4, 32
+    g = torch.Generator().manual_seed(3)
+    acc_o, ob = torch.randn(b, s, h, d, generator=g), torch.randn(b, s, h, d, generator=g)
+    acc_l, lb = torch.randn(b, h, s, generator=g), torch.randn(b, h, s, generator=g)
+    want_o, want_l = merge_attention(acc_o, acc_l, ob, lb)
+    mode = Allocations()
+    with mode:
+        merge_attention_(acc_o[:, 8:], acc_l[:, :, 8:], ob[:, 8:], lb[:, :, 8:])
+    assert mode.sizes and max(mode.sizes) <= b * h * s, mode.sizes
+    assert torch.allclose(acc_o[:, 8:], want_o[:, 8:], atol=1e-6) and torch.allclose(acc_l[:, :, 8:], want_l[:, :, 8:])
+
+
 def test_merge_is_exact_for_fp64_attention_blocks():
     q, k, v, _ = _qkv(1, 10, 2, 2, 4, dtype=torch.float64)
     full = reference_attention(q, k, v, causal=False)

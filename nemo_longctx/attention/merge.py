@@ -46,10 +46,13 @@ def merge_attention_(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor)
     """In-place merge of a partial (out, lse) into float32/float64 accumulators (which may be slices).
 
     Assumes every row of the accumulator already has a finite lse (true for ring attention, where each row
-    sees its own diagonal block first). Uses the sigmoid form, which needs one exp per row:
-    out_acc += sigmoid(lse - lse_acc) * (out - out_acc);  lse_acc -= logsigmoid(lse_acc - lse).
+    sees its own diagonal block first). Sigmoid form, with the two output-sized passes done in place and no
+    output-sized temporary (the partial is upcast inside the fused multiply-add, not copied):
+    out_acc = sigmoid(lse_acc - lse) * out_acc + sigmoid(lse - lse_acc) * out;  lse_acc = logaddexp(lse_acc, lse).
     """
-    lse32 = lse.to(acc_lse.dtype)
-    w = torch.sigmoid(lse32 - acc_lse)
-    acc_out.add_(_as_row_weight(w) * (out.to(acc_out.dtype) - acc_out))
-    acc_lse.sub_(torch.nn.functional.logsigmoid(acc_lse - lse32))
+    lse = lse.to(acc_lse.dtype)
+    diff = lse - acc_lse
+    w_new = torch.sigmoid(diff)
+    w_acc = torch.sigmoid(diff.neg_())
+    acc_out.mul_(_as_row_weight(w_acc)).addcmul_(out, _as_row_weight(w_new))
+    torch.logaddexp(acc_lse, lse, out=acc_lse)

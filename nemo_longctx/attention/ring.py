@@ -93,9 +93,8 @@ def ring_attention_backward(
     ring = RingExchange(group)
     c = q.shape[1] // 2
     acc_dtype = _accumulator_dtype(q.dtype)
-    dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
     kv = (k, v)
-    dkv_pending = None
+    dq = dkv_pending = None
     dk_own = dv_own = None
     for step in range(size):
         kv_pending = ring.start(kv) if step < size - 1 else None
@@ -103,26 +102,41 @@ def ring_attention_backward(
         dq_i, dk_i, dv_i = kernel.backward(
             dout[:, qs], q[:, qs], kv[0][:, kvs], kv[1][:, kvs], out[:, qs], lse[:, :, qs], blk_causal, scale
         )
-        dq[:, qs].add_(dq_i)
         if step == 0:
-            # our own block's gradient stays here and is added when its accumulator comes home
-            dk_own, dv_own = dk_i.to(acc_dtype), dv_i.to(acc_dtype)
+            # the diagonal block covers every query row: it starts the dq accumulator (no zero fill); our own
+            # block's dK/dV stay here, in the kernel's dtype, until its accumulator comes home
+            dq = dq_i.to(acc_dtype)
+            dk_own, dv_own = dk_i, dv_i
         else:
+            dq[:, qs].add_(dq_i)
             if step == 1:
-                dk_blk = torch.zeros(k.shape, dtype=acc_dtype, device=k.device)
-                dv_blk = torch.zeros(v.shape, dtype=acc_dtype, device=v.device)
+                # the accumulator of the block we now hold starts here: our part, zeros where we added nothing
+                dk_blk, dv_blk = (_grad_accumulator(g, kvs, full, acc_dtype) for g, full in ((dk_i, k), (dv_i, v)))
             else:
                 # the accumulator of the block we now hold, filled by the ranks that held it before us
                 dk_blk, dv_blk = dkv_pending.wait()
-            dk_blk[:, kvs].add_(dk_i)
-            dv_blk[:, kvs].add_(dv_i)
+                dk_blk[:, kvs].add_(dk_i)
+                dv_blk[:, kvs].add_(dv_i)
             dkv_pending = ring.start((dk_blk, dv_blk))
         if kv_pending is not None:
             kv = tuple(kv_pending.wait())
     dk_home, dv_home = dkv_pending.wait()  # our block's accumulator after visiting the P-1 other ranks
-    dk_own.add_(dk_home)
-    dv_own.add_(dv_home)
-    return dq.to(q.dtype), dk_own.to(k.dtype), dv_own.to(v.dtype)
+    dk_home.add_(dk_own)
+    dv_home.add_(dv_own)
+    return dq.to(q.dtype), dk_home.to(k.dtype), dv_home.to(v.dtype)
+
+
+def _grad_accumulator(grad: Tensor, rows: slice, like: Tensor, dtype: torch.dtype) -> Tensor:
+    """A ``dtype`` buffer shaped like ``like`` holding ``grad`` at ``rows`` (dim 1) and zeros elsewhere, written
+    once per element (a copy where the block has rows, a fill only where it has none)."""
+    if rows == slice(None):
+        return grad.to(dtype)
+    buf = torch.empty(like.shape, dtype=dtype, device=like.device)
+    buf[:, rows].copy_(grad)
+    start, stop, _ = rows.indices(like.shape[1])
+    buf[:, :start].zero_()
+    buf[:, stop:].zero_()
+    return buf
 
 
 class _RingAttention(torch.autograd.Function):
