@@ -203,3 +203,23 @@ def test_parameter_gradients_reach_autograd_once_per_backward(causal):
     got = _grads(layer, x, 4, kv_first=not causal, params=False)
     assert min(calls.values()) >= 4
     assert max(_rel(g, r) for g, r in zip(got, ref)) <= 1e-10
+
+
+def test_key_pieces_bound_every_kernel_call_to_the_chunk_length():
+    """Unmasked blocks are cut along their keys to at most the chunk's query count (the CUDA flash kernels' backward
+    buffers grow with a call's keys); the pieces cover exactly the (query, key) pairs of the uncut blocks."""
+    from nemo_longctx.attention.window import INF, windowed_blocks
+    from nemo_longctx.memory.sequence_chunks import split_key_blocks
+
+    def pairs(blocks):
+        return {(i, j) for _, _, kind, (qa, qb, ka, kb) in blocks for i in range(qa, qb) for j in range(ka, kb)
+                if kind != "causal" or j <= i}
+
+    for window, (qa, qb), length in (((INF, 0), (48, 64), 64), ((INF, INF), (16, 32), 64), ((20, 0), (40, 60), 60)):
+        blocks = list(windowed_blocks([(qa, 0, qb - qa)], [(0, 0, length)], window, qb - qa))
+        cut = split_key_blocks(blocks, qb - qa)
+        assert pairs(cut) == pairs(blocks)
+        assert all(kb - ka <= qb - qa for _, _, kind, (_, _, ka, kb) in cut if kind == "full")
+        assert all(ks.stop - ks.start == kb - ka for _, ks, _, (_, _, ka, kb) in cut)
+        if window == (INF, 0):
+            assert len(cut) > len(blocks)  # the prefix of 48 keys becomes three pieces of 16

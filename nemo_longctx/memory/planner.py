@@ -186,6 +186,15 @@ class ActivationCoefficients:
     chunk_ring_kv: float = 2.5
     chunk_ring_grad: float = 4.0
     chunk_ring_graph: float = 0.32
+    # the attention kernel's own backward buffers (transient, alive only inside one kernel call), per token of the
+    # call's queries / keys: ``attn_bwd_q`` x hq*d x (4 + b) bytes (the fp32 dq accumulator and the dq output, plus 4 B
+    # per query head of softmax row sums) and ``attn_bwd_kv`` x 2b x hq*d bytes (dK and dV formed at the query heads
+    # under GQA, then reduced to the KV heads: + 2b x hkv*d). What the CUDA flash kernels (torch's flash SDPA,
+    # flash-attn 2) allocate; measured on an H200 from the allocator's history (45,184 B/token for Llama-3-8B's 32/8
+    # heads, bf16: bench/results/h200_2026-11-26b/peak_breakdown_262144.txt). 0 on the CPU presets: the CPU kernel's
+    # buffers never set the tracker's peak (tests/test_planner_calibration.py)
+    attn_bwd_q: float = 1.0
+    attn_bwd_kv: float = 1.0
 
     @classmethod
     def preset(cls, name: str) -> "ActivationCoefficients":
@@ -196,8 +205,11 @@ class ActivationCoefficients:
 
 
 TE_GPU = ActivationCoefficients()
-LOCAL_CPU = replace(TE_GPU, hidden=6.0, ffn=5.0, rope=4.0, head_hidden=3.0)
-ACTIVATION_PRESETS = {"te_gpu": TE_GPU, "local_cpu": LOCAL_CPU}
+# Megatron's local spec on a CUDA device (what bench/max_seqlen.py builds): the CPU-calibrated layer coefficients
+# with the CUDA attention kernels' backward buffers
+LOCAL_GPU = replace(TE_GPU, hidden=6.0, ffn=5.0, rope=4.0, head_hidden=3.0)
+LOCAL_CPU = replace(LOCAL_GPU, attn_bwd_q=0.0, attn_bwd_kv=0.0)
+ACTIVATION_PRESETS = {"te_gpu": TE_GPU, "local_cpu": LOCAL_CPU, "local_gpu": LOCAL_GPU}
 
 
 @dataclass(frozen=True)
@@ -432,6 +444,18 @@ def _comm_buffer_bytes(shape: ModelShape, c: Candidate, b: int) -> float:
     return total
 
 
+def attention_backward_workspace(shape: ModelShape, c: Candidate, coef: ActivationCoefficients, b: int,
+                                 q_tokens: float, kv_tokens: float) -> float:
+    """Bytes per GPU of the attention kernel's own backward buffers in its largest call (``attn_bwd_q``,
+    ``attn_bwd_kv``): ``q_tokens`` queries against ``kv_tokens`` keys, this GPU's heads (Ulysses moves heads for
+    tokens: the same bytes per local token)."""
+    q, kv = shape.q_width / c.tp, shape.kv_width / c.tp
+    heads = shape.num_attention_heads / c.tp
+    per_q = coef.attn_bwd_q * (q * (4 + b) + 4 * heads)
+    per_kv = coef.attn_bwd_kv * 2 * b * (q + (kv if shape.kv_width < shape.q_width else 0))
+    return per_q * q_tokens + per_kv * kv_tokens
+
+
 def working_sets(shape: ModelShape, c: Candidate, coef: ActivationCoefficients, b: int, tokens: float) -> dict:
     """Bytes per GPU of the short-lived working sets of one step, on top of the saved activations; the step's peak
     is the larger of the head's backward (everything saved + ``head``) and a layer's backward (the layers' saved bytes
@@ -445,7 +469,9 @@ def working_sets(shape: ModelShape, c: Candidate, coef: ActivationCoefficients, 
                less what is kept; with tiled MLP one tile's MLP intermediate and its gradient) + gradients in/out
     mlp        selective (mlp) or tiled MLP: the recomputed MLP intermediate (one tile) + gradients in/out; tiled adds
                a gradient of the tile (``mlp_tile_grad``)
-    attention  CP buffers (``_comm_buffer_bytes``) + gradients in/out
+    attention  CP buffers (``_comm_buffer_bytes``) + gradients in/out + the kernel's backward buffers
+               (``attention_backward_workspace``: its largest call, the local sequence against itself; with sequence
+               chunks one chunk's queries against at most as many keys)
     Every set that runs an MLP backward also holds the fc1-output gradient (``mlp_grad``, one tile's when tiled) and,
     tiled, one tile's MLP weight gradients (``mlp_tile_wgrad``); without recompute that is the ``mlp_backward`` set
     (the intermediates it needs are among the saved bytes).
@@ -459,6 +485,9 @@ def working_sets(shape: ModelShape, c: Candidate, coef: ActivationCoefficients, 
     mlp_bwd = (coef.mlp_grad if shape.gated_mlp else coef.mlp_grad_plain) * f * b / tp / tiles * tokens
     if tiles > 1:
         mlp_bwd += coef.mlp_tile_wgrad * (3 if shape.gated_mlp else 2) * f * h * b / tp
+    n_chunks = c.sequence_chunks if c.recompute == "full" and c.sequence_chunks > 1 else 1
+    # sequence chunks: a chunk's queries against key pieces of at most the chunk's length (split_key_blocks)
+    attn_ws = attention_backward_workspace(shape, c, coef, b, tokens / n_chunks, tokens / n_chunks)
     sets = {}
     if c.loss_chunks > 1:
         chunk = math.ceil(tokens / c.loss_chunks)
@@ -478,7 +507,8 @@ def working_sets(shape: ModelShape, c: Candidate, coef: ActivationCoefficients, 
             rep = kv_replication(shape, tp, c.ulysses_size)
             kv = (coef.chunk_kv * b + coef.chunk_kv_grad * 4) * shape.kv_width / tp * rep
             param_sums = coef.chunk_param_grads * 4 * shape.layer_parameters() / tp
-            chunk = (regained + accum) * tokens / n + mlp_bwd / n
+            # the recomputed chunk's MLP backward, then its attention backward (the kernel's buffers)
+            chunk = (regained + accum) * tokens / n + max(mlp_bwd / n, attn_ws)
             if c.ring_size > 1:
                 # under ring CP each chunk's attention backward passes the whole local K/V around the ring with the
                 # fp32 dK/dV accumulators travelling (sent + received), at the full local length; alive then: the
@@ -491,15 +521,15 @@ def working_sets(shape: ModelShape, c: Candidate, coef: ActivationCoefficients, 
             inner = (c.recompute_layers if c.recompute_layers > 1 else 0) * b * coef.layer_input * h / tp
             sets["recompute"] = chunk + (kv + inner) * tokens + grads_io + param_sums
         else:
-            sets["recompute"] = regained * tokens + grads_io + mlp_bwd
+            sets["recompute"] = regained * tokens + grads_io + max(mlp_bwd, attn_ws)
     elif c.recompute == "selective_mlp" or tiles > 1:
         grad = coef.mlp_tile_grad if tiles > 1 else 0.0
         sets["mlp"] = (ffn_coef + grad) * f * b / tp / tiles * tokens + grads_io + mlp_bwd
     else:
         sets["mlp_backward"] = mlp_bwd + grads_io
-    # attn_accum / attn_kv_accum (fp32 accumulators inside the attention kernels) are not added: on CPU they never
-    # set the peak (measured); a GPU session must measure the flash kernels' dq accumulators
-    sets["attention"] = _comm_buffer_bytes(shape, c, b) * tokens + grads_io
+    # attn_accum / attn_kv_accum (our fp32 accumulators across blocks) are not added: on CPU they never set the peak
+    # (measured); the kernel's own buffers are attn_ws
+    sets["attention"] = _comm_buffer_bytes(shape, c, b) * tokens + grads_io + attn_ws
     return sets
 
 

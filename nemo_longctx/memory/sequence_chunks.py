@@ -338,6 +338,23 @@ def _blocks(state: ChunkState, rows: Tuple[int, int], window: Tuple[int, int], k
     out = []
     for doc in sorted({q[3] for q in queries}):  # packed documents: each document's queries attend its own keys
         out += windowed_blocks(state.real(queries, doc), state.real(keys, doc), window, tile)
+    return split_key_blocks(out, max(1, (rows[1] - rows[0]) * state.ulysses_size))
+
+
+def split_key_blocks(blocks, key_tile: int):
+    """Unmasked blocks cut along their keys into pieces of at most ``key_tile`` keys (the chunk's query count), so no
+    kernel call sees more keys than the chunk has queries: a kernel's backward buffers per key (the CUDA flash kernels
+    form dK/dV at the query heads under GQA: 2 x hq x d x 2 B per key in bf16) stay chunk-sized instead of growing with
+    the whole local sequence. The pieces' partials merge by log-sum-exp like any other block."""
+    out = []
+    for qs, ks, kind, (qa, qb, ka, kb) in blocks:
+        if kind != "full" or kb - ka <= key_tile:
+            out.append((qs, ks, kind, (qa, qb, ka, kb)))
+            continue
+        for a in range(ka, kb, key_tile):
+            b = min(kb, a + key_tile)
+            start = ks.start + (a - ka)
+            out.append((qs, slice(start, start + (b - a)), kind, (qa, qb, a, b)))
     return out
 
 
