@@ -50,6 +50,7 @@ sys.path.insert(0, str(ROOT))
 from nemo_longctx.memory.model_shapes import KNOWN_SHAPES, ModelShape  # noqa: E402
 from nemo_longctx.memory.planner import (  # noqa: E402
     LOCAL_CPU,
+    LOCAL_GPU,
     Candidate,
     Hardware,
     Precision,
@@ -81,7 +82,8 @@ def _init_parallel(device: torch.device) -> None:
 
 
 def build(shape: ModelShape, stack: str, *, device, dtype, max_len: int, recompute: str, tile_tokens: int,
-          chunk_tokens: int, sequence_chunks: int = 1):
+          chunk_tokens: int, sequence_chunks: int = 1, prefetch_depth: int = 1, recompute_layers: int = 1,
+          offload: str = "layer_input"):
     """(model, memory runtime or None) of ``shape`` for ``stack`` (see the module docstring)."""
     import torch.nn.functional as F
     from megatron.core.models.gpt import GPTModel
@@ -104,7 +106,8 @@ def build(shape: ModelShape, stack: str, *, device, dtype, max_len: int, recompu
         from nemo_longctx.integrations.megatron.spec import long_context_layer_spec
         from nemo_longctx.integrations.megatron.tiled_mlp_layer import tiled_mlp_layer_spec
 
-        opts = MemoryOptions(recompute=recompute, offload="layer_input", min_bytes=0,
+        opts = MemoryOptions(recompute=recompute, offload=offload, min_bytes=0, prefetch_depth=prefetch_depth,
+                             recompute_num_layers=recompute_layers,
                              sequence_chunks=sequence_chunks if sequence_chunks > 1 else "off")
         apply_recompute_fields(cfg, opts)
         spec = long_context_layer_spec(spec, "ring")
@@ -187,15 +190,15 @@ def search(fits, start: int, granularity: int, max_len: int, deadline: float = f
 
 
 def planner_max(shape, cand_for, budget: float, granularity: int, max_len: int, activation_bytes: int,
-                host_budget: float = float("inf")) -> int:
+                host_budget: float = float("inf"), coef=LOCAL_CPU) -> int:
     """Largest multiple of ``granularity`` <= max_len whose predicted peak fits ``budget`` and whose offloaded bytes
     fit ``host_budget`` (both are monotonic in the length)."""
     def fits(s):
         c = cand_for(s)
-        if predicted_peak_bytes(shape, s, c, LOCAL_CPU, activation_bytes) > budget:
+        if predicted_peak_bytes(shape, s, c, coef, activation_bytes) > budget:
             return False
         host = memory_breakdown(shape, s, Hardware(gpus=1), c, Precision(activation_bytes=activation_bytes),
-                                LOCAL_CPU).host_offload
+                                coef).host_offload
         return host <= host_budget
 
     lo, hi = 0, max_len // granularity
@@ -338,10 +341,10 @@ def main(argv=None) -> int:
         step(model, runtime, min(a.peak_breakdown, 8192), device, shape.vocab_size, track=False)  # warm-up
         peak_breakdown(model, runtime, a.peak_breakdown, device, shape.vocab_size)
         s, c = a.peak_breakdown, cand_for(a.peak_breakdown)
-        br = memory_breakdown(shape, s, Hardware(gpus=1), c, Precision(activation_bytes=b), LOCAL_CPU)
-        print(f"planner (local_cpu coefficients) at seq {s}: peak phase {br.peak_phase}, GiB "
+        br = memory_breakdown(shape, s, Hardware(gpus=1), c, Precision(activation_bytes=b), LOCAL_GPU)
+        print(f"planner (local_gpu coefficients) at seq {s}: peak phase {br.peak_phase}, GiB "
               + ", ".join(f"{k} {v:.2f}" for k, v in br.gib().items()))
-        print(f"planner predicted_peak_bytes {predicted_peak_bytes(shape, s, c, LOCAL_CPU, b) / 2**20:.1f} MiB")
+        print(f"planner predicted_peak_bytes {predicted_peak_bytes(shape, s, c, LOCAL_GPU, b) / 2**20:.1f} MiB")
         return 0
 
     rows = []
@@ -389,8 +392,8 @@ def main(argv=None) -> int:
 
         deadline = time.monotonic() + a.time_budget_s if a.time_budget_s else float("inf")
         best, log, stopped_below = search(fits, start, gran, max_len, deadline)
-        predicted = (planner_max(shape, cand_for, budget, gran, max_len, b, host_budget) if stack == "longctx"
-                     else None)
+        predicted = (planner_max(shape, cand_for, budget, gran, max_len, b, host_budget,
+                                 LOCAL_GPU if cuda else LOCAL_CPU) if stack == "longctx" else None)
         rows.append((stack, best, predicted, log, time.perf_counter() - t0, stopped_below))
         held.clear()
         del fits
