@@ -12,8 +12,9 @@
 #   calib    bench/max_seqlen.py --peak-breakdown: what is live at the CUDA peak, by site, with the planner's
 #            prediction (the rows tests/test_planner_calibration.py checks the local_gpu coefficients against)
 #
-#   scripts/gpu_measure.sh                    # everything, on the GPU
-#   scripts/gpu_measure.sh ring claim         # some sections
+#   scripts/gpu_measure.sh                    # ring claim ab app, on the GPU (one 10-minute device call, with the
+#                                             # wheels of scripts/gpu_wheels.sh carried: carry [".gpu"])
+#   scripts/gpu_measure.sh ring claim         # some sections (calib runs only when named, or with --cpu-small)
 #   scripts/gpu_measure.sh --cpu-small        # the CPU rehearsal: every section in its small CPU form (CI runs it)
 #   GPU_MEASURE_OUT=/tmp/m scripts/gpu_measure.sh
 #
@@ -34,7 +35,11 @@ for arg in "$@"; do
     *) echo "gpu_measure.sh: unknown argument '$arg' (sections: ring claim ab app calib; --cpu-small)" >&2; exit 2 ;;
   esac
 done
-[ ${#sections[@]} -eq 0 ] && sections=(ring claim ab app calib)
+# the default set fits one 10-minute device call (limits 60 + 220 + 80 + 150 s, plus ~20 s of installs); calib by name
+if [ ${#sections[@]} -eq 0 ]; then
+  sections=(ring claim ab app)
+  [ "$CPU_SMALL" = 1 ] && sections+=(calib)
+fi
 PY="${PYTHON:-}"
 if [ -z "$PY" ]; then
   if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
@@ -96,11 +101,11 @@ for s in "${sections[@]}"; do
   case $s in
     ring)
       if [ "$CPU_SMALL" = 1 ]; then run ring 120 "$PY" bench/ring_decomposition.py --cpu-small
-      else run ring 90 "$PY" bench/ring_decomposition.py --sizes 16384 65536 --repeats 5; fi ;;
+      else run ring 60 "$PY" bench/ring_decomposition.py --sizes 16384 65536 --repeats 5; fi ;;
     claim)
-      run claim 300 "$PY" bench/one_gpu_claim.py "${small[@]}" --json "$OUT/claim.json" ;;
+      run claim 220 "$PY" bench/one_gpu_claim.py "${small[@]}" --json "$OUT/claim.json" ;;
     ab)
-      run ab 150 "$PY" bench/attention_ab.py "${small[@]}" --json "$OUT/ab.json" ;;
+      run ab 80 "$PY" bench/attention_ab.py "${small[@]}" --json "$OUT/ab.json" ;;
     app)
       if ! "$PY" -c 'import nemo.collections.llm' >/dev/null 2>&1; then
         echo "== gpu_measure: app: NeMo 2 is not importable with $PY (run in the NGC NeMo container, or carry its" \
@@ -113,7 +118,7 @@ for s in "${sections[@]}"; do
         run app 240 "$PY" -m nemo_longctx.train model=tiny_llama cp=none trainer.devices=1 trainer.max_steps=4 \
           output_dir="$OUT/app_run" log.tensorboard=false
       else
-        run app 240 "$PY" -m nemo_longctx.train model=tiny_llama model.num_layers=16 model.hidden_size=2048 \
+        run app 150 "$PY" -m nemo_longctx.train model=tiny_llama model.num_layers=16 model.hidden_size=2048 \
           model.ffn_hidden_size=8192 model.num_attention_heads=32 model.num_query_groups=8 model.vocab_size=128256 \
           model.rotary_base=500000 model.seq_length=8192 cp=none trainer.devices=1 trainer.precision=bf16-mixed \
           trainer.max_steps=20 optim.lr=3e-4 output_dir="$OUT/app_run" log.tensorboard=false
