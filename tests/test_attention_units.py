@@ -109,10 +109,14 @@ def test_merge_handles_empty_rows_and_low_precision_partials():
     assert torch.allclose(acc_o, out[:, 1:], atol=1e-6) and torch.allclose(acc_l, lse[:, :, 1:], atol=1e-6)
 
 
-def test_inplace_merge_allocates_nothing_output_sized():
-    """The ring's per-step merge updates its float32 accumulators in place: no output-sized temporary (the old
-    form made three: the upcast partial, the difference and the weighted product). Only per-row [b, h, s]
-    weights are allocated."""
+@pytest.mark.parametrize("merge", ["merge_attention_", "merge_rows_"])
+def test_inplace_merge_allocates_nothing_output_sized(merge):
+    """The ring's per-step merge (and the packed/windowed/chunked paths' ``merge_rows_``) updates its float32
+    accumulators in place: no output-sized temporary (the old forms made two or three: the upcast partial, the
+    difference and the weighted product). Only per-row [b, h, s] weights are allocated."""
+    from nemo_longctx.attention.thd import merge_rows_
+
+    fn = {"merge_attention_": merge_attention_, "merge_rows_": merge_rows_}[merge]
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Allocations(TorchDispatchMode):
@@ -134,7 +138,7 @@ def test_inplace_merge_allocates_nothing_output_sized():
     want_o, want_l = merge_attention(acc_o, acc_l, ob, lb)
     mode = Allocations()
     with mode:
-        merge_attention_(acc_o[:, 8:], acc_l[:, :, 8:], ob[:, 8:], lb[:, :, 8:])
+        fn(acc_o[:, 8:], acc_l[:, :, 8:], ob[:, 8:], lb[:, :, 8:])
     assert mode.sizes and max(mode.sizes) <= b * h * s, mode.sizes
     assert torch.allclose(acc_o[:, 8:], want_o[:, 8:], atol=1e-6) and torch.allclose(acc_l[:, :, 8:], want_l[:, :, 8:])
 

@@ -137,12 +137,13 @@ def check_thd_inputs(q: Tensor, cp_size: int, cu_seqlens, cu_seqlens_padded, fn:
 
 def merge_rows_(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor) -> None:
     """In-place log-sum-exp merge of a partial into accumulator rows that may not have seen a key yet
-    (``acc_lse = -inf``, ``acc_out = 0``); the partial's rows have seen at least one key (finite lse)."""
+    (``acc_lse = -inf``, ``acc_out = 0``); the partial's rows have seen at least one key (finite lse). No
+    output-sized temporary: the partial is upcast inside the fused multiply-add."""
     lse = lse.to(acc_lse.dtype)
     new = torch.logaddexp(acc_lse, lse)
     w_acc = torch.exp(acc_lse - new).transpose(1, 2).unsqueeze(-1)
     w_new = torch.exp(lse - new).transpose(1, 2).unsqueeze(-1)
-    acc_out.mul_(w_acc).add_(out.to(acc_out.dtype) * w_new)
+    acc_out.mul_(w_acc).addcmul_(out, w_new)
     acc_lse.copy_(new)
 
 
