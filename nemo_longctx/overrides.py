@@ -30,13 +30,27 @@ def _parses(arg: str) -> bool:
         return False
 
 
+# keys whose values are paths (a checkpoint's name holds '=': step=3-consumed_samples=6.0-last)
+PATH_KEYS = ("checkpoint.resume", "checkpoint.dir", "checkpoint.load", "checkpoint.save", "checkpoint.pretrained",
+             "output_dir", "init_from")
+PATH_KEY_SUFFIXES = ("_dir", "_path", ".path", ".paths", ".dir", ".file", ".prefix", ".tokenizer")
+
+
+def is_path_value(key: str, value: str) -> bool:
+    """Whether ``key=value`` passes a path: a path key, or a value with a directory separator."""
+    key = key.lstrip("+~")
+    return "/" in value or key in PATH_KEYS or key.endswith(PATH_KEY_SUFFIXES)
+
+
 def quote_path_values(args: Sequence[str]) -> List[str]:
-    """``key=value`` overrides whose value holds another ``=`` (checkpoint names: ``step=3-...``) and does not parse
-    as Hydra syntax are quoted; everything else is passed on unchanged."""
+    """``key=value`` overrides that pass a path (``is_path_value``) whose value holds another ``=`` (checkpoint
+    names: ``step=3-...``) and does not parse as Hydra syntax are quoted; everything else is passed on unchanged (a
+    typo such as ``model.seq_length==4096`` stays a syntax error, named by ``compose``)."""
     out = []
     for a in args:
         key, sep, value = a.partition("=")
-        if (sep and "=" in value and not a.startswith("-") and not value.startswith(("'", '"')) and not _parses(a)):
+        if (sep and "=" in value and not a.startswith("-") and not value.startswith(("'", '"'))
+                and is_path_value(key, value) and not _parses(a)):
             quoted = key + "='" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
             if _parses(quoted):
                 a = quoted

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from pathlib import Path
 from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional
 
@@ -123,9 +124,71 @@ def app_key_problems(cfg: DictConfig) -> List[str]:
             p += e.problems
     p += on_signal_problems(cfg.get("checkpoint"))
     resume = present.get("checkpoint.resume")
-    if isinstance(resume, str) and resume and resume not in RESUME_MODES and not os.path.isdir(resume):
-        p.append(f"checkpoint.resume={resume!r} is neither auto/never nor an existing checkpoint directory")
+    if isinstance(resume, str) and resume and resume not in RESUME_MODES:
+        from nemo_longctx.path_checks import checkpoint_folder_hint
+
+        if not os.path.isdir(resume):
+            p.append(f"checkpoint.resume={resume!r} is neither auto/never nor an existing checkpoint directory")
+        elif (hint := checkpoint_folder_hint(resume)) is not None:
+            p.append(f"checkpoint.resume={resume}: {hint}")
     return p
+
+
+def model_field_types() -> Dict[str, type]:
+    """The scalar type of every model field the shipped model configs (conf/model/*.yaml) set: int, float or bool
+    (a field set as int in one and float in another is a float)."""
+    import yaml
+
+    from nemo_longctx.overrides import conf_dir
+
+    types: Dict[str, type] = {}
+    for f in sorted((Path(conf_dir()) / "model").glob("*.yaml")):
+        for k, v in (yaml.safe_load(f.read_text()) or {}).items():
+            t = type(v)
+            if t in (int, float, bool):
+                types[k] = float if {types.get(k, t), t} == {int, float} else types.get(k, t)
+    return types
+
+
+def model_field_problems(cfg: DictConfig) -> List[str]:
+    """A model field given a value of the wrong kind (``model.seq_length=4k``) is refused naming it, before NeMo builds
+    the config in every rank. Fields are typed by the shipped model configs (``model_field_types``)."""
+    types, problems = model_field_types(), []
+    for k, v in (cfg.get("model") or {}).items():
+        t = types.get(k)
+        if t is None or v is None or (t is float and type(v) is int) or type(v) is t:
+            continue
+        kind = {int: "an integer", float: "a number", bool: "true or false"}[t]
+        problems.append(f"model.{k}={v!r}: must be {kind} (got {type(v).__name__})")
+    return problems
+
+
+def run_path_problems(cfg: DictConfig) -> List[str]:
+    """Where the run writes, probed before launch: ``output_dir`` and (when it saves) ``checkpoint.dir`` can be
+    created and written in, and the checkpoint filesystem has room for ``checkpoint.keep`` checkpoints of this model
+    (the planner's size estimate: weights + fp32 master + Adam moments, less what the folder already holds)."""
+    from nemo_longctx.path_checks import free_space_problem, gb, tree_bytes, writable_dir_problem
+
+    problems = [m for m in [writable_dir_problem("output_dir", str(cfg.output_dir))] if m]
+    node = cfg.get("checkpoint") or {}
+    every = node.get("every_n_steps")
+    if problems or not isinstance(every, int) or every <= 0:  # (a bad every_n_steps is app_key_problems')
+        return problems
+    directory, key = checkpoint_dir(cfg), "checkpoint.dir" if node.get("dir") else "output_dir"
+    if node.get("dir") and (m := writable_dir_problem("checkpoint.dir", directory)):
+        return [m]
+    from nemo_longctx.memory.planner import Precision, checkpoint_bytes, shape_from_config
+
+    try:
+        shape = shape_from_config(OmegaConf.to_container(cfg.model, resolve=True))
+    except (ValueError, TypeError, KeyError):  # a model the planner cannot size (init_from: sized by its checkpoint)
+        return problems
+    size = checkpoint_bytes(shape, Precision(param_bytes=4 if str(cfg.trainer.precision) == "32" else 2))
+    keep = node.get("keep") if isinstance(node.get("keep"), int) and node.get("keep") > 0 else 1
+    need = size * keep - tree_bytes(directory)
+    shown = directory if key == "checkpoint.dir" else str(cfg.output_dir)
+    m = free_space_problem(key, shown, need, f"checkpoint.keep={keep} checkpoint(s) of {gb(size)}")
+    return problems + ([m] if m else [])
 
 
 def choice_problems(cfg: DictConfig, choices: Optional[Dict[str, Any]] = None) -> List[str]:
@@ -169,6 +232,8 @@ def config_problems(cfg: DictConfig, options: Optional[LongContextOptions] = Non
                                              checkpoint_key=NEMO_KEYS["checkpointing"])
     problems += init_from_problems(cfg)  # init_from: the path and the model fields the command line overrides
     problems += data_problems(cfg)  # the data kind, packing, the files it reads, a tokenizer on this machine
+    problems += model_field_problems(cfg)  # model.seq_length=4k: the field's kind, named
+    problems += run_path_problems(cfg)  # output_dir / checkpoint.dir writable, room for the checkpoints kept
     if not problems:
         _collect(problems, lambda: global_batch_size(cfg, world_size))
     return problems
@@ -385,25 +450,17 @@ def build_checkpointing(cfg: DictConfig, tensorboard: bool = True) -> tuple:
 
 
 def newest_complete_checkpoint(directory: str) -> tuple:
-    """(the newest complete checkpoint directory of ``directory`` or None, the names of the unfinished ones skipped).
+    """(the newest complete and intact checkpoint directory of ``directory`` or None, [(name, why)] of those skipped).
 
     NeMo's ModelCheckpoint marks a checkpoint ``<name>-unfinished`` (a file beside it) until every rank has written
-    it; newest = the highest ``step=N`` in the name, NeMo's ``-last`` copy first on a tie, then the newest mtime."""
-    import re
-    from pathlib import Path
-
+    it; a finished one is also verified against its own distributed-checkpoint metadata (a storage file cut short or
+    missing, ``.metadata`` unreadable: ``checkpoint_integrity``); newest = the highest ``step=N`` in the name, NeMo's
+    ``-last`` copy first on a tie, then the newest mtime (``resume_checks.newest_intact``)."""
     from nemo.lightning.pytorch.callbacks.model_checkpoint import ModelCheckpoint
 
-    complete, skipped = [], []
-    for d in sorted(Path(directory).iterdir()):
-        if not d.is_dir():
-            continue
-        if ModelCheckpoint.is_checkpoint_unfinished(d):
-            skipped.append(d.name)
-            continue
-        m = re.search(r"step=(\d+)", d.name)
-        complete.append(((int(m.group(1)) if m else -1), d.name.endswith("-last"), d.stat().st_mtime, d))
-    return (max(complete, key=lambda c: c[:3])[3] if complete else None), skipped
+    from nemo_longctx.integrations.nemo.resume_checks import newest_intact
+
+    return newest_intact(directory, ModelCheckpoint.is_checkpoint_unfinished)
 
 
 def _auto_resume_class() -> type:
@@ -413,14 +470,18 @@ def _auto_resume_class() -> type:
 
     class AutoResume(nl.AutoResume):
         def _find_trainer_ckpt_path(self) -> Any:
-            """``checkpoint.resume=auto``: the newest *complete* checkpoint of the directory, naming every unfinished
-            one it skips (NeMo's own search reads only ``*-last`` and gives up when that one is unfinished)."""
+            """``checkpoint.resume=auto``: the newest *complete and intact* checkpoint of the directory, naming every
+            unfinished or damaged one it skips (NeMo's own search reads only ``*-last`` and gives up when that one is
+            unfinished; a damaged one it would load, and fail on every rank)."""
             if not self.resume_from_directory or not os.path.isdir(str(self.resume_from_directory)):
                 return super()._find_trainer_ckpt_path()
             path, skipped = newest_complete_checkpoint(str(self.resume_from_directory))
             if skipped and int(os.environ.get("RANK", "0")) == 0:
-                for name in skipped:
-                    print(f"nemo-longctx: auto-resume skips {name}: unfinished (its save was cut off)", flush=True)
+                for name, why in skipped:
+                    print(f"nemo-longctx: auto-resume skips {name}: {why}", flush=True)
+                if path is None and any(why.startswith("damaged") for _, why in skipped):
+                    print(f"nemo-longctx: auto-resume found no intact checkpoint in {self.resume_from_directory}: "
+                          "training starts at step 1", flush=True)
             return path
 
         def setup(self, trainer: Any, model: Any = None) -> None:
