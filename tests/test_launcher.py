@@ -97,7 +97,8 @@ def test_a_hung_rank_ends_the_job_through_the_collective_timeout(tmp_path):
     # rank 0's ring exchange with the hung rank 1 timed out after launcher.timeout_s; the agent then stopped rank 1
     # (it ignores SIGTERM while hung: SIGKILL after launcher.shutdown_timeout_s). Both are named.
     assert "nemo-longctx: FAILED: rank 1 killed by SIG" in out, out[-3000:]
-    assert "then rank 0 exit code 1: RuntimeError:" in out and "Timed out waiting 15000ms" in out, out[-3000:]
+    assert "then, as a consequence, rank 0 exit code 1: RuntimeError:" in out and "Timed out waiting 15000ms" in out, \
+        out[-3000:]
     assert elapsed < 15 + 10 + 35, elapsed  # launcher.timeout_s + launcher.shutdown_timeout_s + teardown
 
 
@@ -185,3 +186,33 @@ def test_ranks_resolving_different_configs_refuse_to_train(tmp_path):
 def test_multirun_is_refused():
     code, out = run_app(APP + ["--multirun", "cp.size=1,2"], 60)
     assert code == 2 and "--multirun/-m is not supported" in out, out
+
+
+def test_the_reason_is_the_first_failed_ranks_exception_and_consequences_are_labelled():
+    """The one-line reason is the recorded exception's own line (not a library's footer after it, not a traceback's
+    frames), and ranks stopped because another failed come after the cause, labelled as consequences; an OS error
+    (errno) is a cause even in a rank the agent then stopped."""
+    import signal as _signal
+    from types import SimpleNamespace
+
+    from nemo_longctx.integrations.nemo.launch import _consequence, _first_line, _root_cause_key
+
+    footer = ("RuntimeError: Error(s) in loading state_dict: missing shard __1_0.distcp\n"
+              "(1) Set ckpt_load_strictness=False to ignore\n"
+              "(2) For more details see https://docs.nvidia.com/nemo-framework/user-guide/latest/knownissues.html")
+    assert _first_line({"message": footer}) == "RuntimeError: Error(s) in loading state_dict: missing shard __1_0.distcp"
+    tb = "Traceback (most recent call last):\n  File \"x.py\", line 1, in f\nValueError: bad value\nsome log line"
+    assert _first_line(tb) == "ValueError: bad value"
+    assert _first_line("") == "(no error recorded)"
+
+    def failure(code, message, t):
+        return SimpleNamespace(exitcode=code, message={"message": message}, timestamp=t,
+                               signal_name=lambda: _signal.Signals(-code).name if code < 0 else "")
+
+    disk = failure(-int(_signal.SIGTERM), "OSError: [Errno 28] No space left on device: '/ckpt/x.distcp'", 5)
+    collective = failure(1, "CheckpointException ranks:dict_keys([])", 1)
+    peer = failure(1, "RuntimeError: Connection closed by peer [127.0.0.1]:29500", 2)
+    stopped = failure(-int(_signal.SIGTERM), "Signal 15 (SIGTERM) received by PID 42", 3)
+    ranked = sorted({0: collective, 1: disk, 2: peer, 3: stopped}.items(), key=lambda kv: _root_cause_key(*kv))
+    assert [r for r, _ in ranked] == [1, 0, 2, 3]
+    assert not _consequence(disk) and all(_consequence(f) for f in (collective, peer, stopped))

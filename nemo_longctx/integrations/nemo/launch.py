@@ -163,7 +163,8 @@ def launch_local(nproc: int, argv: Sequence[str], threads_per_process: int, *, w
         print(e.format_msg(), file=sys.stderr, flush=True)
         print(f"nemo-longctx: FAILED: rank {rank} {_describe(failure)}", file=sys.stderr, flush=True)
         for other, f in ranked[1:]:
-            print(f"nemo-longctx:   then rank {other} {_describe(f)}", file=sys.stderr, flush=True)
+            then = "then, as a consequence," if _consequence(f) else "then"
+            print(f"nemo-longctx:   {then} rank {other} {_describe(f)}", file=sys.stderr, flush=True)
         for r, f in ranked:  # a dead rank's own last words (the surviving ranks' tracebacks are consequences)
             if _killed(f):
                 tail = config.logs_specs.last_lines(f.local_rank)  # type: ignore[union-attr]
@@ -378,14 +379,22 @@ _PEER_ERRORS = ("connection closed by peer", "connection reset", "broken pipe", 
                 "timeout", "nccl communicator was aborted")
 
 
+def _consequence(failure: object) -> bool:
+    """A failure that follows from another rank's: a lost or hung peer, a collective checkpoint error that lists no
+    rank of its own, or the agent's SIGTERM to the surviving ranks -- unless its message names an OS error (errno),
+    which is a cause wherever it appears (a full disk can surface in a rank the agent then stopped)."""
+    code = getattr(failure, "exitcode", 1)
+    message = _first_line(getattr(failure, "message", "")).lower()
+    if "[errno" in message:
+        return False
+    return (any(p in message for p in _PEER_ERRORS) or "ranks:dict_keys([])" in message
+            or (code < 0 and -code == int(signal.SIGTERM)))
+
+
 def _root_cause_key(rank: int, failure: object) -> tuple:
     """Order failures so the root cause comes first: a rank killed by a signal other than the agent's own SIGTERM,
-    then a rank whose error is not a lost/hung peer (those follow from another rank's failure), then the earliest."""
-    code = getattr(failure, "exitcode", 1)
-    killed = _killed(failure)
-    message = _first_line(getattr(failure, "message", "")).lower()
-    peer = any(p in message for p in _PEER_ERRORS) or (code < 0 and -code == int(signal.SIGTERM))
-    return (not killed, peer, getattr(failure, "timestamp", 0), rank)
+    then a rank whose error is not a consequence of another's (``_consequence``), then the earliest."""
+    return (not _killed(failure), _consequence(failure), getattr(failure, "timestamp", 0), rank)
 
 
 def _describe(failure: object) -> str:
@@ -402,10 +411,19 @@ def _recorded(message: object) -> str:
     return str(message or "")
 
 
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Failure|Warning)\b[^:]*:")
+
+
 def _first_line(message: object) -> str:
-    """The exception a rank recorded, or the last line of a plain message."""
-    lines = [ln for ln in _recorded(message).strip().splitlines() if ln.strip()]
-    return lines[-1].strip() if lines else "(no error recorded)"
+    """The exception a rank recorded: its first line (``Type: message``; the lines after it, such as a library's
+    footer of links, are not the reason), or in a plain traceback its last exception line, else the last line."""
+    lines = [ln.strip() for ln in _recorded(message).strip().splitlines() if ln.strip()]
+    if not lines:
+        return "(no error recorded)"
+    if _EXCEPTION_LINE.match(lines[0]):
+        return lines[0]
+    raised = [ln for ln in lines if _EXCEPTION_LINE.match(ln)]
+    return raised[-1] if raised else lines[-1]
 
 
 def record_error(exc: BaseException) -> None:
