@@ -259,3 +259,20 @@ def test_app_refuses_with_exit_2_and_the_missing_resources():
     assert re.search(r"needs >= \d+ GPUs of 80 GB", r.stdout + r.stderr)
     r = _plan_cli("model=llama3_8b", "plan.seq_length=1", check=False)
     assert r.returncode == 2 and "seq_length" in (r.stdout + r.stderr)
+
+
+def test_candidate_of_inverts_option_model_for_every_searched_candidate():
+    """``candidate_of(options)`` (what the train app's dry run sizes) is the inverse of ``candidate_options(c)`` for
+    every candidate the planner searches, and None for options it does not model."""
+    from nemo_longctx.memory.model_shapes import KNOWN_SHAPES
+    from nemo_longctx.memory.planner import Hardware, candidate_configs, candidate_of, candidate_options
+    from nemo_longctx.options import LongContextOptions
+
+    shape, seq = KNOWN_SHAPES["llama3_8b"], 1 << 20
+    cands = list(candidate_configs(shape, seq, Hardware(gpus=8)))
+    assert len(cands) > 100
+    for c in cands:
+        assert candidate_of(candidate_options(c), seq, c.tp, c.tp > 1) == c, c
+    modules = LongContextOptions.from_dict({"recompute": {"name": "none"}, "offload": {"name": "modules",
+                                                                                      "modules": ["mlp"]}})
+    assert candidate_of(modules, seq) is None

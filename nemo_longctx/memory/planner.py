@@ -878,6 +878,29 @@ def option_model(cp_algorithm: str, recompute: str, offload: str, ms: ModelState
         "optim": optim_fields(ms)})
 
 
+def candidate_of(options: LongContextOptions, seq_length: int, tp: int = 1,
+                 sequence_parallel: bool = False) -> Optional[Candidate]:
+    """The planner's candidate for a run's options (``option_model``'s inverse, "auto" counts resolved for this
+    length), or None where the planner does not model them (``offload=modules``, selective recompute of modules
+    other than ``[mlp]`` or ``[core_attn]``)."""
+    cp, mem, state = options.cp, options.memory, options.optim.state
+    algorithm = "none" if cp.size == 1 else cp.algorithm
+    ulysses = cp.size if algorithm == "ulysses" else int(cp.ulysses_size or 1) if algorithm == "hybrid" else 1
+    recompute = mem.recompute
+    if recompute == "selective":
+        recompute = {("mlp",): "selective_mlp", ("core_attn",): "selective_attn"}.get(tuple(mem.recompute_modules))
+    if recompute is None or mem.offload not in ("none", "layer_input"):
+        return None
+    tiles, chunks = options.tiling.counts(seq_length, cp.size, tp, sequence_parallel)
+    n = mem.sequence_chunks
+    n = 1 if n == "off" else auto_tiles(seq_length // cp.size, DEFAULT_SEQUENCE_CHUNK_TOKENS) if n == "auto" else int(n)
+    sharding = "fsdp" if state.megatron_fsdp else "distributed" if state.use_distributed_optimizer else "ddp"
+    ms = ModelState(sharding, float(state.optimizer_offload_fraction) if state.optimizer_cpu_offload else 0.0,
+                    bool(state.use_precision_aware_optimizer))
+    return Candidate(algorithm, cp.size, ulysses, tp, recompute, mem.offload, tiles, chunks, int(mem.prefetch_depth),
+                     ms, n, int(mem.recompute_num_layers) if n > 1 else 1)
+
+
 def candidate_options(c: Candidate) -> LongContextOptions:
     return option_model(c.cp_algorithm, c.recompute, c.offload, c.model_state, c.cp_size, c.ulysses_size,
                         c.mlp_tiles, c.loss_chunks, c.sequence_chunks, c.prefetch_depth, c.recompute_layers)

@@ -650,6 +650,38 @@ def fit(built: Built) -> None:
     llm.train(built.model, built.data, built.trainer, log=built.log, resume=built.resume)
 
 
+def predicted_memory(cfg: DictConfig, options: LongContextOptions, seq_length: int, p: Dict[str, int],
+                     world_size: int) -> str:
+    """The planner's per-GPU device memory and per-node host memory for this exact configuration (one line), or
+    why it has none."""
+    from nemo_longctx.integrations.megatron.cpu_compat import needed
+    from nemo_longctx.memory.planner import (ACTIVATION_PRESETS, GIB, Hardware, Precision, candidate_of,
+                                             memory_breakdown, shape_from_config)
+
+    try:
+        shape = shape_from_config(OmegaConf.to_container(cfg.model, resolve=True))
+    except (ValueError, TypeError, KeyError) as e:
+        return f"not modelled ({e})"
+    c = candidate_of(options, seq_length, p["tp"], bool(cfg.trainer.strategy.sequence_parallel))
+    if c is None or p["pp"] > 1:
+        return "not modelled (offload=modules, selective recompute of other modules, or pipeline parallelism)"
+    fp32 = str(cfg.trainer.precision) == "32"
+    precision = Precision(activation_bytes=4, param_bytes=4) if fp32 else Precision()
+    # this process's device, else the accelerator the config asks for (a dry run on a login node for a GPU job)
+    if not needed():
+        coef = "te_gpu" if te_available() else "local_gpu"
+    else:
+        coef = "te_gpu" if str(cfg.trainer.get("accelerator", "auto")) in ("gpu", "cuda") else "local_cpu"
+    hw = Hardware(gpus=world_size, gpus_per_node=max(1, int(cfg.trainer.devices)))
+    m = memory_breakdown(shape, seq_length, hw, c, precision, ACTIVATION_PRESETS[coef])
+    parts = ", ".join(f"{k} {v / GIB:.2f}" for k, v in (("weights", m.weights), ("grads", m.grads),
+                                                          ("optimizer", m.optimizer), ("activations", m.activations),
+                                                          ("transient", m.transient), ("comm", m.comm)))
+    return (f"{(m.total - m.reserve) / GIB:.2f} GiB per GPU at the step's peak ({parts}; {m.peak_phase} phase) + "
+            f"{m.reserve / GIB:g} GiB reserve; host {m.host_offload / GIB:.2f} GiB per GPU process (planner, "
+            f"{coef} coefficients)")
+
+
 def dry_run(cfg: DictConfig, options: Optional[LongContextOptions] = None) -> Dict[str, Any]:
     """Build + validate the real NeMo objects, resolve every layer's core_attention from the layer/block spec,
     print a summary; no process group, no training. Returns the summary dict."""
@@ -687,6 +719,11 @@ def dry_run(cfg: DictConfig, options: Optional[LongContextOptions] = None) -> Di
         "strategy": type(built.strategy).__name__,
         "trainer": f"{type(built.trainer).__name__}(devices={cfg.trainer.devices}, num_nodes={cfg.trainer.num_nodes})",
         "data": type(built.data).__name__,
+        "precision": str(cfg.trainer.precision),
+        "optimizer": (f"{cfg.optim.optimizer} lr {cfg.optim.lr:g} -> min {cfg.optim.min_lr:g} (cosine), warm-up "
+                      f"{cfg.optim.warmup_steps} steps, weight decay {cfg.optim.weight_decay:g}, clip "
+                      f"{cfg.optim.clip_grad:g}"),
+        "steps": f"{cfg.trainer.max_steps} x {built.global_batch_size * config.seq_length:,} tokens per step",
         "init_from": (f"{init_from_of(cfg)} ({type(built.model).__name__}, weights restored by NeMo's RestoreConfig)"
                       if init_from_of(cfg) else "none (random initialisation)"),
         "memory": options.memory.describe(),
@@ -694,6 +731,7 @@ def dry_run(cfg: DictConfig, options: Optional[LongContextOptions] = None) -> Di
         "tiling": options.tiling.describe(config.seq_length, p["cp"], p["tp"], bool(config.sequence_parallel)),
         "checkpoint": (f"every {c.get('every_n_steps')} steps -> {checkpoint_dir(cfg)} (keep {c.get('keep')}), "
                        f"resume={c.get('resume')}") if c.get("every_n_steps") else f"none, resume={c.get('resume')}",
+        "predicted_memory": predicted_memory(cfg, options, config.seq_length, p, built.world_size),
         "config_hash": config_hash(cfg)[:16],
     }
     print("dry run OK (nothing trained):")
