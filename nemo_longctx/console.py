@@ -273,8 +273,8 @@ def summary_lines(code: int, rows: Sequence[dict], wall_s: float, *, max_steps: 
                   paths: Optional[Sequence[Tuple[str, Optional[str]]]] = None,
                   prefix: str = "nemo-longctx") -> List[str]:
     """The final summary: ``<prefix>: finished|preempted, ...|FAILED (exit N) in W s from launch | steps S/M |
-    final loss L | mean tokens/s T | peak P`` and one line per output path given (``(label, path)``; None paths left
-    out)."""
+    final loss L | mean tokens/s T | peak P`` and one line per output path given (``(label, path)``; None paths and
+    paths that do not exist left out)."""
     from nemo_longctx.signals import PREEMPTED_EXIT
 
     s = summarize(rows)
@@ -293,7 +293,7 @@ def summary_lines(code: int, rows: Sequence[dict], wall_s: float, *, max_steps: 
         parts.append(f"peak {human_bytes(s['peak_bytes'])}")
     lines = [" | ".join(parts)]
     for label, path in paths or ():
-        if path:
+        if path and os.path.exists(path):  # never a path the run did not write
             lines.append(f"{prefix}:   {label + ':':<12} {path}")
     return lines
 

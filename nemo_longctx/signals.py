@@ -16,7 +16,7 @@ from typing import Callable, Dict, Iterable, Optional, Tuple
 
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL (sysexits.h): stopped by a signal after saving; run the same command again
 SIGNAL_NAMES = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP")
-DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
+DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")  # SIGINT: Ctrl-C saves too, when the run saves
 DEFAULT_GRACE_S = 120.0
 
 

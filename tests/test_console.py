@@ -120,15 +120,20 @@ def _rows():
     ]
 
 
-def test_summarize_and_summary_lines():
+def test_summarize_and_summary_lines(tmp_path):
     s = console.summarize(_rows())
     assert s == {"steps": 2, "last_step": 2, "final_loss": 6.5, "mean_tokens_per_s": 2000.0,
                  "peak_bytes": 2 * 1024 ** 3, "val_loss": 6.4}
+    metrics, logs = tmp_path / "metrics.jsonl", tmp_path / "r"
+    metrics.write_text("")
+    logs.mkdir()
     lines = console.summary_lines(0, _rows(), 12.34, max_steps=4,
-                                  paths=[("metrics", "/o/metrics.jsonl"), ("checkpoints", None), ("rank logs", "/o/r")])
+                                  paths=[("metrics", str(metrics)), ("checkpoints", None), ("rank logs", str(logs)),
+                                         ("checkpoints", str(tmp_path / "never_written"))])
     assert lines[0] == ("nemo-longctx: finished in 12.3 s from launch | steps 2/4 | final loss 6.50000 | "
                         "val_loss 6.40000 | mean tokens/s 2000 | peak 2.0 GiB")
-    assert lines[1:] == ["nemo-longctx:   metrics:     /o/metrics.jsonl", "nemo-longctx:   rank logs:   /o/r"]
+    # a path the run did not write is left out
+    assert lines[1:] == [f"nemo-longctx:   metrics:     {metrics}", f"nemo-longctx:   rank logs:   {logs}"]
     failed = console.summary_lines(3, [], 1.0, max_steps=4)
     assert failed == ["nemo-longctx: FAILED (exit 3) in 1.0 s from launch | steps 0/4"]
     assert console.summarize([])["final_loss"] is None

@@ -67,7 +67,7 @@ APP_OPTIONS = (
 )
 
 
-FAULT_KINDS = ("raise", "kill", "hang", "abort", "SIGTERM", "SIGUSR1")
+FAULT_KINDS = ("raise", "kill", "hang", "abort", "SIGTERM", "SIGUSR1", "SIGINT")
 
 
 def parse_fault(spec: str) -> Tuple[str, int, int]:
