@@ -131,6 +131,9 @@ def app_key_problems(cfg: DictConfig) -> List[str]:
             p.append(f"checkpoint.resume={resume!r} is neither auto/never nor an existing checkpoint directory")
         elif (hint := checkpoint_folder_hint(resume)) is not None:
             p.append(f"checkpoint.resume={resume}: {hint}")
+    from nemo_longctx.integrations.nemo.resume_checks import resume_problems
+
+    p += resume_problems(cfg)  # checkpoint.resume=<path>: the checkpoint it names is whole (checkpoint_integrity)
     return p
 
 
