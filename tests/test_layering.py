@@ -8,8 +8,9 @@ Layers, arrows only pointing down::
     neutral       nemo_longctx.integrations.megatron.*   (megatron-core and torch; never nemo/lightning/hydra/bridge)
     memory        nemo_longctx.memory.*                  (plain torch; may use attention)
     attention     nemo_longctx.attention.*               (plain torch)
-    leaves        nemo_longctx (``__init__``), nemo_longctx.options, .versions, .console, .signals, .reaper and .process_exit
-                  (standard library only),
+    leaves        nemo_longctx (``__init__``), nemo_longctx.options, .versions, .console, .signals, .reaper, .process_exit
+                  and .path_checks (standard library only), .checkpoint_integrity (standard library + torch's
+                  distributed-checkpoint reader, imported inside its function),
                   nemo_longctx.overrides (Hydra's override parser and compose API only),
                   nemo_longctx.conf (the
                   Hydra config package: data), nemo_longctx.integrations (the namespace ``__init__``)
@@ -42,7 +43,7 @@ APPS = ("train", "bridge_app", "bridge_convert", "plan", "plan_keys", "help", "c
         "nemo_run_planned", "nemo_run_cli")
 FRONT_ENDS = ("integrations.nemo", "integrations.bridge")
 LEAVES = {PKG, f"{PKG}.options", f"{PKG}.versions", f"{PKG}.console", f"{PKG}.signals", f"{PKG}.reaper", f"{PKG}.process_exit",
-          f"{PKG}.overrides", f"{PKG}.conf", f"{PKG}.integrations"}
+          f"{PKG}.path_checks", f"{PKG}.checkpoint_integrity", f"{PKG}.overrides", f"{PKG}.conf", f"{PKG}.integrations"}
 
 # rank of each layer: an import may only go to the same or a lower rank (leaves: anyone may import them)
 RANKS = {"apps": 4, "front end": 3, "integrations.megatron": 2, "memory": 1, "attention": 0}
@@ -243,13 +244,13 @@ def test_attention_and_memory_import_no_integration_and_no_app():
     assert not bad, _report("attention/memory import nemo_longctx.integrations or an app", bad)
 
 
-@pytest.mark.parametrize("leaf", ["options", "console", "signals", "reaper", "process_exit"])
+@pytest.mark.parametrize("leaf", ["options", "console", "signals", "reaper", "process_exit", "path_checks"])
 def test_options_module_is_standard_library_only(leaf):
     name = f"{PKG}.{leaf}"
     if name not in MODULES:
         pytest.skip(f"nemo_longctx/{leaf}.py does not exist yet")
     stdlib = sys.stdlib_module_names | {"__future__"}
-    plain = {f"{PKG}.{m}" for m in ("options", "console", "signals", "reaper", "process_exit")}  # stdlib-only too
+    plain = {f"{PKG}.{m}" for m in ("options", "console", "signals", "reaper", "process_exit", "path_checks")}
     bad = [i for i in IMPORTS if i.src == name and i.target.split(".")[0] not in stdlib and i.target not in plain]
     assert not bad, _report(f"nemo_longctx/{leaf}.py imports beyond the standard library", bad)
 
@@ -344,3 +345,12 @@ def test_no_import_cycles():
             if a in members and b in members:
                 lines.extend(f"    {i.where()}" for i in imps)
     assert not cycles, f"import cycles between nemo_longctx modules ({len(cycles)}):\n  " + "\n  ".join(lines)
+
+
+def test_checkpoint_integrity_imports_only_the_standard_library_and_torch_lazily():
+    name = f"{PKG}.checkpoint_integrity"
+    stdlib = sys.stdlib_module_names | {"__future__"}
+    bad = [i for i in IMPORTS if i.src == name and i.target.split(".")[0] not in stdlib
+           and not (i.target.startswith("torch.distributed.checkpoint") and i.function_level)]
+    assert not bad, _report("nemo_longctx/checkpoint_integrity.py imports beyond the standard library and torch's "
+                            "distributed-checkpoint reader (inside a function)", bad)
