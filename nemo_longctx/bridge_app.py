@@ -137,6 +137,10 @@ def app_problems(ours: List[str], options: Any, cfg: Any = None) -> List[str]:
             parse_fault(fault)
         except ConfigError as e:
             p += e.problems
+    if isinstance(present.get("output_dir"), str):  # a real write probe, before Hydra makes the run directory
+        from nemo_longctx.path_checks import writable_dir_problem
+
+        p += [m for m in [writable_dir_problem("output_dir", present["output_dir"])] if m]
     return p
 
 

@@ -80,6 +80,10 @@ def checkpoint_problems(container: Any, bridge_overrides: List[str], cuda: Optio
     if "checkpoint.pretrained_checkpoint" in keys and pre is not None and not os.path.exists(str(pre)):
         out.append(f"checkpoint.pretrained_checkpoint={pre}: no such file or directory")
     out += damaged_checkpoint_problems(container)
+    if save is not None and (getattr(c, "save_interval", None) or 0) > 0:  # where it saves: a real write probe
+        from nemo_longctx.path_checks import writable_dir_problem
+
+        out += [m for m in [writable_dir_problem("checkpoint.save", str(save))] if m]
     if cuda is None:
         import torch
 
