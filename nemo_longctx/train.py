@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import signal
 import sys
 import time
 from typing import List, Optional
@@ -90,6 +91,11 @@ def train_rank(cfg: DictConfig, launch: Optional[Launch], options: Optional[Long
             f"metrics -> {os.path.join(str(cfg.output_dir), 'metrics.jsonl')}",
             flush=True,
         )
+    if not save_on_signal(cfg.get("checkpoint")):
+        # nothing to save: an interrupt (a terminal's Ctrl-C, or the local launcher's agent passing it on) ends this
+        # rank at once, by the signal's default action: no KeyboardInterrupt traceback, no peer's "connection closed"
+        # from a rank still unwinding (the launcher reports the stop)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
     fit(built)
     saver = next((c for c in built.trainer.callbacks if type(c).__name__ == "SaveOnSignal"), None)
     code = PREEMPTED_EXIT if saver is not None and saver.preempted is not None else 0

@@ -184,3 +184,13 @@ def test_ctrl_c_saves_the_step_like_the_preemption_signals(tmp_path):
     assert _complete(tmp_path) == ["step=2-consumed_samples=3.0-last"], _complete(tmp_path)
     assert not list((tmp_path / "checkpoints").glob("*-unfinished"))
     assert sorted(_losses(tmp_path)) == [1, 2, 3]
+
+
+def test_ctrl_c_without_checkpoints_ends_quietly(tmp_path):
+    """Nothing to save: the interrupt ends every rank by its default action -- exit 130, the launcher's one line, no
+    traceback from a rank (KeyboardInterrupt, or a peer's closed connection)."""
+    long = [a for a in COMMON if not a.startswith("trainer.max_steps=")] + ["trainer.max_steps=200"]  # still running
+    code, out = run_app(APP + [f"output_dir={tmp_path}", *long, "run.fault=SIGINT@3:0"])
+    assert code == 128 + signal.SIGINT, out[-4000:]
+    assert "nemo-longctx: stopped by SIGINT; all ranks were stopped" in out, out[-4000:]
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-4000:]
