@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from typing import Any, List, Optional, Tuple
@@ -342,6 +343,8 @@ def run_rank(cfg: Any, bridge_overrides: List[str], options: Any, container: Any
     signals = latched_signals(container, list(cfg.run.signals))
     saver = (SaveOnSignal(signals, container.train.exit_signal, float(cfg.run.signal_grace_s),
                           str(container.checkpoint.save)).install() if signals else None)
+    if saver is None:  # nothing to save: an interrupt ends the rank by its default action, without a traceback
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
     callbacks = long_context_callbacks(container) + [metrics.callback()] + drills
     try:
         pretrain(container, forward_step, callbacks=callbacks + ([saver.callback()] if saver else []))
