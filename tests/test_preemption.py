@@ -172,25 +172,3 @@ def test_bad_signal_settings_are_refused_before_launch(tmp_path):
     assert "checkpoint.on_signal=true needs checkpoint.every_n_steps > 0" in out, out[-3000:]
     assert "run.signals: unknown value(s) ['SIGKILL']" in out and "run.signal_grace_s=0 must be a number > 0" in out
 
-
-def test_ctrl_c_saves_the_step_like_the_preemption_signals(tmp_path):
-    """SIGINT (a terminal's Ctrl-C reaches the launcher's process group; the ranks run in their own sessions) is one
-    of the default run.signals: with checkpoints on, the ranks save the step and stop, exit 75, the checkpoint is
-    complete and no unfinished one is left for the next resume to skip."""
-    code, out = run_app(APP + [f"output_dir={tmp_path}", *SAVING, "run.fault=SIGINT@3:0"])
-    assert code == PREEMPTED_EXIT, out[-4000:]
-    assert "nemo-longctx: SIGINT: 2 rank(s) save this step's checkpoint and stop" in out
-    assert "nemo-longctx: preempted, checkpoint saved (exit 75" in out and "Traceback" not in out, out[-4000:]
-    assert _complete(tmp_path) == ["step=2-consumed_samples=3.0-last"], _complete(tmp_path)
-    assert not list((tmp_path / "checkpoints").glob("*-unfinished"))
-    assert sorted(_losses(tmp_path)) == [1, 2, 3]
-
-
-def test_ctrl_c_without_checkpoints_ends_quietly(tmp_path):
-    """Nothing to save: the interrupt ends every rank by its default action -- exit 130, the launcher's one line, no
-    traceback from a rank (KeyboardInterrupt, or a peer's closed connection)."""
-    long = [a for a in COMMON if not a.startswith("trainer.max_steps=")] + ["trainer.max_steps=200"]  # still running
-    code, out = run_app(APP + [f"output_dir={tmp_path}", *long, "run.fault=SIGINT@3:0"])
-    assert code == 128 + signal.SIGINT, out[-4000:]
-    assert "nemo-longctx: stopped by SIGINT; all ranks were stopped" in out, out[-4000:]
-    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-4000:]
