@@ -155,7 +155,11 @@ def main(argv=None) -> int:
                          "and no optimizer state use this machine's host memory)")
     ap.add_argument("--cpu-small", action="store_true", help="CPU rehearsal: tiny shape, short lengths, no cap")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--time-budget-s", type=float, default=None,
+                    help="skip a length whose step, estimated from the previous one (quadratic in the length), would "
+                         "end past this many seconds from the start (its row says so)")
     a = ap.parse_args(argv)
+    t_start = time.monotonic()
     cuda = torch.cuda.is_available() and not a.cpu_small
     if not cuda and not a.cpu_small:
         print("one_gpu_claim: no CUDA device; run with --cpu-small for the CPU rehearsal", file=sys.stderr)
@@ -194,8 +198,15 @@ def main(argv=None) -> int:
     print(f"| seq | plan | fits | planner total {unit} (whole model) | measured total {unit} | step peak {unit}: "
           "measured / predicted | ratio | step s |")
     print("|---:|---|---|---:|---:|---:|---:|---:|")
-    rows = []
+    rows, last = [], None
     for seq in seqs:
+        if a.time_budget_s is not None and last is not None:
+            estimate = last[1] * (seq / last[0]) ** 2
+            if time.monotonic() - t_start + estimate > a.time_budget_s:
+                print(f"| {seq} | skipped: its step (about {estimate:.0f} s, from the previous row) would end past "
+                      f"--time-budget-s {a.time_budget_s:g} | - | - | - | - | - | - |")
+                rows.append({"seq": seq, "plan": None, "skipped_s": estimate})
+                continue
         ev = planned(shape, seq, hw, coef, search, precision) if seq else None
         if ev is None:
             print(f"| {seq} | no plan fits | - | - | - | - | - | - |")
@@ -203,6 +214,7 @@ def main(argv=None) -> int:
             continue
         r = measure(shape, min(a.layers, shape.num_layers), seq, ev, hw, device, coef, precision)
         rows.append(r)
+        last = (seq, r["step_s"])
         meas = f"{r['measured_total_gib'] * scale:.1f}" if "measured_total_gib" in r else "OOM"
         step = (f"{r['measured_step_gib'] * scale:.2f} / {r['predicted_step_gib'] * scale:.2f}"
                 if "measured_step_gib" in r else f"- / {r['predicted_step_gib'] * scale:.2f}")

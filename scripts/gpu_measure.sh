@@ -103,7 +103,7 @@ for s in "${sections[@]}"; do
       if [ "$CPU_SMALL" = 1 ]; then run ring 120 "$PY" bench/ring_decomposition.py --cpu-small
       else run ring 60 "$PY" bench/ring_decomposition.py --sizes 16384 65536 --repeats 5; fi ;;
     claim)
-      run claim 220 "$PY" bench/one_gpu_claim.py "${small[@]}" --json "$OUT/claim.json" ;;
+      run claim 220 "$PY" bench/one_gpu_claim.py "${small[@]}" --time-budget-s 200 --json "$OUT/claim.json" ;;
     ab)
       run ab 80 "$PY" bench/attention_ab.py "${small[@]}" --json "$OUT/ab.json" ;;
     app)
