@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 import statistics
 import sys
 import time
@@ -34,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import max_seqlen  # noqa: E402  (_init_parallel: one-rank process group and Megatron's parallel state)
 
-from nemo_longctx.memory.model_shapes import ModelShape  # noqa: E402
+from nemo_longctx.memory.model_shapes import ModelShape, shape_from_config  # noqa: E402
 
 # ~1.2B parameters: Llama-3.2-1B's layer shape (16 layers, hidden 2048, 32/8 heads, ffn 8192) and Llama 3's vocabulary
 LLAMA_1B = ModelShape("llama_1b", num_layers=16, hidden_size=2048, ffn_hidden_size=8192, num_attention_heads=32,
@@ -86,13 +87,6 @@ def flops_per_token(shape: ModelShape, params: int, seq: int) -> float:
     return 6.0 * params + 6.0 * shape.num_layers * shape.hidden_size * seq
 
 
-def parameter_count(shape: ModelShape) -> int:
-    """Parameters of the Llama shape without tied embeddings (embedding + output layer + layers, norms left out)."""
-    h = shape.hidden_size
-    attn = h * (shape.q_width + 2 * shape.kv_width) + shape.q_width * h
-    return 2 * shape.vocab_size * h + shape.num_layers * (attn + 3 * h * shape.ffn_hidden_size)
-
-
 def summarize_app(run_dir: Path, device) -> int:
     """One line for a `nemo-longctx train` run: steps, first/last loss, median tokens/s, model TFLOP/s, MFU (the
     model's shape from the config Hydra wrote into the run's output_dir)."""
@@ -103,12 +97,11 @@ def summarize_app(run_dir: Path, device) -> int:
         print(f"app: {run_dir / 'metrics.jsonl'} holds no steps", file=sys.stderr)
         return 1
     m = yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text())["model"]
-    shape = ModelShape("app", m["num_layers"], m["hidden_size"], m["ffn_hidden_size"], m["num_attention_heads"],
-                       m.get("num_query_groups") or m["num_attention_heads"], m["vocab_size"])
+    shape = shape_from_config(m, name="app")
     tps = statistics.median(r["tokens_per_s"] for r in (rows[1:] or rows))
-    tflops = tps * flops_per_token(shape, parameter_count(shape), int(m["seq_length"])) / 1e12
+    tflops = tps * flops_per_token(shape, shape.parameters(), int(m["seq_length"])) / 1e12
     peak = peak_tflops(device)
-    print(f"app: {parameter_count(shape) / 1e9:.3f}B parameters, seq {m['seq_length']}, {len(rows)} steps, loss "
+    print(f"app: {shape.parameters() / 1e9:.3f}B parameters, seq {m['seq_length']}, {len(rows)} steps, loss "
           f"{rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f}, {tps:,.0f} tokens/s (median after the first step), "
           f"{tflops:.2f} model TFLOP/s, MFU " + (f"{tflops / peak:.3f}" if peak else "n/a (peak unknown)"))
     return 0
@@ -161,8 +154,7 @@ def main(argv=None) -> int:
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     shape = LLAMA_1B if cuda else TINY
     if a.layers:
-        shape = ModelShape(shape.name, a.layers, shape.hidden_size, shape.ffn_hidden_size, shape.num_attention_heads,
-                           shape.num_query_groups, shape.vocab_size)
+        shape = replace(shape, num_layers=a.layers)
     seq = a.seq or (8192 if cuda else 256)
     steps = a.steps or (20 if cuda else 6)
     tol = a.tol if a.tol is not None else (2e-2 if cuda else 1e-5)

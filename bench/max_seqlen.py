@@ -40,6 +40,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -305,8 +306,7 @@ def main(argv=None) -> int:
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     shape = KNOWN_SHAPES["llama3_8b"] if cuda else TINY
     if a.layers:
-        shape = ModelShape(shape.name, a.layers, shape.hidden_size, shape.ffn_hidden_size, shape.num_attention_heads,
-                           shape.num_query_groups, shape.vocab_size)
+        shape = replace(shape, num_layers=a.layers)
     dtype = torch.bfloat16 if cuda else torch.float32
     b = 2 if cuda else 4
     start = a.start or (4096 if cuda else 128)

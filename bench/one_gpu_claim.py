@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+from dataclasses import replace
 import math
 import sys
 import time
@@ -41,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import max_seqlen  # noqa: E402  (build, step, _init_parallel: the same model and step as the max-length search)
 
-from nemo_longctx.memory.model_shapes import KNOWN_SHAPES, ModelShape  # noqa: E402
+from nemo_longctx.memory.model_shapes import KNOWN_SHAPES  # noqa: E402
 from nemo_longctx.memory.planner import (  # noqa: E402
     GIB,
     LOCAL_CPU,
@@ -52,8 +53,7 @@ from nemo_longctx.memory.planner import (  # noqa: E402
     predicted_peak_bytes,
 )
 
-CPU_SHAPE = ModelShape("tiny8", num_layers=8, hidden_size=64, ffn_hidden_size=224, num_attention_heads=4,
-                       num_query_groups=2, vocab_size=256)
+CPU_SHAPE = replace(max_seqlen.TINY, name="tiny8", num_layers=8)
 GRANULARITY = 16384
 
 
@@ -98,8 +98,7 @@ def parameter_bytes(model) -> int:
 def measure(shape_full, layers: int, seq: int, ev, hw: Hardware, device, coef, precision: Precision) -> dict:
     """One step of ``seq`` tokens with plan ``ev`` (see the module docstring); sizes in the row are GiB."""
     c = ev.candidate
-    shape = ModelShape(shape_full.name, layers, shape_full.hidden_size, shape_full.ffn_hidden_size,
-                       shape_full.num_attention_heads, shape_full.num_query_groups, shape_full.vocab_size)
+    shape = replace(shape_full, num_layers=layers)
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     b = precision.activation_bytes

@@ -19,6 +19,20 @@ from pathlib import Path
 from typing import Optional
 
 _STEP = re.compile(r"step=(\d+)")
+UNFINISHED_SUFFIX = "-unfinished"  # nemo.lightning.pytorch.callbacks.ModelCheckpoint.UNFINISHED_CHECKPOINT_SUFFIX
+
+
+def unfinished_marker(path: Path) -> bool:
+    """NeMo's test (``ModelCheckpoint.is_checkpoint_unfinished``: a ``<name>-unfinished`` file beside the checkpoint
+    until every rank has written it) without importing NeMo."""
+    return Path(str(path) + UNFINISHED_SUFFIX).exists()
+
+
+def newest_first(d: Path) -> tuple:
+    """Sort key of checkpoint directories, newest largest: the highest ``step=N`` in the name, NeMo's ``-last`` copy
+    first on a tie, then the newest mtime."""
+    m = _STEP.search(d.name)
+    return (int(m.group(1)) if m else -1), d.name.endswith("-last"), d.stat().st_mtime
 
 
 def _existing_ancestor(path: Path) -> Path:
@@ -78,11 +92,10 @@ def checkpoint_folder_hint(path: str) -> Optional[str]:
     p = Path(path)
     if not p.is_dir() or is_checkpoint(p):
         return None
-    inner = [d for d in p.iterdir() if d.is_dir() and is_checkpoint(d) and not d.name.endswith("-unfinished")]
+    inner = [d for d in p.iterdir() if d.is_dir() and is_checkpoint(d) and not unfinished_marker(d)]
     if not inner:
         return "is a directory but not a checkpoint (no weights/ or distributed-checkpoint metadata inside)"
-    newest = max(inner, key=lambda d: (int(m.group(1)) if (m := _STEP.search(d.name)) else -1,
-                                       d.name.endswith("-last"), d.stat().st_mtime))
+    newest = max(inner, key=newest_first)
     return (f"is the folder that holds checkpoints, not a checkpoint: name one of them (the newest: {newest}), or "
             "use checkpoint.resume=auto with checkpoint.dir set to this folder")
 

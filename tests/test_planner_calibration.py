@@ -325,13 +325,12 @@ def test_cuda_rows_recorded_on_an_h200_match_the_local_gpu_preset():
     buffers) against the allocator peaks an H200 measured: measured/predicted 0.936 at 262K and 0.996 at 524K (the
     bound is 0.93-1.05); the CPU preset, without the kernel's buffers, gives 1.25 and 1.37."""
     import math
+    from dataclasses import replace
 
-    from nemo_longctx.memory.model_shapes import KNOWN_SHAPES, ModelShape
+    from nemo_longctx.memory.model_shapes import KNOWN_SHAPES
     from nemo_longctx.memory.planner import LOCAL_CPU, LOCAL_GPU, Candidate, predicted_peak_bytes
 
-    s8 = KNOWN_SHAPES["llama3_8b"]
-    shape = ModelShape(s8.name, 2, s8.hidden_size, s8.ffn_hidden_size, s8.num_attention_heads, s8.num_query_groups,
-                       s8.vocab_size)
+    shape = replace(KNOWN_SHAPES["llama3_8b"], num_layers=2)
     rows = _recorded_cuda_rows()
     assert {seq for seq, _ in rows} == {262144, 524288}
     for seq, measured in rows:

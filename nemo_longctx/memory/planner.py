@@ -886,9 +886,9 @@ def candidate_of(options: LongContextOptions, seq_length: int, tp: int = 1,
     cp, mem, state = options.cp, options.memory, options.optim.state
     algorithm = "none" if cp.size == 1 else cp.algorithm
     ulysses = cp.size if algorithm == "ulysses" else int(cp.ulysses_size or 1) if algorithm == "hybrid" else 1
-    recompute = mem.recompute
-    if recompute == "selective":
-        recompute = {("mlp",): "selective_mlp", ("core_attn",): "selective_attn"}.get(tuple(mem.recompute_modules))
+    labels = {(name, tuple(modules or ())): label for label, (name, modules) in RECOMPUTE_GROUP.items()}
+    modules = tuple(mem.recompute_modules) if mem.recompute == "selective" else ()
+    recompute = labels.get((mem.recompute, modules))  # RECOMPUTE_GROUP read backwards
     if recompute is None or mem.offload not in ("none", "layer_input"):
         return None
     tiles, chunks = options.tiling.counts(seq_length, cp.size, tp, sequence_parallel)

@@ -166,6 +166,25 @@ def model_field_problems(cfg: DictConfig) -> List[str]:
     return problems
 
 
+def planner_precision(cfg: DictConfig) -> Any:
+    """The planner's ``Precision`` of ``trainer.precision``: fp32 weights and activations for "32", else its bf16
+    defaults (bf16 weights and activations, fp32 main grads)."""
+    from nemo_longctx.memory.planner import Precision
+
+    return Precision(activation_bytes=4, param_bytes=4) if str(cfg.trainer.precision) == "32" else Precision()
+
+
+def planner_shape(cfg: DictConfig) -> tuple:
+    """(the planner's ``ModelShape`` of ``cfg.model``, None) or (None, why it cannot be sized: init_from runs and
+    configs naming no known shape)."""
+    from nemo_longctx.memory.model_shapes import shape_from_config
+
+    try:
+        return shape_from_config(OmegaConf.to_container(cfg.model, resolve=True)), None
+    except (ValueError, TypeError, KeyError) as e:
+        return None, str(e)
+
+
 def run_path_problems(cfg: DictConfig) -> List[str]:
     """Where the run writes, probed before launch: ``output_dir`` and (when it saves) ``checkpoint.dir`` can be
     created and written in, and the checkpoint filesystem has room for ``checkpoint.keep`` checkpoints of this model
@@ -180,13 +199,12 @@ def run_path_problems(cfg: DictConfig) -> List[str]:
     directory, key = checkpoint_dir(cfg), "checkpoint.dir" if node.get("dir") else "output_dir"
     if node.get("dir") and (m := writable_dir_problem("checkpoint.dir", directory)):
         return [m]
-    from nemo_longctx.memory.planner import Precision, checkpoint_bytes, shape_from_config
+    from nemo_longctx.memory.planner import checkpoint_bytes
 
-    try:
-        shape = shape_from_config(OmegaConf.to_container(cfg.model, resolve=True))
-    except (ValueError, TypeError, KeyError):  # a model the planner cannot size (init_from: sized by its checkpoint)
+    shape, _ = planner_shape(cfg)
+    if shape is None:  # a model the planner cannot size (init_from: sized by its checkpoint)
         return problems
-    size = checkpoint_bytes(shape, Precision(param_bytes=4 if str(cfg.trainer.precision) == "32" else 2))
+    size = checkpoint_bytes(shape, planner_precision(cfg))
     keep = node.get("keep") if isinstance(node.get("keep"), int) and node.get("keep") > 0 else 1
     need = size * keep - tree_bytes(directory)
     shown = directory if key == "checkpoint.dir" else str(cfg.output_dir)
@@ -261,8 +279,8 @@ def save_time_warning(cfg: DictConfig) -> Optional[str]:
         return None
     from nemo_longctx.memory.planner import save_time_warning as estimated
 
-    param_bytes = 4 if str(cfg.trainer.precision) == "32" else 2
-    return estimated(OmegaConf.to_container(cfg.model, resolve=True), param_bytes, float(cfg.run.signal_grace_s))
+    return estimated(OmegaConf.to_container(cfg.model, resolve=True), planner_precision(cfg).param_bytes,
+                     float(cfg.run.signal_grace_s))
 
 
 def vocabulary_problems(cfg: DictConfig, config: Any) -> List[str]:
@@ -658,18 +676,15 @@ def predicted_memory(cfg: DictConfig, options: LongContextOptions, seq_length: i
     """The planner's per-GPU device memory and per-node host memory for this exact configuration (one line), or
     why it has none."""
     from nemo_longctx.integrations.megatron.cpu_compat import needed
-    from nemo_longctx.memory.planner import (ACTIVATION_PRESETS, GIB, Hardware, Precision, candidate_of,
-                                             memory_breakdown, shape_from_config)
+    from nemo_longctx.memory.planner import ACTIVATION_PRESETS, GIB, Hardware, candidate_of, memory_breakdown
 
-    try:
-        shape = shape_from_config(OmegaConf.to_container(cfg.model, resolve=True))
-    except (ValueError, TypeError, KeyError) as e:
-        return f"not modelled ({e})"
+    shape, why = planner_shape(cfg)
+    if shape is None:
+        return f"not modelled ({why})"
     c = candidate_of(options, seq_length, p["tp"], bool(cfg.trainer.strategy.sequence_parallel))
     if c is None or p["pp"] > 1:
         return "not modelled (offload=modules, selective recompute of other modules, or pipeline parallelism)"
-    fp32 = str(cfg.trainer.precision) == "32"
-    precision = Precision(activation_bytes=4, param_bytes=4) if fp32 else Precision()
+    precision = planner_precision(cfg)
     # this process's device, else the accelerator the config asks for (a dry run on a login node for a GPU job)
     if not needed():
         coef = "te_gpu" if te_available() else "local_gpu"

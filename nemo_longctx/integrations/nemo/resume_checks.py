@@ -12,27 +12,12 @@
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from typing import Any, Callable, List, Optional, Tuple
 
 from nemo_longctx.checkpoint_integrity import NEMO_WEIGHTS, checkpoint_problem
 from nemo_longctx.integrations.nemo.config_keys import RESUME_MODES
-from nemo_longctx.path_checks import is_checkpoint
-
-UNFINISHED_SUFFIX = "-unfinished"  # nemo.lightning.pytorch.callbacks.ModelCheckpoint.UNFINISHED_CHECKPOINT_SUFFIX
-_STEP = re.compile(r"step=(\d+)")
-
-
-def unfinished_marker(path: Path) -> bool:
-    """NeMo's test (``ModelCheckpoint.is_checkpoint_unfinished``) without importing NeMo."""
-    return Path(str(path) + UNFINISHED_SUFFIX).exists()
-
-
-def _newest_first(d: Path) -> tuple:
-    m = _STEP.search(d.name)
-    return (int(m.group(1)) if m else -1), d.name.endswith("-last"), d.stat().st_mtime
-
+from nemo_longctx.path_checks import is_checkpoint, newest_first, unfinished_marker
 
 def newest_intact(directory: str, unfinished: Optional[Callable[[Any], bool]] = None
                   ) -> Tuple[Optional[Path], List[Tuple[str, str]]]:
@@ -48,7 +33,7 @@ def newest_intact(directory: str, unfinished: Optional[Callable[[Any], bool]] = 
             skipped.append((d.name, "unfinished (its save was cut off)"))
         else:
             candidates.append(d)
-    for d in sorted(candidates, key=_newest_first, reverse=True):
+    for d in sorted(candidates, key=newest_first, reverse=True):
         why = checkpoint_problem(str(d))
         if why is None:
             return d, skipped
