@@ -30,6 +30,24 @@ def run_app(cmd: Sequence[str], timeout: float = 400) -> Tuple[int, str]:
 
 
 
+# the frameworks a launching process must not import before it refuses a config or prints help (each costs seconds)
+HEAVY = ("nemo", "megatron", "lightning", "pytorch_lightning", "transformers")
+
+
+def importtime_split(text: str, heavy: Sequence[str] = HEAVY) -> Tuple[str, list]:
+    """Split the output of a ``python -X importtime`` process into (its own output, the heavy frameworks it imported):
+    a check of "it did not wait for NeMo" that holds on a loaded machine, where a wall-time bound does not."""
+    own, imported = [], set()
+    for ln in text.splitlines(keepends=True):
+        if ln.startswith("import time:"):
+            name = ln.rsplit("|", 1)[-1].strip()
+            if name.split(".")[0] in heavy:
+                imported.add(name.split(".")[0])
+        else:
+            own.append(ln)
+    return "".join(own), sorted(imported)
+
+
 def metrics_rows(out_dir: Path) -> list:
     """The rows of a run's ``metrics.jsonl`` (train steps and validation rows)."""
     return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]

@@ -1,8 +1,12 @@
 """Run a function on N gloo processes (CPU) and collect each rank's return value.
 
-One spawn is slow (and much slower when megatron is imported), so tests pass a function that runs many
+One start is slow (and much slower when megatron is imported), so tests pass a function that runs many
 cases and returns a list of results; assertions happen in the parent on the returned values, and any
 exception in a worker is re-raised in the parent with its traceback.
+
+Ranks start from Python's fork server (one per test process, started at the first job), which has imported torch and
+Megatron-core once: each rank is a fresh fork of that clean, single-threaded server (no state of earlier jobs or of the
+test process), without paying those imports again (~8 s of CPU per rank; the suite starts a few hundred ranks).
 """
 
 from __future__ import annotations
@@ -44,9 +48,21 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
     exit_process(0)
 
 
+# what the fork server imports before it forks any rank: the imports every rank of these tests pays (not NeMo: its
+# import starts threads, and few jobs need it)
+PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.core.transformer.transformer_config",
+           "megatron.core.models.gpt", "nemo_longctx.attention", "nemo_longctx.integrations.megatron"]
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # (read when the server starts: at the first job of this process)
+    return ctx
+
+
 def run_distributed(fn: Callable, world_size: int, *args: Any, threads: int = 1, timeout: float = 600) -> List[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the results by rank."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.Queue()
     port = free_port()
     procs = [

@@ -1,6 +1,6 @@
 """The app trained once per model-state option (``optim`` group), shared by tests/test_model_state.py (losses against
 plain DDP, what Megatron built) and tests/test_planner_model_state_bytes.py (the bytes Megatron holds against the
-planner): each run happens at most once per pytest session (~25 s each on the 2-core CI VM).
+planner): each run happens at most once per pytest session, on whichever worker asks first (tests/run_cache.py).
 
 The job: a tiny GQA Llama with odd widths (hidden 200, 4 query heads / 2 KV groups, ffn 520, vocab 1000: no parameter
 is a multiple of 64 elements, so the distributed optimizer's buffer padding shows), cp=ring cp.size=2 on two gloo
@@ -14,7 +14,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from app_runner import metrics_rows, run_app
+from app_runner import metrics_rows
+from run_cache import run_dir, shared_run
 
 BIN = Path(sys.executable).parent
 STEPS = 6
@@ -53,10 +54,10 @@ _DONE: dict = {}
 
 def trained(name: str, tmp_path_factory) -> dict:
     """{'losses', 'log', 'dir'} of the run ``name`` (trained on first use)."""
-    if name not in _DONE:
-        out = tmp_path_factory.getbasetemp() / "model_state_runs" / name
-        out.parent.mkdir(parents=True, exist_ok=True)
-        code, log = run_app([str(BIN / "nemo-longctx"), "train", f"output_dir={out}", *COMMON, *RUNS[name][0]])
+    if name not in _DONE:  # (tests/run_cache.py: once per session, whichever worker asks first)
+        out = run_dir(f"model_state_{name}", tmp_path_factory)
+        code, log = shared_run(f"model_state_{name}", [str(BIN / "nemo-longctx"), "train", f"output_dir={out}",
+                                                       *COMMON, *RUNS[name][0]], tmp_path_factory)
         assert code == 0, f"{name}: {log[-4000:]}"
         _DONE[name] = {"losses": [row["loss"] for row in metrics_rows(out)], "log": log, "dir": out}
     return _DONE[name]

@@ -1,7 +1,7 @@
 """`nemo-longctx train|plan|bridge --help`: our own groups and keys, generated from the option model
 (``nemo_longctx.options``, ``config_keys.APP_OPTIONS``, ``plan_keys.PLAN_OPTIONS``, the Bridge app's keys) and the
 conf/ tree; every declared key must have a help line and appear in its app's help; ``--hydra-help`` still reaches
-Hydra; each answers in under 5 s (no NeMo/torch import)."""
+Hydra; each answers without importing torch or any framework (``python -X importtime`` lists what it imported)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from app_runner import HEAVY, importtime_split
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = Path(sys.executable).with_name("nemo-longctx")
@@ -23,16 +25,25 @@ def _cli(*args, timeout=60):
     return r, time.perf_counter() - t0
 
 
-@pytest.mark.serial  # asserts its wall time: runs alone
+def _help(*args):
+    """``nemo-longctx ARGS`` under ``python -X importtime``: (result with the import lines taken out of stderr, the
+    heavy modules it imported, seconds)."""
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-X", "importtime", str(CLI), *args], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    r.stderr, heavy = importtime_split(r.stderr, HEAVY + ("torch",))
+    return r, heavy, time.perf_counter() - t0
+
+
 @pytest.mark.parametrize("flag", ["--help", "-h"])
 def test_train_help_lists_every_group_choice_and_declared_key(flag):
     from nemo_longctx.help import defaults_of, group_choices
     from nemo_longctx.integrations.nemo.config_keys import APP_OPTIONS
     from nemo_longctx.options import LongContextOptions
 
-    r, seconds = _cli("train", flag, "model=llama3_8b")
+    r, heavy, seconds = _help("train", flag, "model=llama3_8b")
     assert r.returncode == 0, r.stderr
-    assert seconds < 5, seconds
+    assert heavy == [] and seconds < 30, (heavy, seconds)  # (the time: a hang guard on a loaded machine)
     out = r.stdout
     for group, default, _ in defaults_of("train"):
         assert f"  {group}" in out, group
@@ -49,13 +60,12 @@ def test_train_help_lists_every_group_choice_and_declared_key(flag):
     assert "--hydra-help" in out and "Traceback" not in r.stderr
 
 
-@pytest.mark.serial  # asserts its wall time: runs alone
 def test_plan_help_lists_plan_keys_not_train_groups():
     from nemo_longctx.plan_keys import PLAN_OPTIONS
 
-    r, seconds = _cli("plan", "--help")
+    r, heavy, seconds = _help("plan", "--help")
     assert r.returncode == 0, r.stderr
-    assert seconds < 5, seconds
+    assert heavy == [] and seconds < 30, (heavy, seconds)
     out = r.stdout
     for o in PLAN_OPTIONS:
         assert o.help.strip(), f"{o.key}: declared without a help line"

@@ -23,10 +23,6 @@ import pytest
 
 from app_runner import MEMORY_LIMIT_KB, ROOT, live_processes, metrics_rows, run_app
 
-# timing-bound (signals, timeouts, bounded shutdown): marked serial, run after the parallel part of the suite, alone;
-# the config tests at the end assert no time and run in the parallel part
-serial = pytest.mark.serial
-
 BIN = Path(sys.executable).parent
 APP = [str(BIN / "nemo-longctx"), "train"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
@@ -46,7 +42,6 @@ def _timed(cmd, timeout=300):
     return code, out, time.time() - (float(m.group(1)) if m else t0)
 
 
-@serial
 @pytest.mark.parametrize("launcher", ["local", "torchrun"])
 def test_a_rank_raising_fails_the_run_and_names_the_rank(tmp_path, launcher):
     cmd = (APP if launcher == "local" else TORCHRUN) + [f"output_dir={tmp_path}", *SMALL, "run.fault=raise@2:1"]
@@ -59,7 +54,6 @@ def test_a_rank_raising_fails_the_run_and_names_the_rank(tmp_path, launcher):
     assert [r["step"] for r in rows] == [1], rows  # step 1 trained, step 2 never finished
 
 
-@serial
 def test_a_killed_rank_stops_the_others_within_bounded_time(tmp_path):
     code, out, elapsed = _timed(APP + [f"output_dir={tmp_path}", *SMALL, "run.fault=kill@2:0"])
     assert code == 128 + signal.SIGKILL, (code, out[-3000:])
@@ -68,7 +62,6 @@ def test_a_killed_rank_stops_the_others_within_bounded_time(tmp_path):
     assert elapsed < 60, elapsed
 
 
-@serial
 def test_an_aborted_rank_is_reported_with_its_last_stderr_lines(tmp_path):
     """A rank that dies by SIGABRT (a C++ std::terminate, a gloo/c10 fatal error, glibc's heap checks) prints its reason
     to stderr just before it dies: the launcher names the signal and quotes those lines, after the other ranks'
@@ -89,7 +82,6 @@ def test_an_aborted_rank_is_reported_with_its_last_stderr_lines(tmp_path):
     assert not _run_processes(str(tmp_path)), "processes of the aborted run are still alive"
 
 
-@serial
 def test_a_hung_rank_ends_the_job_through_the_collective_timeout(tmp_path):
     code, out, elapsed = _timed(APP + [f"output_dir={tmp_path}", *SMALL, "run.fault=hang@2:1",
                                        "launcher.timeout_s=15", "launcher.shutdown_timeout_s=10"])
@@ -107,7 +99,6 @@ def _run_processes(marker: str):
     return live_processes(lambda cmdline, _: marker in cmdline)
 
 
-@serial
 def test_sigterm_to_the_launcher_stops_every_rank(tmp_path):
     out_file = tmp_path / "out.txt"
     shell = f"ulimit -v {MEMORY_LIMIT_KB}; exec {' '.join(APP)} output_dir={tmp_path} model.seq_length=1024 " \
@@ -133,7 +124,6 @@ def test_sigterm_to_the_launcher_stops_every_rank(tmp_path):
     assert _run_processes(str(tmp_path)) == []  # no rank left behind
 
 
-@serial
 def test_run_timeout_stops_all_ranks(tmp_path):
     code, out, _ = _timed(APP + [f"output_dir={tmp_path}", "model.seq_length=1024", "trainer.max_steps=100000",
                                  "run.timeout_s=30", "memory.track=false"])

@@ -28,8 +28,7 @@ import pytest
 
 from app_runner import ROOT, leftover_processes, metrics_rows, run_app
 
-# timing-bound (signals, timeouts, bounded shutdown): run after the parallel part of the suite, alone
-pytestmark = pytest.mark.serial
+# signal tests: every bound is measured from the signal, so they hold beside the rest of the suite (parallel part)
 
 BIN = Path(sys.executable).parent
 APP = [str(BIN / "nemo-longctx"), "train"]
