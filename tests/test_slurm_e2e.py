@@ -18,8 +18,8 @@ import pytest
 from slurm_cluster import slurm as _slurm
 from slurm_cluster import slurm_cluster  # noqa: F401  (the fixture)
 
-# timing-bound (signals, timeouts, bounded shutdown): run after the parallel part of the suite, alone
-pytestmark = pytest.mark.serial
+# one file uses the single-node Slurm (--dist loadfile keeps its jobs on one worker, one after the other); its waits
+# are bounded by the job, not by the machine's load, so it runs in the parallel part
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "examples" / "slurm" / "cpu_demo.sbatch"
