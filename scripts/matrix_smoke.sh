@@ -4,9 +4,11 @@
 # a NeMo-Run recipe) on each NeMo 2 / Megatron-core pair of constraints/nemo-<container>.txt, on Python 3.12 as the
 # NGC containers run it. One venv (.venv-matrix, installed with the primary stack's pins); each pair is swapped in
 # with --no-deps. The primary pair (constraints/nemo.txt) runs the whole suite on Python 3.11 and only by name here.
-#   scripts/matrix_smoke.sh                 # every container stack of constraints/ (what .ci/run runs)
+#   scripts/matrix_smoke.sh                 # every container stack of constraints/, each its whole set
 #   scripts/matrix_smoke.sh 25.09 primary   # the named ones
 #   scripts/matrix_smoke.sh --install       # only create .venv-matrix (.ci/run does it beside the NeMo 2 suite)
+#   scripts/matrix_smoke.sh --ci 25.09 ...  # CI's set: a stack's file may name a smaller one for CI
+#                                           # (`# matrix_smoke.sh --ci: -m <marker> (why)`)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=$(scripts/python312.sh matrix_smoke.sh)  # PYTHON312=... to choose it
@@ -18,6 +20,11 @@ if [ ! -f "$venv/.installed" ]; then  # written last: an interrupted install is 
 fi
 if [ "${1:-}" = --install ]; then
   exit 0
+fi
+ci=0
+if [ "${1:-}" = --ci ]; then
+  ci=1
+  shift
 fi
 # A CUDA build of torch on a machine without a GPU (pip's only torch for Python 3.12 here): Megatron-core 0.15.0
 # JIT-compiles a CUDA allocator when imported and, with no device to read the architecture from, dies with an
@@ -43,6 +50,10 @@ for stack in "${stacks[@]}"; do
   if [ "$stack" != primary ]; then
     named=$(sed -n 's/^# matrix_smoke.sh: -m \([a-z_]*\).*/\1/p' "constraints/nemo-$stack.txt")
     marker=${named:-matrix}
+    if [ "$ci" = 1 ]; then
+      named=$(sed -n 's/^# matrix_smoke.sh --ci: -m \([a-z_]*\).*/\1/p' "constraints/nemo-$stack.txt")
+      marker=${named:-$marker}
+    fi
   fi
   echo "=== matrix stack $stack (-m $marker): $("$venv/bin/python" -m nemo_longctx.versions 2>/dev/null | head -1)"
   start=$(date +%s)
