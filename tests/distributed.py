@@ -5,8 +5,8 @@ cases and returns a list of results; assertions happen in the parent on the retu
 exception in a worker is re-raised in the parent with its traceback.
 
 Ranks start from Python's fork server (one per test process, started at the first job), which has imported torch and
-Megatron-core once: each rank is a fresh fork of that clean, single-threaded server (no state of earlier jobs or of the
-test process), without paying those imports again (~8 s of CPU per rank; the suite starts a few hundred ranks).
+Megatron-core once: each rank is a fresh fork of that server, which runs no test code (no state of earlier jobs or of
+the test process), and does not pay those imports again (about half the time of the Megatron-heavy test files).
 """
 
 from __future__ import annotations

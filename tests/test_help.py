@@ -116,3 +116,14 @@ def test_python_m_train_help_is_ours():
     r = subprocess.run([sys.executable, "-m", "nemo_longctx.train", "--help"], cwd=ROOT, capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.startswith("usage: "), r.stderr
+
+
+def test_the_import_check_sees_a_framework_import():
+    """The control for the checks above: a process that imports Megatron-core is seen doing so (an empty list from a
+    changed ``-X importtime`` format would otherwise pass them all)."""
+    r = subprocess.run([sys.executable, "-X", "importtime", "-c", "import megatron.core"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    own, heavy = importtime_split(r.stderr, HEAVY + ("torch",))
+    assert r.returncode == 0, own[-2000:]
+    assert heavy == ["megatron", "torch"], heavy
+    assert "import time:" not in own
