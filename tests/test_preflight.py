@@ -4,8 +4,9 @@ ends in the launching process -- before any rank starts and before NeMo is impor
 one block naming the key; and every plan the planner prints is one ``train`` accepts.
 
 The generated command lines go through ``app.preflight`` in this process (the function ``train``'s ``main`` runs
-first: Hydra's compose API + every config-level rule); the newcomer's mistakes run as real ``nemo-longctx``
-processes, with the frameworks they import listed (`python -X importtime`)."""
+first: Hydra's compose API + every config-level rule); the newcomer's mistakes run through ``train.main`` (what the
+``nemo-longctx train`` console script calls) in one separate process under ``python -X importtime``, which lists the
+frameworks they imported: none."""
 
 from __future__ import annotations
 
