@@ -36,6 +36,8 @@ stacks=("$@")
 if [ ${#stacks[@]} -eq 0 ]; then
   for f in constraints/nemo-*.txt; do stacks+=("$(basename "$f" .txt | sed 's/^nemo-//')"); done
 fi
+# the set a stack's constraints file names: `# matrix_smoke.sh<tag>: -m <marker> (why)` (tag "" or " --ci")
+named_set() { sed -n "s/^# matrix_smoke.sh$2: -m \([a-z_]*\).*/\1/p" "constraints/nemo-$1.txt"; }
 status=0
 for stack in "${stacks[@]}"; do
   if [ "$stack" = primary ]; then
@@ -48,10 +50,10 @@ for stack in "${stacks[@]}"; do
   # the test set: `matrix`, or what the stack's constraints file names (`# matrix_smoke.sh: -m <marker> (why)`)
   marker=matrix
   if [ "$stack" != primary ]; then
-    named=$(sed -n 's/^# matrix_smoke.sh: -m \([a-z_]*\).*/\1/p' "constraints/nemo-$stack.txt")
-    marker=${named:-matrix}
+    marker=$(named_set "$stack" "")
+    marker=${marker:-matrix}
     if [ "$ci" = 1 ]; then
-      named=$(sed -n 's/^# matrix_smoke.sh --ci: -m \([a-z_]*\).*/\1/p' "constraints/nemo-$stack.txt")
+      named=$(named_set "$stack" " --ci")
       marker=${named:-$marker}
     fi
   fi

@@ -7,8 +7,9 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
-from typing import Callable, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 MEMORY_LIMIT_KB = 8_000_000
@@ -46,6 +47,17 @@ def importtime_split(text: str, heavy: Sequence[str] = HEAVY) -> Tuple[str, list
         else:
             own.append(ln)
     return "".join(own), sorted(imported)
+
+
+def run_importtime(args: Sequence[str], cwd: Path, heavy: Sequence[str] = HEAVY, timeout: float = 60,
+                   env: Optional[dict] = None) -> Tuple[int, str, str, list, float]:
+    """Run ``python -X importtime ARGS`` (a script path or ``-c CODE`` and its arguments): (exit code, stdout, stderr
+    without the import lines, the heavy frameworks it imported, seconds)."""
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, "-X", "importtime", *map(str, args)], cwd=cwd, capture_output=True, text=True,
+                       timeout=timeout, env=env)
+    stderr, imported = importtime_split(p.stderr, heavy)
+    return p.returncode, p.stdout, stderr, imported, time.perf_counter() - t0
 
 
 def metrics_rows(out_dir: Path) -> list:

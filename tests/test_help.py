@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from app_runner import HEAVY, importtime_split
+from app_runner import HEAVY, run_importtime
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = Path(sys.executable).with_name("nemo-longctx")
@@ -26,13 +26,9 @@ def _cli(*args, timeout=60):
 
 
 def _help(*args):
-    """``nemo-longctx ARGS`` under ``python -X importtime``: (result with the import lines taken out of stderr, the
-    heavy modules it imported, seconds)."""
-    t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-X", "importtime", str(CLI), *args], cwd=ROOT, capture_output=True,
-                       text=True, timeout=60)
-    r.stderr, heavy = importtime_split(r.stderr, HEAVY + ("torch",))
-    return r, heavy, time.perf_counter() - t0
+    """``nemo-longctx ARGS`` under ``python -X importtime``: (exit code, stdout, stderr, the heavy modules it imported
+    -- torch included --, seconds)."""
+    return run_importtime([CLI, *args], ROOT, HEAVY + ("torch",))
 
 
 @pytest.mark.parametrize("flag", ["--help", "-h"])
@@ -41,10 +37,9 @@ def test_train_help_lists_every_group_choice_and_declared_key(flag):
     from nemo_longctx.integrations.nemo.config_keys import APP_OPTIONS
     from nemo_longctx.options import LongContextOptions
 
-    r, heavy, seconds = _help("train", flag, "model=llama3_8b")
-    assert r.returncode == 0, r.stderr
+    code, out, err, heavy, seconds = _help("train", flag, "model=llama3_8b")
+    assert code == 0, err
     assert heavy == [] and seconds < 30, (heavy, seconds)  # (the time: a hang guard on a loaded machine)
-    out = r.stdout
     for group, default, _ in defaults_of("train"):
         assert f"  {group}" in out, group
         for choice, _ in group_choices(group):
@@ -57,16 +52,15 @@ def test_train_help_lists_every_group_choice_and_declared_key(flag):
         assert line is not None, f"{o.key} missing from train --help"
         assert o.help in line and o.expectation() in line, line
     assert "run.dry_run=true" in out and "model=llama3_8b" in out  # the worked Llama-3-8B example is a dry run
-    assert "--hydra-help" in out and "Traceback" not in r.stderr
+    assert "--hydra-help" in out and "Traceback" not in err
 
 
 def test_plan_help_lists_plan_keys_not_train_groups():
     from nemo_longctx.plan_keys import PLAN_OPTIONS
 
-    r, heavy, seconds = _help("plan", "--help")
-    assert r.returncode == 0, r.stderr
+    code, out, err, heavy, seconds = _help("plan", "--help")
+    assert code == 0, err
     assert heavy == [] and seconds < 30, (heavy, seconds)
-    out = r.stdout
     for o in PLAN_OPTIONS:
         assert o.help.strip(), f"{o.key}: declared without a help line"
         assert any(l.strip().startswith(o.key + " ") for l in out.splitlines()), o.key
@@ -121,9 +115,7 @@ def test_python_m_train_help_is_ours():
 def test_the_import_check_sees_a_framework_import():
     """The control for the checks above: a process that imports Megatron-core is seen doing so (an empty list from a
     changed ``-X importtime`` format would otherwise pass them all)."""
-    r = subprocess.run([sys.executable, "-X", "importtime", "-c", "import megatron.core"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
-    own, heavy = importtime_split(r.stderr, HEAVY + ("torch",))
-    assert r.returncode == 0, own[-2000:]
+    code, _, err, heavy, _ = run_importtime(["-c", "import megatron.core"], ROOT, HEAVY + ("torch",), timeout=120)
+    assert code == 0, err[-2000:]
     assert heavy == ["megatron", "torch"], heavy
-    assert "import time:" not in own
+    assert "import time:" not in err

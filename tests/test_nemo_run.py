@@ -115,23 +115,24 @@ def test_cli_factory_dryrun_shows_the_rewritten_recipe(tmp_path):
     assert not (tmp_path / "nemorun_home" / "experiments").exists()
 
 
-BAD_SETTINGS = {  # factory arguments -> the message naming them
-    "cp_size=3": "cp_size=3 x trainer.strategy.tensor_model_parallel_size=1 x "
-                 "trainer.strategy.pipeline_model_parallel_size=1 = 3 does not divide the world size 2 "
-                 "(trainer.devices x trainer.num_nodes)",
-    "cp=rung": "cp='rung' must be one of none, ring, ulysses, hybrid",
-    "recompute=full, recompute_sequence_chunks=many": "recompute_sequence_chunks='many' must be",
-}
+BAD_SETTINGS = [  # (factory arguments, the message naming them)
+    ({"cp_size": 3}, "cp_size=3 x trainer.strategy.tensor_model_parallel_size=1 x "
+                     "trainer.strategy.pipeline_model_parallel_size=1 = 3 does not divide the world size 2 "
+                     "(trainer.devices x trainer.num_nodes)"),
+    ({"cp": "rung"}, "cp='rung' must be one of none, ring, ulysses, hybrid"),
+    ({"recompute": "full", "recompute_sequence_chunks": "many"}, "recompute_sequence_chunks='many' must be"),
+]
 
 
 def test_cli_bad_settings_fail_before_any_process_naming_the_argument(tmp_path, workspace):
     """Through NeMo-Run's CLI once (each ``nemo`` process imports NeMo: ~30 s): the first bad setting ends the command
     before any job starts, with our message. Every bad setting's message is then checked on the same generated
     factory in this process (``register_recipe_factories``' ``<recipe>_long_context``, as the CLI calls it)."""
-    first = next(iter(BAD_SETTINGS))
-    code, log = _run(["nemo", "llm", "pretrain", "--factory", f"'tiny_llama3_long_context({first})'",
-                      "run.executor=local_cpu", "--yes"], tmp_path, workspace)
-    assert code != 0 and BAD_SETTINGS[first] in log, log[-3000:]
+    arguments, message = BAD_SETTINGS[0]
+    factory = "tiny_llama3_long_context(" + ", ".join(f"{k}={v}" for k, v in arguments.items()) + ")"
+    code, log = _run(["nemo", "llm", "pretrain", "--factory", f"'{factory}'", "run.executor=local_cpu", "--yes"],
+                     tmp_path, workspace)
+    assert code != 0 and message in log, log[-3000:]
     assert not (tmp_path / "nemorun_home" / "experiments").exists(), "a job was launched"
 
 
@@ -143,11 +144,9 @@ def test_generated_factory_bad_settings_name_the_argument(tmp_path):
 
     factory = _long_context_factory("tiny_llama3", lambda dir="out", name="tiny", num_nodes=1, num_gpus_per_node=2:
                                     tiny_llama3_recipe(dir, name))
-    for arguments, message in BAD_SETTINGS.items():
-        kwargs = dict(kv.strip().split("=") for kv in arguments.split(","))
-        kwargs = {k: int(v) if v.isdigit() else v for k, v in kwargs.items()}
+    for arguments, message in BAD_SETTINGS:
         with pytest.raises(Exception) as raised:
-            factory(dir=str(tmp_path), **kwargs)
+            factory(dir=str(tmp_path), **arguments)
         assert message in str(raised.value), (arguments, str(raised.value))
 
 

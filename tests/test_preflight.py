@@ -16,12 +16,11 @@ import os
 import random
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from app_runner import importtime_split
+from app_runner import importtime_split, run_importtime
 
 BIN = Path(sys.executable).parent
 NL = str(BIN / "nemo-longctx")
@@ -97,19 +96,12 @@ MISTAKES = {
 }
 
 
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
+
+
 def _run(args, cwd, timeout=60):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    p = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    p = subprocess.run(args, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout)
     return p.returncode, p.stdout + p.stderr
-
-
-def _run_refusal(args, cwd):
-    """Run ``nemo-longctx`` ARGS under ``python -X importtime``: (exit code, its output, the heavy frameworks it
-    imported, seconds)."""
-    t0 = time.perf_counter()
-    code, out = _run([sys.executable, "-X", "importtime", NL, *args], cwd)
-    own, heavy = importtime_split(out)
-    return code, own, heavy, time.perf_counter() - t0
 
 
 # every mistake through ``nemo-longctx train``'s own ``main`` (what the console script calls), one after the other in
@@ -146,17 +138,16 @@ print("@@RESULTS " + json.dumps(results), flush=True)
 def mistakes(tmp_path_factory):
     base = tmp_path_factory.mktemp("mistakes")
     lines = {name: [f"output_dir={base / name}", *args] for name, (args, _) in MISTAKES.items()}
-    t0 = time.perf_counter()
-    code, out = _run([sys.executable, "-X", "importtime", "-c", MISTAKES_DRIVER, json.dumps(lines)], base, timeout=120)
-    own, heavy = importtime_split(out)
-    marker = next((ln for ln in own.splitlines() if ln.startswith("@@RESULTS ")), None)
-    assert code == 0 and marker is not None, own[-3000:]
+    code, out, err, heavy, seconds = run_importtime(["-c", MISTAKES_DRIVER, json.dumps(lines)], base, timeout=120,
+                                                    env=ENV)
+    marker = next((ln for ln in out.splitlines() if ln.startswith("@@RESULTS ")), None)
+    assert code == 0 and marker is not None, (out + err)[-3000:]
     results = {}
     for name, (code, text) in json.loads(marker[len("@@RESULTS "):]).items():
         text, imported = importtime_split(text)  # (what a mistake imported went to its own stderr)
         results[name] = (code, text)
         heavy = sorted(set(heavy) | set(imported))
-    return {"base": base, "heavy": heavy, "seconds": time.perf_counter() - t0, "results": results}
+    return {"base": base, "heavy": heavy, "seconds": seconds, "results": results}
 
 
 def test_no_mistake_waits_for_nemo(mistakes):
@@ -176,7 +167,8 @@ def test_newcomer_mistake_stops_before_launch(mistakes, name):
 
 
 def test_plan_refuses_a_length_train_would_refuse(tmp_path):
-    code, out, heavy, seconds = _run_refusal(["plan", "plan.seq_length=1000001"], tmp_path)
+    code, out, err, heavy, seconds = run_importtime([NL, "plan", "plan.seq_length=1000001"], tmp_path, env=ENV)
+    out += err
     assert code == 2 and "Traceback" not in out and "plan.seq_length=1000001" in out, out[-3000:]
     assert "1000000" in out and heavy == [] and seconds < 30, (heavy, seconds)
 
