@@ -43,7 +43,8 @@ from nemo_longctx.options import ConfigError, raise_problems
 from nemo_longctx.overrides import compose, conf_dir
 
 from nemo_longctx.integrations.nemo.config_keys import argument_name
-from nemo_longctx.integrations.nemo.recipes import _get, _model_config, _plain, _precision, long_context_recipe
+from nemo_longctx.integrations.nemo.recipes import (long_context_recipe, plain_value, recipe_model_config,
+                                                   recipe_precision, recipe_value)
 
 # the GPTConfig fields model_shapes.shape_from_config reads (besides vocab_size)
 SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
@@ -102,9 +103,9 @@ def _vocab_size(recipe: Any, config: Any) -> Tuple[Optional[int], str]:
     if getattr(config, "vocab_size", None) is not None:
         return int(config.vocab_size), "model.config.vocab_size"
     for key in ("model.tokenizer", "data.tokenizer"):  # llm.pretrain hands the data's tokenizer to the model
-        if _get(recipe, key) is None:
+        if recipe_value(recipe, key) is None:
             continue
-        size = _get(recipe, f"{key}.vocab_size")
+        size = recipe_value(recipe, f"{key}.vocab_size")
         if isinstance(size, int) and not isinstance(size, bool):
             multiple = int(getattr(config, "make_vocab_size_divisible_by", 1) or 1)
             return -(-size // multiple) * multiple, f"{key}.vocab_size={size} padded to a multiple of {multiple}"
@@ -117,7 +118,7 @@ def recipe_model_group(recipe: Any) -> Tuple[Dict[str, Any], str]:
     ``_target_`` and its name, where the vocabulary size comes from)."""
     from nemo_longctx.memory.model_shapes import shape_from_config
 
-    config = _model_config(recipe)
+    config = recipe_model_config(recipe)
     for flag in ("num_moe_experts", "multi_latent_attention"):
         if getattr(config, flag, None):
             raise ConfigError([f"model.config.{flag}={getattr(config, flag)!r}: the planner models dense GPT "
@@ -143,7 +144,7 @@ def recipe_model_group(recipe: Any) -> Tuple[Dict[str, Any], str]:
 
 # ------------------------------------------------------------------------------------------ planning
 def _precision_overrides(recipe: Any) -> List[str]:
-    precision = _precision(recipe)
+    precision = recipe_precision(recipe)
     if precision in ("32", "32-true"):
         return ["plan.precision.activation_bytes=4", "plan.precision.param_bytes=4"]
     if "16" in precision:  # bf16-mixed, 16-mixed, ...: conf/plan.yaml's plan.precision
@@ -178,7 +179,7 @@ def plan_for_recipe(recipe: Any, gpus: int, gpus_per_node: int, gpu: str, seq_le
     try:
         # a recipe that saves checkpoints: what the options refuse then is out of the search
         shape, seq, hw, precision, coef, cost, search = plan_app.inputs_from_config(
-            cfg, checkpointing=_get(recipe, "log.ckpt") is not None)
+            cfg, checkpointing=recipe_value(recipe, "log.ckpt") is not None)
     except ValueError as e:
         raise ConfigError([str(e)]) from None
     p = make_plan(shape, seq, hw, precision, coef, cost, float(cfg.plan.cost_tolerance), **search)
@@ -199,7 +200,7 @@ def candidate_arguments(candidate: Any) -> Dict[str, Any]:
     for text in options.to_overrides():
         override = parser.parse_override(text)
         if not override.key_or_group.startswith("optim."):
-            out[argument_name(override.key_or_group)] = _plain(override.value())
+            out[argument_name(override.key_or_group)] = plain_value(override.value())
     state = options.optim.state
     out.update({f"optim_{f.name}": getattr(state, f.name) for f in dataclasses.fields(state) if f.name != "optimizer"})
     return out
@@ -211,15 +212,15 @@ def _set_layout(recipe: Any, tp: int, devices: int, nodes: int) -> List[str]:
     wanted = {"trainer.strategy.tensor_model_parallel_size": tp, "trainer.strategy.sequence_parallel": tp > 1,
               "trainer.strategy.pipeline_model_parallel_size": 1, "trainer.devices": devices,
               "trainer.num_nodes": nodes}
-    if _get(recipe, "trainer.strategy.pipeline_model_parallel_size", 1) != 1:
+    if recipe_value(recipe, "trainer.strategy.pipeline_model_parallel_size", 1) != 1:
         wanted["trainer.strategy.virtual_pipeline_model_parallel_size"] = None
     changed = []
     for key, value in wanted.items():
-        old = _get(recipe, key)
+        old = recipe_value(recipe, key)
         if old != value:
             changed.append(f"{key} {old} -> {value}")
         parent, name = key.rsplit(".", 1)
-        setattr(_get(recipe, parent), name, value)
+        setattr(recipe_value(recipe, parent), name, value)
     return changed
 
 
@@ -240,7 +241,7 @@ class PlannedLongContextPlugin(run.Plugin):
 
         from nemo_longctx.memory.planner import GIB
 
-        if not isinstance(task, fdl.Buildable) or _get(task, "trainer.strategy") is None:
+        if not isinstance(task, fdl.Buildable) or recipe_value(task, "trainer.strategy") is None:
             raise ConfigError(["PlannedLongContextPlugin rewrites a NeMo recipe (run.Partial(llm.pretrain, ...)), got "
                                f"{type(task).__name__}: plan a script's run with nemo-longctx plan instead"])
         if executor is None:
@@ -248,12 +249,12 @@ class PlannedLongContextPlugin(run.Plugin):
                                "executor"])
         nodes, per_node = int(executor.nnodes()), int(executor.nproc_per_node())
         gpu = choose_gpu(self.gpu, executor)
-        micro = _get(task, "data.micro_batch_size", 1)
+        micro = recipe_value(task, "data.micro_batch_size", 1)
         if micro != 1:
             raise ConfigError([f"data.micro_batch_size={micro}: the planner plans one sequence per micro batch; set "
                                "data.micro_batch_size=1"])
         given = self.seq_length is not None
-        seq = self.seq_length if given else _get(task, "model.config.seq_length")
+        seq = self.seq_length if given else recipe_value(task, "model.config.seq_length")
         p, missing, vocab = plan_for_recipe(task, nodes * per_node, per_node, gpu, seq, self.host_memory_gb,
                                             "seq_length" if given else "model.config.seq_length")
         if p.chosen is None:
@@ -261,12 +262,12 @@ class PlannedLongContextPlugin(run.Plugin):
         c, hw = p.chosen.candidate, p.hardware
         if given:
             task.model.config.seq_length = seq
-            data = _get(task, "data")
+            data = recipe_value(task, "data")
             if isinstance(data, fdl.Buildable) and "seq_length" in fdl.ordered_arguments(data, include_defaults=True):
                 data.seq_length = seq
         changed = _set_layout(task, c.tp, per_node, nodes)
         searched = ("; Megatron-FSDP not searched (the recipe saves checkpoints: log.ckpt)"
-                    if _get(task, "log.ckpt") is not None else "")
+                    if recipe_value(task, "log.ckpt") is not None else "")
         logging.info(f"long_context_planned: {c.label()} (predicted {p.chosen.memory.total / GIB:.1f} of "
                      f"{hw.gpu_memory_gb:g} GiB per GPU ({gpu}), relative cost {p.chosen.cost:.3f}) for "
                      f"{p.shape.name} at seq_length={p.seq_length} on {hw.gpus} GPUs ({nodes} x {per_node}); "

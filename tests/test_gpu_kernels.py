@@ -40,7 +40,7 @@ def _fake_interface_26(calls: list) -> types.ModuleType:
                             return_softmax):
         calls.append(("fwd", window_size, dropout_p, softcap, return_softmax))
         assert isinstance(window_size, tuple) and len(window_size) == 2
-        out, lse = K._math_forward(q, k, v, causal, softmax_scale)
+        out, lse = K.math_forward(q, k, v, causal, softmax_scale)
         rng_state = torch.zeros(2, dtype=torch.int64)
         return out, q, k, v, out, lse, None, rng_state
 
@@ -48,7 +48,7 @@ def _fake_interface_26(calls: list) -> types.ModuleType:
                              window_size, softcap, alibi_slopes, deterministic, rng_state=None):
         calls.append(("bwd", window_size, deterministic))
         assert isinstance(window_size, tuple)
-        a, b, c = K._math_backward(dout, q, k, v, out, softmax_lse, causal, softmax_scale)
+        a, b, c = K.math_backward(dout, q, k, v, out, softmax_lse, causal, softmax_scale)
         dq.copy_(a)
         dk.copy_(b)
         dv.copy_(c)
@@ -68,7 +68,7 @@ def _fa27_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: 
                   alibi_slopes: Optional[torch.Tensor], return_softmax: bool
                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     _CALLS_27.append(("fwd", window_size_left, window_size_right))
-    out, lse = K._math_forward(q, k, v, causal, softmax_scale)
+    out, lse = K.math_forward(q, k, v, causal, softmax_scale)
     return out, lse, torch.empty(0, dtype=q.dtype), torch.zeros(2, dtype=torch.int64)
 
 
@@ -80,7 +80,7 @@ def _fa27_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                    alibi_slopes: Optional[torch.Tensor], deterministic: bool,
                    rng_state: Optional[torch.Tensor] = None) -> torch.Tensor:
     _CALLS_27.append(("bwd", window_size_left, window_size_right))
-    a, b, c = K._math_backward(dout, q, k, v, out, softmax_lse, causal, softmax_scale)
+    a, b, c = K.math_backward(dout, q, k, v, out, softmax_lse, causal, softmax_scale)
     dq.copy_(a)
     dk.copy_(b)
     dv.copy_(c)

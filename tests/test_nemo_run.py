@@ -200,7 +200,7 @@ def test_a_later_layout_override_is_caught_by_the_strategy_with_the_same_message
     assert expected, at_factory.value.problems
     recipe.trainer.strategy.tensor_model_parallel_size = 2  # a later `trainer.strategy.tensor_model_parallel_size=2`
     strategy = fdl.build(recipe.trainer.strategy)
-    config = R._model_config(recipe)
+    config = R.recipe_model_config(recipe)
     assert expected[0] in strategy.option_problems(config, world_size=8)
     recipe.trainer.strategy.tensor_model_parallel_size = 1
     assert fdl.build(recipe.trainer.strategy).option_problems(config, world_size=8) == []

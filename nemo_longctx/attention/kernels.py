@@ -205,7 +205,7 @@ def _math_forward_impl(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: flo
     return out.to(q.dtype), lse.reshape(b, hq, sq).to(_math_compute_dtype(q.dtype))
 
 
-def _math_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> Tuple[Tensor, Tensor]:
+def math_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> Tuple[Tensor, Tensor]:
     return _math_forward_impl(q, k, v, causal, scale)
 
 
@@ -233,7 +233,7 @@ def _math_backward_impl(
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _math_backward(
+def math_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
 ) -> Tuple[Tensor, Tensor, Tensor]:
     return _math_backward_impl(dout, q, k, v, out, lse, causal, scale)
@@ -511,7 +511,7 @@ KERNELS: Dict[str, AttentionKernel] = {
     "cpu_flash": AttentionKernel("cpu_flash", _cpu_flash_forward, _cpu_flash_backward, device_type="cpu",
                                  dtypes=(torch.float32, torch.float64, torch.bfloat16, torch.float16),
                                  value_dim_differs=True),
-    "math": AttentionKernel("math", _math_forward, _math_backward, value_dim_differs=True),
+    "math": AttentionKernel("math", math_forward, math_backward, value_dim_differs=True),
     "flash_attn": AttentionKernel("flash_attn", _flash_attn_forward, _flash_attn_backward, device_type="cuda",
                                   dtypes=_HALF, max_head_dim=256),
     "sdpa_flash": AttentionKernel("sdpa_flash", _sdpa_flash_forward, _sdpa_flash_backward, device_type="cuda",

@@ -54,7 +54,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from .host_pool import HostPool
-from .tracker import _is_leaf_param, foreign_saved_tensor_hooks, in_backward, report_saved_on_device, report_saved_on_host
+from .tracker import foreign_saved_tensor_hooks, in_backward, is_leaf_param, report_saved_on_device, report_saved_on_host
 
 Tensor = torch.Tensor
 
@@ -234,7 +234,7 @@ class ActivationOffloader:
             and t.device.type in (self.device_type or t.device.type,)
             and t.device.type in ("cpu", "cuda")
             and not t.is_conj() and not t.is_neg()
-            and not _is_leaf_param(t)
+            and not is_leaf_param(t)
             and storage_span(t) * t.element_size() >= max(self.min_bytes, 1)
         )
         if ok and self.device_type is None:

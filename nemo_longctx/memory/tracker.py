@@ -161,7 +161,7 @@ def report_released(t: Tensor) -> None:
             tracker._counter.release(key)
 
 
-def _is_leaf_param(t: Tensor) -> bool:
+def is_leaf_param(t: Tensor) -> bool:
     base = t._base if t._base is not None else t
     return base.is_leaf and base.requires_grad
 
@@ -346,7 +346,7 @@ class ActivationTracker:
             self._seen_device_type = t.device.type
         st = t.untyped_storage()
         key = id(st)
-        leaf = key in self._param_storages or _is_leaf_param(t)
+        leaf = key in self._param_storages or is_leaf_param(t)
         table = self._live_leaf if leaf else self._live_device
         if key in table:
             return

@@ -10,7 +10,7 @@ from typing import Callable, List, Optional
 import torch
 
 from nemo_longctx.attention import kernels as K
-from nemo_longctx.selftest.report import _DTYPES, FAIL, PASS, SKIP, Report, _dn, _fmt
+from nemo_longctx.selftest.report import DTYPES, FAIL, PASS, SKIP, Report, dtype_label, format_error
 
 
 def _free_port() -> int:
@@ -96,7 +96,7 @@ def _cp_worker(rank: int, world: int, port: int, backend: str, device_kind: str,
             device = torch.device("cpu")
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         try:
-            dtype = _DTYPES[dtype_name]
+            dtype = DTYPES[dtype_name]
             b, s, hq, hkv, d = (shape[x] for x in ("b", "s", "hq", "hkv", "d"))
             g = torch.Generator().manual_seed(1234)
             q, k, v, dout = (torch.randn(b, s, h, d, generator=g).to(dtype) for h in (hq, hkv, hkv, hq))
@@ -161,9 +161,9 @@ def _cp_rows(rep: Report, device_kind: str, dtype: torch.dtype, results: List[di
     for algo in results[0]:
         worst = {key: max(r[algo][key] for r in results) for key in results[0][algo]}
         ok = all(v <= tol for v in worst.values())
-        rep.add("cp", f"{algo} P={len(results)}", device_kind, _dn(dtype), PASS if ok else FAIL,
+        rep.add("cp", f"{algo} P={len(results)}", device_kind, dtype_label(dtype), PASS if ok else FAIL,
                 f"{transport}; worst rel err over ranks: "
-                + " ".join(f"{k2} {_fmt(v)}" for k2, v in worst.items()) + f" (tol {tol:g})")
+                + " ".join(f"{k2} {format_error(v)}" for k2, v in worst.items()) + f" (tol {tol:g})")
 
 
 def section_cp(rep: Report, cuda: bool, kernel: Optional[str], quick: bool) -> None:
@@ -184,7 +184,7 @@ def section_cp(rep: Report, cuda: bool, kernel: Optional[str], quick: bool) -> N
     shape = dict(b=1, s=1024 if not quick else 256, hq=8, hkv=2, d=128)
     for dtype in (torch.bfloat16,):
         try:
-            res = run_spawned(_cp_worker, world, (backend, "cuda", _dn(dtype), kernel, shape))
+            res = run_spawned(_cp_worker, world, (backend, "cuda", dtype_label(dtype), kernel, shape))
             _cp_rows(rep, "cuda", dtype, res, transport + f", kernel {kernel or 'auto'}")
         except Exception as e:  # noqa: BLE001
-            rep.add("cp", "ring/ulysses/hybrid", "cuda", _dn(dtype), FAIL, f"{type(e).__name__}: {e}"[:2000])
+            rep.add("cp", "ring/ulysses/hybrid", "cuda", dtype_label(dtype), FAIL, f"{type(e).__name__}: {e}"[:2000])

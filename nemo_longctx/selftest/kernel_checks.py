@@ -8,16 +8,16 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from nemo_longctx.attention import kernels as K
-from nemo_longctx.selftest.report import FAIL, INFO, NA, PASS, SKIP, Report, _dn, _fmt
+from nemo_longctx.selftest.report import FAIL, INFO, NA, PASS, SKIP, Report, dtype_label, format_error
 
 
 def _wrong_forward(q, k, v, causal, scale):
     # deliberately wrong: ignores the causal mask (and so the merged LSE is off too)
-    return K._math_forward(q, k, v, False, scale)
+    return K.math_forward(q, k, v, False, scale)
 
 
 def _wrong_backward(dout, q, k, v, out, lse, causal, scale):
-    return K._math_backward(dout, q, k, v, out, lse, False, scale)
+    return K.math_backward(dout, q, k, v, out, lse, False, scale)
 
 
 WRONG_KERNEL = K.AttentionKernel("injected_wrong", _wrong_forward, _wrong_backward, value_dim_differs=True)
@@ -56,7 +56,7 @@ def run_kernel_table(rep: Report, device: torch.device, dtypes: Sequence[torch.d
         passed[dtype] = []
         for kern in kerns:
             if kern.dtypes is not None and dtype not in kern.dtypes:
-                rep.add("kernels", kern.name, device.type, _dn(dtype), NA, "dtype not supported by the kernel")
+                rep.add("kernels", kern.name, device.type, dtype_label(dtype), NA, "dtype not supported by the kernel")
                 continue
             worst: Dict[str, float] = {}
             ran, bad, errors, skipped = 0, [], [], []
@@ -76,26 +76,27 @@ def run_kernel_table(rep: Report, device: torch.device, dtypes: Sequence[torch.d
                     worst[key] = max(worst.get(key, 0.0), val)
                 over = {key: v for key, v in errs.items() if not v <= tol}
                 if over:
-                    bad.append(label + " (" + ", ".join(f"{k2} {_fmt(v)}" for k2, v in over.items()) + ")")
+                    bad.append(label + " (" + ", ".join(f"{k2} {format_error(v)}" for k2, v in over.items()) + ")")
                 if verbose:
-                    print(f"      {kern.name} {_dn(dtype)} {label}: "
-                          + " ".join(f"{k2}={_fmt(v)}" for k2, v in errs.items()))
-            errs_txt = " ".join(f"{k2} {_fmt(worst[k2])}" for k2 in ("out", "lse", "dq", "dk", "dv") if k2 in worst)
+                    print(f"      {kern.name} {dtype_label(dtype)} {label}: "
+                          + " ".join(f"{k2}={format_error(v)}" for k2, v in errs.items()))
+            errs_txt = " ".join(f"{k2} {format_error(worst[k2])}" for k2 in ("out", "lse", "dq", "dk", "dv")
+                                if k2 in worst)
             summary = f"{ran}/{ran + len(errors)} cases, worst rel err: {errs_txt} (tol {tol:g})"
             if skipped:
                 summary += f"; n/a: {len(skipped)} (dv != d or head dim unsupported)"
             if bad:
-                rep.add("kernels", kern.name, device.type, _dn(dtype), FAIL,
+                rep.add("kernels", kern.name, device.type, dtype_label(dtype), FAIL,
                         summary + "; WRONG: " + "; ".join(bad[:4]))
             elif errors:
                 required = kern.name in _REQUIRED.get(device.type, ())
-                rep.add("kernels", kern.name, device.type, _dn(dtype), FAIL if required else NA,
+                rep.add("kernels", kern.name, device.type, dtype_label(dtype), FAIL if required else NA,
                         summary + "; raised: " + "; ".join(errors[:3])
                         + ("" if required else " (optional kernel: not selectable here)"))
             elif ran == 0:
-                rep.add("kernels", kern.name, device.type, _dn(dtype), NA, "no supported case")
+                rep.add("kernels", kern.name, device.type, dtype_label(dtype), NA, "no supported case")
             else:
-                rep.add("kernels", kern.name, device.type, _dn(dtype), PASS, summary)
+                rep.add("kernels", kern.name, device.type, dtype_label(dtype), PASS, summary)
                 passed[dtype].append(kern.name)
     return passed
 
@@ -124,10 +125,10 @@ def gqa_memory_check(rep: Report, device: torch.device, dtype: torch.dtype, name
         detail = (f"MQA hq={hq} s={s} d={d}: forward peak +{extra / 2**20:.1f} MiB (out+lse "
                   f"{(out_bytes + lse_bytes) / 2**20:.1f} MiB, repeated K/V would add {repeated_kv / 2**20:.1f} MiB)")
         if kern.gqa_native:
-            rep.add("kernels", f"{name} GQA-native memory", device.type, _dn(dtype),
+            rep.add("kernels", f"{name} GQA-native memory", device.type, dtype_label(dtype),
                     PASS if extra <= limit else FAIL, detail)
         else:
-            rep.add("kernels", f"{name} GQA memory", device.type, _dn(dtype), INFO,
+            rep.add("kernels", f"{name} GQA memory", device.type, dtype_label(dtype), INFO,
                     detail + " (not GQA-native: repeats KV heads, warns once)")
 
 
@@ -139,7 +140,7 @@ def section_kernels(rep: Report, cuda: bool, inject: bool, quick: bool, verbose:
     try:
         worst = K.self_test_kernel(auto_cpu, cpu, torch.float32)
         rep.add("kernels", "start-up self_test_kernel", "cpu", "fp32", PASS,
-                f"auto kernel {auto_cpu.name}: worst " + " ".join(f"{k2} {_fmt(v)}" for k2, v in worst.items()))
+                f"auto kernel {auto_cpu.name}: worst " + " ".join(f"{k2} {format_error(v)}" for k2, v in worst.items()))
     except K.KernelSelfTestError as e:
         rep.add("kernels", "start-up self_test_kernel", "cpu", "fp32", FAIL, str(e))
     if not cuda:
@@ -163,19 +164,19 @@ def section_kernels(rep: Report, cuda: bool, inject: bool, quick: bool, verbose:
     for dtype in half:
         cands = [n for n in passed[dtype] if n in K.KERNELS]
         if not cands:
-            rep.add("kernels", "default (fastest exact)", "cuda", _dn(dtype), FAIL, "no exact kernel")
+            rep.add("kernels", "default (fastest exact)", "cuda", dtype_label(dtype), FAIL, "no exact kernel")
             continue
         best, timings = K.pick_fastest_exact_kernel(dev, dtype, candidates=cands)
         tim = ", ".join(f"{n} {v * 1e3:.2f} ms" if isinstance(v, float) else f"{n} {v}" for n, v in timings.items())
-        rep.add("kernels", "default (fastest exact)", "cuda", _dn(dtype), PASS if best else FAIL,
+        rep.add("kernels", "default (fastest exact)", "cuda", dtype_label(dtype), PASS if best else FAIL,
                 f"{best} registered as auto default; fwd+bwd b=1 s=4096 hq=32 hkv=8 d=128 causal: {tim}")
         if dtype == torch.bfloat16:
             chosen = best
         try:
             worst = K.self_test_kernel("auto", dev, dtype)
-            rep.add("kernels", "start-up self_test_kernel", "cuda", _dn(dtype), PASS,
+            rep.add("kernels", "start-up self_test_kernel", "cuda", dtype_label(dtype), PASS,
                     f"auto kernel {K.select_kernel(dev, dtype).name}: worst "
-                    + " ".join(f"{k2} {_fmt(v)}" for k2, v in worst.items()))
+                    + " ".join(f"{k2} {format_error(v)}" for k2, v in worst.items()))
         except Exception as e:  # noqa: BLE001 - KernelSelfTestError or a selection error
-            rep.add("kernels", "start-up self_test_kernel", "cuda", _dn(dtype), FAIL, str(e))
+            rep.add("kernels", "start-up self_test_kernel", "cuda", dtype_label(dtype), FAIL, str(e))
     return chosen

@@ -11,8 +11,8 @@ import torch
 
 PASS, FAIL, SKIP, NA, INFO = "PASS", "FAIL", "SKIP", "n/a", "INFO"
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
-_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
 @dataclass
@@ -49,9 +49,9 @@ class Report:
         return "\n".join(lines)
 
 
-def _dn(dtype: torch.dtype) -> str:
+def dtype_label(dtype: torch.dtype) -> str:
     return _DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
 
 
-def _fmt(x: float) -> str:
+def format_error(x: float) -> str:
     return "inf" if x == float("inf") else f"{x:.2e}"

@@ -8,7 +8,7 @@ from typing import Dict
 import torch
 
 from nemo_longctx.attention import kernels as K
-from nemo_longctx.selftest.report import FAIL, PASS, SKIP, Report, _dn, _fmt
+from nemo_longctx.selftest.report import FAIL, PASS, SKIP, Report, dtype_label, format_error
 
 
 def tiling_errors(device: torch.device, dtype: torch.dtype, s: int = 512, h: int = 64, vocab: int = 1000
@@ -71,8 +71,9 @@ def _tiling_rows(rep: Report, device: torch.device, dtype: torch.dtype) -> None:
         a, t = res[plain], res[tiled]
         # tiled must be as accurate as untiled in the same dtype (within 2x + a small floor)
         ok = all(t[k2] <= 2 * a[k2] + 0.05 * tol for k2 in a)
-        rep.add("tiling", what, device.type, _dn(dtype), PASS if ok else FAIL,
-                "rel err vs fp64, tiled/untiled: " + " ".join(f"{k2} {_fmt(t[k2])}/{_fmt(a[k2])}" for k2 in a))
+        rep.add("tiling", what, device.type, dtype_label(dtype), PASS if ok else FAIL,
+                "rel err vs fp64, tiled/untiled: "
+                + " ".join(f"{k2} {format_error(t[k2])}/{format_error(a[k2])}" for k2 in a))
 
 
 def section_tiling(rep: Report, cuda: bool) -> None:

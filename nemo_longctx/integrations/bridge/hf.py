@@ -200,7 +200,7 @@ def _cpu_provider(provider: Any) -> Any:
         setattr(provider, flag, False)
     provider.attention_backend = None
     provider.transformer_impl = "local"
-    provider.transformer_layer_spec = functools.partial(cpu_compat._local_block_spec,
+    provider.transformer_layer_spec = functools.partial(cpu_compat.local_block_spec,
                                                         normalization=getattr(provider, "normalization", "RMSNorm"))
     return provider
 

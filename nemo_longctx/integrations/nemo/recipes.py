@@ -77,7 +77,7 @@ def _conf_group(group: str, choice: str) -> Dict[str, Any]:
     return OmegaConf.to_container(OmegaConf.load(path), resolve=True)
 
 
-def _plain(value: Any) -> Any:
+def plain_value(value: Any) -> Any:
     """Tuples as lists (the mapping is serialized by NeMo-Run and read back by the strategy)."""
     return list(value) if isinstance(value, tuple) else value
 
@@ -144,12 +144,12 @@ def options_from_arguments(args: Mapping[str, Any], recipe: Any = None
         if value is None or o.key in GROUP_CHOICES:
             continue
         group, key = o.key.split(".", 1)
-        data.setdefault(group, {})[key] = _normalize(value) if o.kind == "tiles" else _plain(value)
+        data.setdefault(group, {})[key] = _normalize(value) if o.kind == "tiles" else plain_value(value)
     return LongContextOptions.from_dict(data), data, problems
 
 
 # ------------------------------------------------------------------------------------------ reading the recipe
-def _get(config: Any, path: str, default: Any = None) -> Any:
+def recipe_value(config: Any, path: str, default: Any = None) -> Any:
     node = config
     for part in path.split("."):
         try:
@@ -163,11 +163,11 @@ def _get(config: Any, path: str, default: Any = None) -> Any:
 
 def _plugins(recipe: Any) -> List[Any]:
     """The trainer's plugins (a recipe sets one or a list)."""
-    plugins = _get(recipe, "trainer.plugins")
+    plugins = recipe_value(recipe, "trainer.plugins")
     return list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
 
 
-def _precision(recipe: Any) -> str:
+def recipe_precision(recipe: Any) -> str:
     for p in _plugins(recipe):
         value = getattr(p, "precision", None)
         if value is not None:
@@ -178,23 +178,23 @@ def _precision(recipe: Any) -> str:
 def recipe_context(recipe: Any, world_size: Optional[int] = None) -> Context:
     """What the option checks need, read from the recipe (``world_size``: the executor's, else the trainer's)."""
     if world_size is None:
-        devices, nodes = _get(recipe, "trainer.devices", 1), _get(recipe, "trainer.num_nodes", 1)
+        devices, nodes = recipe_value(recipe, "trainer.devices", 1), recipe_value(recipe, "trainer.num_nodes", 1)
         world_size = devices * nodes if isinstance(devices, int) and isinstance(nodes, int) else None
-    return Context(seq_length=_get(recipe, "model.config.seq_length"),
-                   tp=_get(recipe, "trainer.strategy.tensor_model_parallel_size", 1),
-                   pp=_get(recipe, "trainer.strategy.pipeline_model_parallel_size", 1), world_size=world_size,
-                   sequence_parallel=bool(_get(recipe, "trainer.strategy.sequence_parallel", False)),
-                   precision=_precision(recipe), checkpointing=_get(recipe, "log.ckpt") is not None,
+    return Context(seq_length=recipe_value(recipe, "model.config.seq_length"),
+                   tp=recipe_value(recipe, "trainer.strategy.tensor_model_parallel_size", 1),
+                   pp=recipe_value(recipe, "trainer.strategy.pipeline_model_parallel_size", 1), world_size=world_size,
+                   sequence_parallel=bool(recipe_value(recipe, "trainer.strategy.sequence_parallel", False)),
+                   precision=recipe_precision(recipe), checkpointing=recipe_value(recipe, "log.ckpt") is not None,
                    keys=RECIPE_KEYS)
 
 
-def _model_config(recipe: Any) -> Any:
+def recipe_model_config(recipe: Any) -> Any:
     """The recipe's model config built (for the model checks); CUDA/TE-only kernel flags off where TE is missing."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from nemo_longctx.integrations.nemo.hf import CPU_KERNEL_FLAGS
 
-    buildable = copy.deepcopy(_get(recipe, "model.config"))
+    buildable = copy.deepcopy(recipe_value(recipe, "model.config"))
     if buildable is None:
         raise ConfigError(["the recipe has no model.config: nemo_longctx extends a Megatron GPT model config"])
     if importlib.util.find_spec("transformer_engine") is None:
@@ -217,7 +217,7 @@ def recipe_problems(recipe: Any, options: LongContextOptions, world_size: Option
     ctx = recipe_context(recipe, world_size)
     p = options.problems(ctx)
     if not p:
-        config = _model_config(recipe)
+        config = recipe_model_config(recipe)
         if not isinstance(config, GPTConfig):
             p.append(f"model.config is a {type(config).__name__}, not an llm.GPTConfig: nemo_longctx's layer "
                      "extension targets GPT models (Llama, Mistral, Qwen, ...)")
@@ -246,15 +246,15 @@ def _callback_configs(recipe: Any, options: LongContextOptions) -> List[Any]:
     from nemo_longctx.integrations.nemo.sequence_tiling import SequenceTiling
 
     metrics = options.metrics
-    output_dir = os.path.join(str(_get(recipe, "log.log_dir") or os.path.join(os.getcwd(), "nemo_experiments")),
+    output_dir = os.path.join(str(recipe_value(recipe, "log.log_dir") or os.path.join(os.getcwd(), "nemo_experiments")),
                               "nemo_longctx")
-    gbs = _get(recipe, "data.global_batch_size", 1)
-    tokens = int(gbs) * int(_get(recipe, "model.config.seq_length", 0) or 0)
+    gbs = recipe_value(recipe, "data.global_batch_size", 1)
+    tokens = int(gbs) * int(recipe_value(recipe, "model.config.seq_length", 0) or 0)
     mem = run.Config(ActivationMemoryMetrics, count_peak=bool(metrics.track_peak),
                      track_activations=bool(metrics.track))
     out = [mem, run.Config(StepMetrics, output_dir=output_dir, tokens_per_step=tokens, extra=mem),
            run.Config(VerifyLongContextAttention, cp_size=options.cp.size, cp_algorithm=options.cp.algorithm,
-                      pp=_get(recipe, "trainer.strategy.pipeline_model_parallel_size", 1))]
+                      pp=recipe_value(recipe, "trainer.strategy.pipeline_model_parallel_size", 1))]
     if not options.memory.trivial:
         out.append(run.Config(MemoryOptionsCallback, options=as_config(options.memory)))
     if options.tiling.active:
@@ -333,7 +333,7 @@ def long_context_recipe(recipe: Any, world_size: Optional[int] = None, **args: A
     """Rewrite a NeMo pretraining recipe (``run.Partial(llm.pretrain, ...)``) in place to train with nemo_longctx
     and return it. ``args``: the long-context arguments (module docstring). Every bad value raises ``ConfigError``
     naming its argument before anything launches."""
-    if not isinstance(recipe, fdl.Buildable) or _get(recipe, "trainer.strategy") is None:
+    if not isinstance(recipe, fdl.Buildable) or recipe_value(recipe, "trainer.strategy") is None:
         raise ConfigError([f"long_context_recipe needs a NeMo recipe (run.Partial(llm.pretrain, model=..., "
                            f"trainer=...)), got {type(recipe).__name__}"])
     options, groups, problems = options_from_arguments(args, recipe)
