@@ -73,7 +73,7 @@ def app_problems(cp_algorithm: str, recompute: str, offload: str, ms: ModelState
     opts = option_model(cp_algorithm, recompute, offload, ms)
     out = opts.problems(Context(precision=precision, cuda=gpu, te=gpu, checkpointing=checkpointing))
     if not gpu:
-        from nemo_longctx.integrations.megatron.cpu_compat import model_state_cpu_problems
+        from nemo_longctx.integrations.megatron.validation import model_state_cpu_problems
 
         out += model_state_cpu_problems(opts.optim.state, force=True, checkpointing=checkpointing)
     return tuple(out)
@@ -327,7 +327,7 @@ def caveats(ev: Evaluation, precision: str, target: str = "gpu", frontend: str =
     checkpoint saving (CPU target); and what is not yet run on GPUs here."""
     from dataclasses import replace as _replace
 
-    from nemo_longctx.integrations.megatron.cpu_compat import model_state_cpu_problems
+    from nemo_longctx.integrations.megatron.validation import model_state_cpu_problems
     from nemo_longctx.integrations.nemo.config_keys import NEMO_KEYS
     from nemo_longctx.options import Context as _Context
 

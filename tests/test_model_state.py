@@ -196,7 +196,7 @@ def test_refused_combinations_name_their_fields():
 
 
 def test_cpu_only_refusals():
-    """What cannot run without CUDA is refused on CPU only (cpu_compat.model_state_cpu_problems)."""
+    """What cannot run without CUDA is refused on CPU only (validation.model_state_cpu_problems)."""
     import torch
 
     from nemo_longctx.integrations.megatron.model_state import model_state_options, model_state_problems

@@ -67,7 +67,8 @@ list). NeMo's fixes keep their numbers and live in ``integrations/nemo/compat.py
 Megatron-FSDP (``optim=fsdp``) has its own fixes (device, DTensor mesh, gradient scaling, exit) in
 ``cpu_compat_fsdp.py``, applied from ``apply()``.
 
-What cannot run without CUDA at all is refused (not patched) by ``model_state_cpu_problems``, before step 0.
+What cannot run without CUDA at all is refused (not patched) by ``validation.model_state_cpu_problems``, before
+step 0.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ import contextlib
 import copy
 import importlib.util
 import logging
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -340,37 +341,6 @@ def _patch_optimizer_config_te_version() -> None:
 
     is_te_min_version._nemo_longctx = True  # type: ignore[attr-defined]
     optimizer_config.is_te_min_version = is_te_min_version
-
-
-# --------------------------------------------------------------------------------------------------------------
-# refusals: model-state options that cannot run without CUDA (checked by the app's validation pass)
-def model_state_cpu_problems(opts: Any, force: bool = False, checkpointing: bool = False,
-                             checkpoint_key: str = "checkpoint interval", saving: Optional[str] = None,
-                             no_saving: Optional[str] = None) -> list:
-    """Problems (each naming its ``optim.*`` field) of model-state options that cannot run on a CPU-only build;
-    empty when CUDA is available (unless ``force``). ``opts``: ``model_state.ModelStateOptions``; ``checkpointing``:
-    the run saves checkpoints, by default said as "``checkpoint_key`` > 0" (the front end's name for its interval)
-    and undone by "``checkpoint_key``=0"; ``saving`` / ``no_saving`` say both otherwise."""
-    if not (force or needed()):
-        return []
-    out = []
-    if checkpointing and getattr(opts, "use_distributed_optimizer", False) is True and not getattr(
-            opts, "megatron_fsdp", False):
-        # without TE/Apex (HAVE_APEX_OR_TE False) the distributed optimizer steps torch AdamW, which keeps a scalar
-        # per-parameter ``step``: dp_reshardable saving asserts on it ((torch.Size([]), 0, n)); the fully_reshardable
-        # format saves it, but resuming asserts in DistributedOptimizer.state_dict (one ``step`` over the still
-        # empty state, a branch taken before its HybridDeviceOptimizer case)
-        out.append(f"optim.use_distributed_optimizer=true with {saving or checkpoint_key + ' > 0'}: without "
-                   "TransformerEngine/Apex Megatron's distributed optimizer runs torch AdamW, whose per-parameter "
-                   "'step' state its checkpoint formats do not handle (saving or resuming fails) (CPU only; set "
-                   f"{no_saving or checkpoint_key + '=0'})")
-    if getattr(opts, "use_precision_aware_optimizer", False) is True and not getattr(opts, "optimizer_cpu_offload",
-                                                                                   False):
-        # TE's FusedAdam (master_weight_dtype / exp_avg_dtype / use_decoupled_grad) is a CUDA kernel
-        out.append("optim.use_precision_aware_optimizer=true runs TransformerEngine's FusedAdam, a CUDA kernel: "
-                   "not available on CPU (CPU only; on GPUs it is allowed with TransformerEngine installed)")
-    # Megatron-FSDP (optim.megatron_fsdp) runs on CPU over gloo with cpu_compat_fsdp's device/mesh fixes
-    return out
 
 
 def _legacy_grouped_gemm_available() -> bool:

@@ -6,7 +6,7 @@ The options (``ModelStateOptions``, defined with every rule that needs no model 
 ``checkpoint_settings(opts)``     the distributed-checkpoint format settings the options need;
 ``model_state_problems(opts, precision=..., pp=..., checkpointing=...)``
                                   the option rules plus the refusals of what cannot run on a CPU-only build
-                                  (``cpu_compat.model_state_cpu_problems``: one place for them);
+                                  (``validation.model_state_cpu_problems``: one place for them);
 ``optimizer_layout`` / ``check_optimizer_layout``  what Megatron built, checked against the options at fit start.
 
 Everything is Megatron-core 0.15.3 machinery, used the way NeMo's and Megatron-Bridge's recipes use it.
@@ -31,7 +31,8 @@ def model_state_problems(opts: ModelStateOptions, precision: str = "bf16-mixed",
     ``cpu_compat`` are added when the target has no CUDA. ``te_available`` / ``target_cuda``: None = this process
     (the app); the planner passes True for both (it plans for GPU nodes running the NGC NeMo image).
     ``keys``: the front end's names of precision / pp / checkpointing (``options.Context.keys``)."""
-    from nemo_longctx.integrations.megatron.cpu_compat import model_state_cpu_problems, needed
+    from nemo_longctx.integrations.megatron.cpu_compat import needed
+    from nemo_longctx.integrations.megatron.validation import model_state_cpu_problems
 
     te = _te_available() if te_available is None else te_available
     cuda = (not needed()) if target_cuda is None else bool(target_cuda)

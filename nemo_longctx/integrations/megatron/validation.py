@@ -4,7 +4,10 @@
 attention (``long_context_problems``), recompute/offload (``memory_options.memory_model_problems``) and tiling
 against the model's sequence length. The option checks that need no model ran before (``options.problems``).
 Messages name ``model.*`` (fields of the GPT/Llama config), ``cp.*`` and the front end's own keys for the
-parallel layout (``options.Context.keys``; Megatron's field names by default)."""
+parallel layout (``options.Context.keys``; Megatron's field names by default).
+
+``model_state_cpu_problems(opts, ...)``: the model-state options a CPU-only build cannot run (the CPU stand-ins of
+``cpu_compat`` do not cover them), refused before step 0 by both front ends and the planner's app checks."""
 
 from __future__ import annotations
 
@@ -128,3 +131,35 @@ def built_attention_problems(model: Any, cp_size: int, cp_algorithm: str, pp: in
                 f"run is configured for cp.algorithm={cp_algorithm!r} with cp.size={cp_size}"
             )
     return problems
+
+
+# model-state options that cannot run without CUDA (the CPU stand-ins of cpu_compat cannot carry them)
+def model_state_cpu_problems(opts: Any, force: bool = False, checkpointing: bool = False,
+                             checkpoint_key: str = "checkpoint interval", saving: Optional[str] = None,
+                             no_saving: Optional[str] = None) -> list:
+    """Problems (each naming its ``optim.*`` field) of model-state options that cannot run on a CPU-only build;
+    empty when CUDA is available (unless ``force``). ``opts``: ``model_state.ModelStateOptions``; ``checkpointing``:
+    the run saves checkpoints, by default said as "``checkpoint_key`` > 0" (the front end's name for its interval)
+    and undone by "``checkpoint_key``=0"; ``saving`` / ``no_saving`` say both otherwise."""
+    from .cpu_compat import needed
+
+    if not (force or needed()):
+        return []
+    out = []
+    if checkpointing and getattr(opts, "use_distributed_optimizer", False) is True and not getattr(
+            opts, "megatron_fsdp", False):
+        # without TE/Apex (HAVE_APEX_OR_TE False) the distributed optimizer steps torch AdamW, which keeps a scalar
+        # per-parameter ``step``: dp_reshardable saving asserts on it ((torch.Size([]), 0, n)); the fully_reshardable
+        # format saves it, but resuming asserts in DistributedOptimizer.state_dict (one ``step`` over the still
+        # empty state, a branch taken before its HybridDeviceOptimizer case)
+        out.append(f"optim.use_distributed_optimizer=true with {saving or checkpoint_key + ' > 0'}: without "
+                   "TransformerEngine/Apex Megatron's distributed optimizer runs torch AdamW, whose per-parameter "
+                   "'step' state its checkpoint formats do not handle (saving or resuming fails) (CPU only; set "
+                   f"{no_saving or checkpoint_key + '=0'})")
+    if getattr(opts, "use_precision_aware_optimizer", False) is True and not getattr(opts, "optimizer_cpu_offload",
+                                                                                   False):
+        # TE's FusedAdam (master_weight_dtype / exp_avg_dtype / use_decoupled_grad) is a CUDA kernel
+        out.append("optim.use_precision_aware_optimizer=true runs TransformerEngine's FusedAdam, a CUDA kernel: "
+                   "not available on CPU (CPU only; on GPUs it is allowed with TransformerEngine installed)")
+    # Megatron-FSDP (optim.megatron_fsdp) runs on CPU over gloo with cpu_compat_fsdp's device/mesh fixes
+    return out

@@ -234,7 +234,8 @@ def config_problems(cfg: DictConfig, options: Optional[LongContextOptions] = Non
     (default: the launch's, else trainer.devices x trainer.num_nodes) for the layout's world-size rule; ``choices``:
     the config groups chosen (default: this Hydra run's); ``target_cuda``: check for a target with (True: CUDA and
     TransformerEngine) or without CUDA instead of this process's build (the planner's targets)."""
-    from nemo_longctx.integrations.megatron.cpu_compat import model_state_cpu_problems, needed
+    from nemo_longctx.integrations.megatron.cpu_compat import needed
+    from nemo_longctx.integrations.megatron.validation import model_state_cpu_problems
     from nemo_longctx.integrations.nemo.data_checks import data_problems
     from nemo_longctx.integrations.nemo.launch import detect_external_launch
 
