@@ -11,7 +11,7 @@
 # FRONTEND=nemo (`nemo-longctx train`, NeMo-Run recipes): a NeMo 2.x container (nemo.collections.llm +
 # nemo.lightning, Megatron-core, TE, CUDA torch). Default 26.04, the last container with NeMo 2 (NeMo 2.7.3, the
 # version the tests run; it pairs it with Megatron-core 0.17.0). The build prints the installed NeMo / Megatron-core /
-# NeMo-Run versions and checks them against the tested stacks (python -m nemo_longctx.versions): a warning for an
+# NeMo-Run versions and checks them against the tested stacks (python -m nemo_longctx.shared.versions): a warning for an
 # untested pair, an error with STRICT_VERSIONS=1. The README's "Supported NeMo versions" says what is tested how.
 # FRONTEND=bridge (`nemo-longctx bridge`): a Megatron-Bridge-era container (no NeMo 2). 26.08 ships Megatron-Bridge
 # 0.6.0 / Megatron-core 0.19.0 / TE 2.17.1 on Python 3.12: the NVIDIA build closest to the `[bridge]` extra's pins
@@ -37,13 +37,13 @@ COPY conf ./conf
 
 # --no-deps: never replace the container's torch / transformer-engine / megatron-core / nemo-toolkit / megatron-bridge.
 RUN python -m pip install --no-cache-dir --no-deps . \
- && python -c "import nemo_longctx, nemo_longctx.attention, nemo_longctx.memory.planner, nemo_longctx.plan; \
+ && python -c "import nemo_longctx, nemo_longctx.attention, nemo_longctx.planner.search, nemo_longctx.apps.plan; \
       print('nemo_longctx', nemo_longctx.__file__)" \
  && if [ "$FRONTEND" = bridge ]; then \
       python -c "import torch, megatron.core, megatron.bridge, megatron.bridge.recipes; \
         from megatron.bridge.training.pretrain import pretrain; \
         from megatron.bridge.training.gpt_step import forward_step; \
-        from nemo_longctx import bridge_app; from nemo_longctx.integrations.bridge.config import enable_long_context; \
+        import nemo_longctx.apps.bridge; from nemo_longctx.integrations.bridge.config import enable_long_context; \
         print('Megatron-Bridge', getattr(megatron.bridge, '__version__', '?'), 'Megatron-core', \
               megatron.core.__version__, '+ integration import OK')" \
       && nemo-longctx plan model=llama3_8b plan.seq_length=131072 plan.gpus=8 plan.gpu_memory_gb=80 \
@@ -52,7 +52,7 @@ RUN python -m pip install --no-cache-dir --no-deps . \
       python -c "from nemo.collections import llm; import megatron.core; \
         from nemo_longctx.integrations.megatron.spec import long_context_layer_spec; \
         print('NeMo LLM collection + integration import OK')" \
-      && STRICT_VERSIONS="$STRICT_VERSIONS" python -m nemo_longctx.versions \
+      && STRICT_VERSIONS="$STRICT_VERSIONS" python -m nemo_longctx.shared.versions \
       && nemo-longctx plan model=llama3_8b plan.seq_length=1048576 plan.gpus=8 plan.gpu_memory_gb=80 plan.show=3; \
     else \
       echo "FRONTEND=$FRONTEND must be nemo or bridge" >&2 && exit 2; \

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import max_seqlen  # noqa: E402  (_init_parallel: one-rank process group and Megatron's parallel state)
 
-from nemo_longctx.memory.model_shapes import ModelShape, shape_from_config  # noqa: E402
+from nemo_longctx.planner.model_shapes import ModelShape, shape_from_config  # noqa: E402
 
 # ~1.2B parameters: Llama-3.2-1B's layer shape (16 layers, hidden 2048, 32/8 heads, ffn 8192) and Llama 3's vocabulary
 LLAMA_1B = ModelShape("llama_1b", num_layers=16, hidden_size=2048, ffn_hidden_size=8192, num_attention_heads=32,

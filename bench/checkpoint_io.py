@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from nemo_longctx.memory.model_shapes import KNOWN_SHAPES, shape_from_config  # noqa: E402
+from nemo_longctx.planner.model_shapes import KNOWN_SHAPES, shape_from_config  # noqa: E402
 
 
 def _run(args, log: Path) -> tuple:

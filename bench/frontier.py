@@ -4,7 +4,7 @@ UPipe's measured numbers.
     python bench/frontier.py                 # the table (markdown) + what limits the 1-GPU Llama-3-8B plan
     python bench/frontier.py --json out.json
 
-For each setting the planner (nemo_longctx.memory.planner with the plan app's search space from conf/plan.yaml and
+For each setting the planner (nemo_longctx.planner.search with the plan app's search space from conf/plan.yaml and
 its `app_accepts` filter: the train app's own option checks, GPU target = the NGC image with CUDA and
 TransformerEngine) is asked for increasing sequence lengths; the frontier is the longest multiple of 16K tokens with a
 fitting plan (binary search; the planner's memory is monotonic in the sequence length). Host memory: 1024 GiB per
@@ -33,8 +33,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from nemo_longctx.memory.planner import GIB, plan  # noqa: E402
-from nemo_longctx.plan import conf_dir, inputs_from_config  # noqa: E402
+from nemo_longctx.apps.plan import conf_dir, inputs_from_config  # noqa: E402
+from nemo_longctx.planner.search import GIB, plan  # noqa: E402
 
 STEP = 16384
 SETTINGS = [  # (label, model group, gpu preset, gpus[, host GiB per node when not plan.host_memory_gb's 1024])

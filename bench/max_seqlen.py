@@ -48,8 +48,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from nemo_longctx.memory.model_shapes import KNOWN_SHAPES, ModelShape  # noqa: E402
-from nemo_longctx.memory.planner import (  # noqa: E402
+from nemo_longctx.planner.model_shapes import KNOWN_SHAPES, ModelShape  # noqa: E402
+from nemo_longctx.planner.search import (  # noqa: E402
     LOCAL_CPU,
     LOCAL_GPU,
     Candidate,

@@ -42,8 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import max_seqlen  # noqa: E402  (build, step, _init_parallel: the same model and step as the max-length search)
 
-from nemo_longctx.memory.model_shapes import KNOWN_SHAPES  # noqa: E402
-from nemo_longctx.memory.planner import (  # noqa: E402
+from nemo_longctx.planner.model_shapes import KNOWN_SHAPES  # noqa: E402
+from nemo_longctx.planner.search import (  # noqa: E402
     GIB,
     LOCAL_CPU,
     LOCAL_GPU,
@@ -61,7 +61,7 @@ def search_space(gpu: bool, precision: Precision) -> dict:
     """The plan app's default search (conf/plan.yaml's plan.search) filtered by the train app's own validation."""
     import yaml
 
-    from nemo_longctx.plan import search_space as app_search_space
+    from nemo_longctx.apps.plan import search_space as app_search_space
 
     search = yaml.safe_load((ROOT / "conf" / "plan.yaml").read_text())["plan"]["search"]
     return app_search_space(search, precision, "gpu" if gpu else "cpu")

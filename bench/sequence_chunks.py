@@ -67,8 +67,8 @@ def main(argv=None):
     a = ap.parse_args(argv)
     from distributed import run_distributed
 
-    from nemo_longctx.memory.model_shapes import ModelShape
-    from nemo_longctx.memory.planner import LOCAL_CPU, Candidate, predicted_peak_bytes
+    from nemo_longctx.planner.model_shapes import ModelShape
+    from nemo_longctx.planner.search import LOCAL_CPU, Candidate, predicted_peak_bytes
 
     res = run_distributed(_bench, 1, a.seq, a.hidden, a.layers, a.chunks, a.rounds, timeout=3000, threads=2)[0]
     shape = ModelShape("bench", a.layers, a.hidden, res["ffn"], 8, 2, res["vocab"])

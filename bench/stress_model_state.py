@@ -62,7 +62,7 @@ def main() -> int:
                 for name in args.configs:  # interleaved: every combination sees the same machine conditions
                     out = Path(tmp) / f"{name}.{i}"
                     t0 = time.perf_counter()
-                    code, log = run_app([sys.executable, "-m", "nemo_longctx.train", f"output_dir={out}", *common,
+                    code, log = run_app([sys.executable, "-m", "nemo_longctx.apps.train", f"output_dir={out}", *common,
                                          *RUNS[name][0]], timeout=max(400, 120 + 4 * args.steps))
                     results[name].append((code, time.perf_counter() - t0))
                     if code != 0:

@@ -1,5 +1,5 @@
 """``python -m nemo_longctx <command> ...`` = the ``nemo-longctx`` console script."""
 
-from nemo_longctx.cli import main
+from nemo_longctx.apps.cli import main
 
 main()

@@ -71,7 +71,7 @@ else
     if [ "$cp" = ring ]; then args+=(cp.size=2); fi
     rm -rf "${bdir:?}/$cp"
     mkdir -p "$bdir"
-    "$BRIDGE_PY" -m nemo_longctx.bridge_app "${args[@]}" >"$bdir/$cp.log" 2>&1
+    "$BRIDGE_PY" -m nemo_longctx.apps.bridge "${args[@]}" >"$bdir/$cp.log" 2>&1
     brc=$?
     if [ "$brc" -ne 0 ] || ! grep -q "layers run LongContextCoreAttention" "$bdir/$cp.log"; then
       echo "== gpu_check: Megatron-Bridge cp=$cp FAILED (exit $brc; log $bdir/$cp.log):"

@@ -115,10 +115,10 @@ for s in "${sections[@]}"; do
       fi
       rm -rf "$OUT/app_run"
       if [ "$CPU_SMALL" = 1 ]; then
-        run app 240 "$PY" -m nemo_longctx.train model=tiny_llama cp=none trainer.devices=1 trainer.max_steps=4 \
+        run app 240 "$PY" -m nemo_longctx.apps.train model=tiny_llama cp=none trainer.devices=1 trainer.max_steps=4 \
           output_dir="$OUT/app_run" log.tensorboard=false
       else
-        run app 150 "$PY" -m nemo_longctx.train model=tiny_llama model.num_layers=16 model.hidden_size=2048 \
+        run app 150 "$PY" -m nemo_longctx.apps.train model=tiny_llama model.num_layers=16 model.hidden_size=2048 \
           model.ffn_hidden_size=8192 model.num_attention_heads=32 model.num_query_groups=8 model.vocab_size=128256 \
           model.rotary_base=500000 model.seq_length=8192 cp=none trainer.devices=1 trainer.precision=bf16-mixed \
           trainer.max_steps=20 optim.lr=3e-4 output_dir="$OUT/app_run" log.tensorboard=false

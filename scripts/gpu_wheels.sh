@@ -24,4 +24,4 @@ fi
 site=$(mktemp -d)
 trap 'rm -rf "$site"' EXIT
 "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$site" .gpu/*.whl
-PYTHONPATH="$PWD:$site" "$PY" -c 'import megatron.core, nemo.collections.llm, nemo_longctx.train; print("gpu_wheels: imports OK")'
+PYTHONPATH="$PWD:$site" "$PY" -c 'import megatron.core, nemo.collections.llm, nemo_longctx.apps.train; print("gpu_wheels: imports OK")'

@@ -57,7 +57,7 @@ for stack in "${stacks[@]}"; do
       marker=${named:-$marker}
     fi
   fi
-  echo "=== matrix stack $stack (-m $marker): $("$venv/bin/python" -m nemo_longctx.versions 2>/dev/null | head -1)"
+  echo "=== matrix stack $stack (-m $marker): $("$venv/bin/python" -m nemo_longctx.shared.versions 2>/dev/null | head -1)"
   start=$(date +%s)
   if "$venv/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m "$marker" tests; then result=passed; else result=FAILED; status=1; fi
   echo "=== matrix stack $stack (-m $marker): $result in $(( $(date +%s) - start )) s"

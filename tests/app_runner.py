@@ -93,7 +93,7 @@ DRY_RUNS = r"""
 import json, sys, traceback
 from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
-from nemo_longctx import train
+from nemo_longctx.apps import train
 results = []
 for n, args in enumerate(json.loads(sys.argv[1])):
     print(f"@@RUN {n}", flush=True)

@@ -13,7 +13,7 @@ def megatron_options(cand) -> Tuple[Any, str, dict]:
     so the planner's per-layer terms can be compared byte for byte."""
     from dataclasses import replace
 
-    from nemo_longctx.memory.planner import candidate_options
+    from nemo_longctx.planner.search import candidate_options
 
     memory = candidate_options(cand).memory  # the planner's own mapping onto the option model
     if cand.offload == "layer_input":

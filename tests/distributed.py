@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from nemo_longctx.process_exit import exit_process
+from nemo_longctx.shared.process_exit import exit_process
 
 
 def free_port() -> int:
@@ -42,7 +42,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
     except BaseException:  # noqa: BLE001 - report everything to the parent
         queue.put((rank, False, traceback.format_exc()))
     # the result is on its way (the queue's feeder thread has written it); then no module teardown: ~1.7 s per
-    # process once Megatron is imported (nemo_longctx/process_exit.py)
+    # process once Megatron is imported (nemo_longctx/shared/process_exit.py)
     queue.close()
     queue.join_thread()
     exit_process(0)

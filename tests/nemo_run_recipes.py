@@ -21,7 +21,7 @@ def tiny_model_config() -> Any:
     from nemo.collections.llm.gpt.model.llama import Llama3Config
     from omegaconf import OmegaConf
 
-    from nemo_longctx.plan import conf_dir
+    from nemo_longctx.apps.plan import conf_dir
 
     fields = OmegaConf.to_container(OmegaConf.load(os.path.join(conf_dir(), "model", "tiny_llama.yaml")))
     fields.pop("_target_")

@@ -1,5 +1,5 @@
-"""A checkpoint is verified before it is loaded (``nemo_longctx.checkpoint_integrity``; the NeMo 2 app's auto-resume and
-``checkpoint.resume=<path>``).
+"""A checkpoint is verified before it is loaded (``nemo_longctx.shared.checkpoint_integrity``; the NeMo 2 app's
+auto-resume and ``checkpoint.resume=<path>``).
 
 Units: ``checkpoint_problem`` on a real checkpoint written by ``torch.distributed.checkpoint`` (intact; one storage
 file cut short; one missing; ``.metadata`` missing or cut short), and on the NeMo 2 app's own checkpoints
@@ -27,8 +27,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from app_runner import leftover_processes, metrics_rows, run_app
-from nemo_longctx.checkpoint_integrity import checkpoint_problem
-from nemo_longctx.integrations.nemo.resume_checks import newest_intact
+from nemo_longctx.shared.checkpoint_integrity import checkpoint_problem
+from nemo_longctx.shared.resume_checks import newest_intact
 
 BIN = Path(sys.executable).parent
 APP = [str(BIN / "nemo-longctx"), "train"]

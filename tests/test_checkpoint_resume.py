@@ -67,7 +67,7 @@ def runs(tmp_path_factory):
     resumed_out = _ok(APP + [f"output_dir={d['killed']}", *COMMON])  # the same command again: auto-resume
     # this one tracks memory too (the tracker's scalars reach TensorBoard)
     none_common = [o for o in COMMON if not o.startswith("memory.track=")] + ["memory.track=true"]
-    none_out = _ok([sys.executable, "-m", "nemo_longctx.train", f"output_dir={d['none']}", *none_common, "cp=none",
+    none_out = _ok([sys.executable, "-m", "nemo_longctx.apps.train", f"output_dir={d['none']}", *none_common, "cp=none",
                     "trainer.devices=1", "run.kernel_self_test=true"])
     return {"dirs": d, "killed_rows": killed_rows, "killed_ckpts": killed_ckpts, "resumed_out": resumed_out,
             "none_out": none_out}

@@ -4,7 +4,7 @@ Two real runs (the app spawns its 2 gloo processes), reused by the end-to-end te
   * ``nemo-longctx train trainer.max_steps=5 output_dir=<d>``: the default, quiet console (``log.level=info``);
   * ``nemo-longctx train --verbose trainer.max_steps=2 output_dir=<d>`` (the same output_dir): everything the
     libraries print; and, being a fresh run, it moves the first run's metrics.jsonl to ``<d>/runs/run_1/``.
-Plus unit tests of ``nemo_longctx/console.py``'s functions (no process started).
+Plus unit tests of ``nemo_longctx/shared/console.py``'s functions (no process started).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import pytest
 
 from app_runner import metrics_rows, run_app
 
-from nemo_longctx import console
+from nemo_longctx.shared import console
 
 BIN = Path(sys.executable).parent
 APP = [str(BIN / "nemo-longctx"), "train"]

@@ -10,7 +10,7 @@
 * The hybrid sub-groups are built once (at construction) and shared by all layers.
 * The main job (Hydra app, NeMo trainer): ``nemo-longctx train cp=hybrid cp.size=2 cp.ulysses_size=2
   cp.head_chunks=2`` (the app spawns 2 processes; sub-groups built inside NeMo's model construction) vs
-  ``python -m nemo_longctx.train cp=none trainer.devices=1``: per-step loss and the SGD parameter updates agree.
+  ``python -m nemo_longctx.apps.train cp=none trainer.devices=1``: per-step loss and the SGD parameter updates agree.
 * Errors naming the field, before any step or communication: core attention construction (heads vs
   cp.ulysses_size / cp.head_chunks) and app builds from Hydra overrides (cp.ulysses_size not dividing cp.size,
   hq % ulysses_size, head_chunks); dry runs of llama3_8b with cp=hybrid / cp=ulysses resolve our attention in every
@@ -199,7 +199,7 @@ def _compose(overrides):
 
 def _app_cases():
     """Dry runs of llama3_8b with cp=hybrid / cp=ulysses, and app builds of bad configurations (one process)."""
-    from nemo_longctx.train import build, dry_run
+    from nemo_longctx.apps.train import build, dry_run
 
     res = {}
     common = ["model=llama3_8b", "trainer.devices=8", "model.seq_length=131072", "run.dry_run=true"]
@@ -350,7 +350,7 @@ def app_runs(tmp_path_factory):
     code, out = _run_app([str(BIN / "nemo-longctx"), "train", f"output_dir={hybrid}", "cp=hybrid", "cp.size=2",
                           "cp.ulysses_size=2", "cp.head_chunks=2", *APP_COMMON])
     assert code == 0, out[-4000:]
-    code_n, out_n = _run_app([sys.executable, "-m", "nemo_longctx.train", f"output_dir={none}", "cp=none",
+    code_n, out_n = _run_app([sys.executable, "-m", "nemo_longctx.apps.train", f"output_dir={none}", "cp=none",
                               "trainer.devices=1", *APP_COMMON])
     assert code_n == 0, out_n[-4000:]
     return hybrid, none, out

@@ -49,7 +49,7 @@ def test_the_base_is_a_pinned_ngc_nemo_image_chosen_by_build_args():
     args = _global_args(ins)
     assert args["FRONTEND"] == "nemo"  # NeMo 2 stays the default path
     assert _tag(args["NEMO_IMAGE"]) <= (26, 4), "26.04 is the last container with NeMo 2"
-    from nemo_longctx.versions import NEMO2_CONTAINERS
+    from nemo_longctx.shared.versions import NEMO2_CONTAINERS
 
     tag = "%02d.%02d" % _tag(args["NEMO_IMAGE"])
     assert tag in [c.tag for c in NEMO2_CONTAINERS], "the default base must be a container of the version table"
@@ -66,7 +66,7 @@ def test_plugin_installed_without_deps_and_import_checked():
     assert pip and all("--no-deps" in r for r in pip)
     joined = " ".join(runs)
     assert "import nemo_longctx" in joined and "from nemo.collections import llm" in joined
-    assert "from megatron.bridge.training.pretrain import pretrain" in joined and "bridge_app" in joined
+    assert "from megatron.bridge.training.pretrain import pretrain" in joined and "nemo_longctx.apps.bridge" in joined
     assert not re.search(r"transformer[-_]engine", joined, re.I)  # never (re)install TE over the container's
     assert not re.search(r"pip install[^&]*\btorch\b", joined)
     copies = [rest for op, rest in _instructions() if op == "COPY"]
@@ -103,7 +103,7 @@ def test_the_run_step_checks_the_chosen_front_end(tmp_path, frontend):
     assert r.returncode == 0, r.stderr
     if frontend == "nemo":  # the installed NeMo / Megatron-core checked against the tested stacks
         check, versions, plan = calls[2:]
-        assert versions == "python -m nemo_longctx.versions"
+        assert versions == "python -m nemo_longctx.shared.versions"
     else:
         check, plan = calls[2:]
     if frontend == "bridge":
@@ -115,7 +115,7 @@ def test_the_run_step_checks_the_chosen_front_end(tmp_path, frontend):
 
 
 def test_the_version_check_names_untested_stacks_and_fails_only_when_strict(tmp_path):
-    from nemo_longctx import versions
+    from nemo_longctx.shared import versions
 
     assert versions.problems({"nemo": "2.7.3", "megatron_core": "0.15.3", "nemo_run": "0.11.1"}) == []
     assert versions.problems({"nemo": "2.5.0", "megatron_core": "0.14.0rc2", "nemo_run": "0.6.0"}) == []
@@ -124,7 +124,7 @@ def test_the_version_check_names_untested_stacks_and_fails_only_when_strict(tmp_
     assert "nemo-toolkit 2.7.3 + megatron-core 0.15.3" in p[0]
     assert "needs both installed" in versions.problems({"nemo": None, "megatron_core": "0.19.2"})[0]
     # the module run the Dockerfile does: a warning, or an error with STRICT_VERSIONS=1 (stubbed metadata)
-    code = ("import sys, nemo_longctx.versions as v; v.installed = lambda: {'nemo': '2.7.0', 'megatron_core': "
+    code = ("import sys, nemo_longctx.shared.versions as v; v.installed = lambda: {'nemo': '2.7.0', 'megatron_core': "
             "'0.16.0', 'nemo_run': '0.8.0'}; sys.exit(v.main())")
     for strict, rc, word in (("0", 0, "WARNING"), ("1", 1, "ERROR")):
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,

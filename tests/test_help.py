@@ -1,5 +1,5 @@
 """`nemo-longctx train|plan|bridge --help`: our own groups and keys, generated from the option model
-(``nemo_longctx.options``, ``config_keys.APP_OPTIONS``, ``plan_keys.PLAN_OPTIONS``, the Bridge app's keys) and the
+(``nemo_longctx.options``, ``app_keys.APP_OPTIONS``, ``plan_keys.PLAN_OPTIONS``, the Bridge app's keys) and the
 conf/ tree; every declared key must have a help line and appear in its app's help; ``--hydra-help`` still reaches
 Hydra; each answers without importing torch or any framework (``python -X importtime`` lists what it imported)."""
 
@@ -33,9 +33,9 @@ def _help(*args):
 
 @pytest.mark.parametrize("flag", ["--help", "-h"])
 def test_train_help_lists_every_group_choice_and_declared_key(flag):
-    from nemo_longctx.help import defaults_of, group_choices
-    from nemo_longctx.integrations.nemo.config_keys import APP_OPTIONS
+    from nemo_longctx.apps.help import defaults_of, group_choices
     from nemo_longctx.options import LongContextOptions
+    from nemo_longctx.shared.app_keys import APP_OPTIONS
 
     code, out, err, heavy, seconds = _help("train", flag, "model=llama3_8b")
     assert code == 0, err
@@ -56,7 +56,7 @@ def test_train_help_lists_every_group_choice_and_declared_key(flag):
 
 
 def test_plan_help_lists_plan_keys_not_train_groups():
-    from nemo_longctx.plan_keys import PLAN_OPTIONS
+    from nemo_longctx.shared.plan_keys import PLAN_OPTIONS
 
     code, out, err, heavy, seconds = _help("plan", "--help")
     assert code == 0, err
@@ -73,7 +73,7 @@ def test_plan_keys_cover_plan_yaml():
     """Every leaf key of conf/plan.yaml and of the plan presets is declared in PLAN_OPTIONS (and so in --help)."""
     import yaml
 
-    from nemo_longctx.plan_keys import PLAN_OPTIONS
+    from nemo_longctx.shared.plan_keys import PLAN_OPTIONS
 
     def leaves(node, prefix):
         for k, v in node.items():
@@ -90,8 +90,8 @@ def test_plan_keys_cover_plan_yaml():
 
 
 def test_bridge_help_in_process(capsys):
-    from nemo_longctx.bridge_app import _app_options
-    from nemo_longctx.help import help_text
+    from nemo_longctx.apps.bridge import _app_options
+    from nemo_longctx.apps.help import help_text
 
     out = help_text("bridge", app_options=_app_options())
     for o in _app_options():
@@ -107,7 +107,7 @@ def test_hydra_help_still_reaches_hydra(app):
 
 
 def test_python_m_train_help_is_ours():
-    r = subprocess.run([sys.executable, "-m", "nemo_longctx.train", "--help"], cwd=ROOT, capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "nemo_longctx.apps.train", "--help"], cwd=ROOT, capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.startswith("usage: "), r.stderr
 

@@ -26,7 +26,7 @@ from app_runner import MEMORY_LIMIT_KB, ROOT, live_processes, metrics_rows, run_
 BIN = Path(sys.executable).parent
 APP = [str(BIN / "nemo-longctx"), "train"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-            "nemo_longctx.train"]
+            "nemo_longctx.apps.train"]
 SMALL = ["model.seq_length=1024", "trainer.max_steps=4", "memory.track=false"]
 
 
@@ -185,7 +185,7 @@ def test_the_reason_is_the_first_failed_ranks_exception_and_consequences_are_lab
     import signal as _signal
     from types import SimpleNamespace
 
-    from nemo_longctx.integrations.nemo.launch import _consequence, _first_line, _root_cause_key
+    from nemo_longctx.shared.launch import _consequence, _first_line, _root_cause_key
 
     footer = ("RuntimeError: Error(s) in loading state_dict: missing shard __1_0.distcp\n"
               "(1) Set ckpt_load_strictness=False to ignore\n"

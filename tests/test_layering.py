@@ -1,19 +1,29 @@
-"""The layering of design.md, checked from the source with ``ast`` (nothing of the package is imported; < 1 s).
+"""The package's layering, checked from the source with ``ast`` (nothing of the package is imported; < 1 s).
 
-Layers, arrows only pointing down::
+Layers, arrows only pointing down (an import may go to the same or a lower rank; anyone may import the leaves)::
 
-    apps          nemo_longctx.train, .bridge_app, .bridge_convert, .plan, .plan_keys, .help, .cli, .convert, .__main__,
-                  .selftest(.*), .nemo_run_planned, .nemo_run_cli
+    apps          nemo_longctx.apps.* (train, bridge, bridge_convert, plan, convert, help, cli, nemo_run_cli,
+                  nemo_run_planned), nemo_longctx.selftest(.*), nemo_longctx.__main__
     front ends    nemo_longctx.integrations.nemo.*, nemo_longctx.integrations.bridge.*
     neutral       nemo_longctx.integrations.megatron.*   (megatron-core and torch; never nemo/lightning/hydra/bridge)
     memory        nemo_longctx.memory.*                  (plain torch; may use attention)
     attention     nemo_longctx.attention.*               (plain torch)
-    leaves        nemo_longctx (``__init__``), nemo_longctx.options, .versions, .console, .signals, .reaper, .process_exit
-                  and .path_checks (standard library only), .checkpoint_integrity (standard library + torch's
-                  distributed-checkpoint reader, imported inside its function),
-                  nemo_longctx.overrides (Hydra's override parser and compose API only),
-                  nemo_longctx.conf (the
-                  Hydra config package: data), nemo_longctx.integrations (the namespace ``__init__``)
+    planner       nemo_longctx.planner.*                 (plain Python: the standard library, nemo_longctx.options
+                                                          and nemo_longctx.shared.signals, for DEFAULT_GRACE_S)
+    shared        nemo_longctx.shared.*                  (what both front ends share: the standard library, torch
+                                                          (lazily today), Hydra/OmegaConf (overrides),
+                                                          nemo_longctx.options and other shared modules; never NeMo,
+                                                          Lightning, Megatron, Bridge, NeMo-Run or transformers)
+    leaves        nemo_longctx (``__init__``), nemo_longctx.options (the option model, standard library only),
+                  nemo_longctx.conf (the Hydra config package: data), nemo_longctx.integrations (the namespace
+                  ``__init__``)
+
+Where shared and the planner rank: below attention, just above the leaves. Neither imports anything of the package
+but the leaves (the planner also ``shared.signals``), so every layer may import them; today only the front ends and
+the apps do (integrations/megatron, memory and attention import neither). Ranking them above the torch layers would
+allow the launcher or the planner to import attention, memory or Megatron code, which they must not.
+
+Also checked: no import cycles; every internal import names an existing module.
 
 Every import counts: module level and inside functions, ``import x``, ``from x import y``, relative imports resolved
 to absolute names, and ``importlib.import_module("<literal>")``. ``from pkg import name`` is an import of the
@@ -39,14 +49,12 @@ ROOT = Path(__file__).resolve().parents[1]
 PKG = "nemo_longctx"
 PKG_DIR = ROOT / PKG
 
-APPS = ("train", "bridge_app", "bridge_convert", "plan", "plan_keys", "help", "cli", "convert", "__main__", "selftest",
-        "nemo_run_planned", "nemo_run_cli")
+APPS = ("apps", "selftest", "__main__")
 FRONT_ENDS = ("integrations.nemo", "integrations.bridge")
-LEAVES = {PKG, f"{PKG}.options", f"{PKG}.versions", f"{PKG}.console", f"{PKG}.signals", f"{PKG}.reaper", f"{PKG}.process_exit",
-          f"{PKG}.path_checks", f"{PKG}.checkpoint_integrity", f"{PKG}.overrides", f"{PKG}.conf", f"{PKG}.integrations"}
+LEAVES = {PKG, f"{PKG}.options", f"{PKG}.conf", f"{PKG}.integrations"}
 
 # rank of each layer: an import may only go to the same or a lower rank (leaves: anyone may import them)
-RANKS = {"apps": 4, "front end": 3, "integrations.megatron": 2, "memory": 1, "attention": 0}
+RANKS = {"apps": 6, "front end": 5, "integrations.megatron": 4, "memory": 3, "attention": 2, "planner": 1, "shared": 0}
 
 NOT_IN_NEUTRAL = ("nemo", "lightning", "pytorch_lightning", "hydra", "omegaconf", "megatron.bridge", "nemo_run")
 NOT_IN_PLAIN_TORCH = ("megatron", "nemo", "lightning", "pytorch_lightning", "hydra", "omegaconf", "nemo_run",
@@ -59,6 +67,8 @@ LAZY_OPTIONAL_KERNELS = {
 }
 # third-party packages attention/ and memory/ may import at all ("torch only"; plus the optional kernels above)
 PLAIN_TORCH_THIRD_PARTY = ("torch",)
+
+STDLIB = sys.stdlib_module_names | {"__future__"}
 
 
 @dataclass(frozen=True)
@@ -178,7 +188,7 @@ def _layer(module: str) -> Optional[str]:
         return "apps"
     if any(_under(rest, f) for f in FRONT_ENDS):
         return "front end"
-    for layer in ("integrations.megatron", "memory", "attention"):
+    for layer in ("integrations.megatron", "memory", "attention", "planner", "shared"):
         if _under(rest, layer):
             return layer
     return None
@@ -192,19 +202,25 @@ def _from(*layers: str) -> List[Import]:
     return [i for i in IMPORTS if _layer(i.src) in layers]
 
 
+def _top(name: str) -> str:
+    return name.split(".")[0]
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 def test_the_walk_sees_the_package():
-    for name in (f"{PKG}.train", f"{PKG}.integrations.megatron.cpu_compat", f"{PKG}.attention.ring",
-                 f"{PKG}.memory.planner", f"{PKG}.integrations.nemo.strategy"):
+    for name in (f"{PKG}.apps.train", f"{PKG}.integrations.megatron.cpu_compat", f"{PKG}.attention.ring",
+                 f"{PKG}.planner.search", f"{PKG}.shared.launch", f"{PKG}.integrations.nemo.strategy"):
         assert name in MODULES, name
     assert len(IMPORTS) > 200
     # relative imports resolved: attention/ring.py's ``from .input_checks import ...``
     assert any(i.src == f"{PKG}.attention.ring" and i.target == f"{PKG}.attention.input_checks" for i in IMPORTS)
+    # ``from pkg import module`` seen as the module: apps/train.py's ``from nemo_longctx.shared import console``
+    assert any(i.src == f"{PKG}.apps.train" and i.target == f"{PKG}.shared.console" for i in IMPORTS)
 
 
 def test_every_module_has_a_layer():
     unplaced = sorted(m for m in MODULES if _layer(m) is None)
-    assert not unplaced, f"modules in no layer of design.md (give them one here and in design.md): {unplaced}"
+    assert not unplaced, f"modules in no layer (give them one here, in the docstring's table): {unplaced}"
 
 
 def test_megatron_integration_is_framework_neutral():
@@ -225,17 +241,17 @@ def test_attention_and_memory_import_no_framework():
 
 
 def test_attention_and_memory_import_torch_only():
-    stdlib = sys.stdlib_module_names | {"__future__"}
     bad = [i for i in _from("memory", "attention") if not _own(i.target)
-           and i.target.split(".")[0] not in stdlib and not _matches(i.target, PLAIN_TORCH_THIRD_PARTY)
+           and _top(i.target) not in STDLIB and not _matches(i.target, PLAIN_TORCH_THIRD_PARTY)
            and not (i.function_level and (i.src, i.target) in LAZY_OPTIONAL_KERNELS)]
     assert not bad, _report("attention/memory import third-party packages other than torch", bad)
 
 
 def test_overrides_module_imports_hydra_only():
-    stdlib = sys.stdlib_module_names | {"__future__", "hydra", "omegaconf"}
-    bad = [i for i in IMPORTS if i.src == f"{PKG}.overrides" and i.target.split(".")[0] not in stdlib]
-    assert not bad, _report("nemo_longctx/overrides.py imports beyond the standard library, Hydra and OmegaConf", bad)
+    allowed = STDLIB | {"hydra", "omegaconf"}
+    bad = [i for i in IMPORTS if i.src == f"{PKG}.shared.overrides" and _top(i.target) not in allowed]
+    assert not bad, _report("nemo_longctx/shared/overrides.py imports beyond the standard library, Hydra and "
+                            "OmegaConf", bad)
 
 
 def test_attention_and_memory_import_no_integration_and_no_app():
@@ -244,15 +260,17 @@ def test_attention_and_memory_import_no_integration_and_no_app():
     assert not bad, _report("attention/memory import nemo_longctx.integrations or an app", bad)
 
 
-@pytest.mark.parametrize("leaf", ["options", "console", "signals", "reaper", "process_exit", "path_checks"])
+STDLIB_ONLY = ("options", "shared.console", "shared.signals", "shared.reaper", "shared.process_exit",
+               "shared.path_checks", "shared.versions", "shared.converter_args")
+
+
+@pytest.mark.parametrize("leaf", STDLIB_ONLY)
 def test_options_module_is_standard_library_only(leaf):
     name = f"{PKG}.{leaf}"
-    if name not in MODULES:
-        pytest.skip(f"nemo_longctx/{leaf}.py does not exist yet")
-    stdlib = sys.stdlib_module_names | {"__future__"}
-    plain = {f"{PKG}.{m}" for m in ("options", "console", "signals", "reaper", "process_exit", "path_checks")}
-    bad = [i for i in IMPORTS if i.src == name and i.target.split(".")[0] not in stdlib and i.target not in plain]
-    assert not bad, _report(f"nemo_longctx/{leaf}.py imports beyond the standard library", bad)
+    assert name in MODULES, f"nemo_longctx/{leaf.replace('.', '/')}.py does not exist"
+    plain = {f"{PKG}.{m}" for m in STDLIB_ONLY}
+    bad = [i for i in IMPORTS if i.src == name and _top(i.target) not in STDLIB and i.target not in plain]
+    assert not bad, _report(f"nemo_longctx/{leaf.replace('.', '/')}.py imports beyond the standard library", bad)
 
 
 def test_no_upward_imports():
@@ -264,7 +282,7 @@ def test_no_upward_imports():
         if src in RANKS and dst in RANKS and RANKS[dst] > RANKS[src]:
             bad.append(i)
     assert not bad, _report("imports pointing up the layers (apps > integrations.nemo/bridge > integrations.megatron "
-                            "> memory > attention)", bad)
+                            "> memory > attention > planner > shared)", bad)
 
 
 def test_own_imports_name_existing_modules():
@@ -348,9 +366,8 @@ def test_no_import_cycles():
 
 
 def test_checkpoint_integrity_imports_only_the_standard_library_and_torch_lazily():
-    name = f"{PKG}.checkpoint_integrity"
-    stdlib = sys.stdlib_module_names | {"__future__"}
-    bad = [i for i in IMPORTS if i.src == name and i.target.split(".")[0] not in stdlib
+    name = f"{PKG}.shared.checkpoint_integrity"
+    bad = [i for i in IMPORTS if i.src == name and _top(i.target) not in STDLIB
            and not (i.target.startswith("torch.distributed.checkpoint") and i.function_level)]
-    assert not bad, _report("nemo_longctx/checkpoint_integrity.py imports beyond the standard library and torch's "
-                            "distributed-checkpoint reader (inside a function)", bad)
+    assert not bad, _report("nemo_longctx/shared/checkpoint_integrity.py imports beyond the standard library and "
+                            "torch's distributed-checkpoint reader (inside a function)", bad)

@@ -210,8 +210,8 @@ def _options(overrides):
     from hydra import compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
 
+    from nemo_longctx.apps.train import options_of
     from nemo_longctx.integrations.megatron.memory_options import validate_memory_options
-    from nemo_longctx.train import options_of
 
     GlobalHydra.instance().clear()
     with initialize_config_module(config_module="nemo_longctx.conf", version_base=None):

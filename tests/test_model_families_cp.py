@@ -152,7 +152,7 @@ REAL = {  # conf/model entries of real families: dry run (build + validate the r
 def _dry_runs():
     from hydra import compose, initialize_config_module
 
-    from nemo_longctx.train import dry_run
+    from nemo_longctx.apps.train import dry_run
 
     out = {}
     for name, overrides in REAL.items():

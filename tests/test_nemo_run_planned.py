@@ -82,7 +82,7 @@ def references(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def P(references):  # the references first: they run while NeMo imports
-    from nemo_longctx import nemo_run_planned
+    from nemo_longctx.apps import nemo_run_planned
 
     return nemo_run_planned
 

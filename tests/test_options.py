@@ -27,8 +27,8 @@ def _compose(overrides):
 
 
 def _declared():
-    from nemo_longctx.integrations.nemo.config_keys import APP_OPTIONS
     from nemo_longctx.options import LongContextOptions
+    from nemo_longctx.shared.app_keys import APP_OPTIONS
 
     return LongContextOptions.options() + APP_OPTIONS
 
@@ -162,9 +162,9 @@ def test_one_pass_reports_every_problem_and_valid_values_pass():
 
 def test_to_overrides_round_trips_through_the_app_config():
     """What the planner prints (``to_overrides``) selects exactly the same options in the app's conf/ tree."""
+    from nemo_longctx.apps.plan import option_model
     from nemo_longctx.integrations.nemo.app import config_problems, options_of
-    from nemo_longctx.memory.planner import ModelState
-    from nemo_longctx.plan import option_model
+    from nemo_longctx.planner.search import ModelState
 
     cases = [
         option_model("ring", "full_keep_attn", "layer_input", ModelState("distributed", 0.5, True), 4, 1, 8, 16),
@@ -185,9 +185,9 @@ def test_to_overrides_round_trips_through_the_app_config():
 
 def test_auto_has_one_meaning():
     """The config's ``auto``, the layers' ``resolve_tiles`` and the planner's counts are the same formula."""
-    from nemo_longctx.memory.planner import PLAN_MLP_TILE_TOKENS, planned_mlp_tiles
     from nemo_longctx.memory.tile_policy import resolve_tiles
     from nemo_longctx.options import TilingOptions, auto_tiles
+    from nemo_longctx.planner.search import PLAN_MLP_TILE_TOKENS, planned_mlp_tiles
 
     for tokens in (1, 7, 512, 2048, 2049, 100_000):
         assert resolve_tiles("auto", tokens, 2048) == auto_tiles(tokens, 2048) == min(tokens, math.ceil(tokens / 2048))
@@ -196,8 +196,8 @@ def test_auto_has_one_meaning():
 
 
 def test_readme_documents_the_option_model():
-    from nemo_longctx.integrations.nemo.config_keys import APP_OPTIONS
     from nemo_longctx.options import options_table
+    from nemo_longctx.shared.app_keys import APP_OPTIONS
 
     readme = (ROOT / "README.md").read_text()
     assert options_table() in readme, "README's option table is stale: paste nemo_longctx.options.options_table()"
@@ -221,9 +221,9 @@ def test_plan_frontend_bridge_prints_what_the_bridge_app_accepts(model, gpus, se
     from hydra import compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
 
-    from nemo_longctx import bridge_app
-    from nemo_longctx.memory.planner import candidate_options, plan
-    from nemo_longctx.plan import frontend_overrides, inputs_from_config
+    from nemo_longctx.apps import bridge as bridge_app
+    from nemo_longctx.apps.plan import frontend_overrides, inputs_from_config
+    from nemo_longctx.planner.search import candidate_options, plan
 
     GlobalHydra.instance().clear()
     with initialize_config_module(config_module="nemo_longctx.conf", version_base=None):

@@ -29,7 +29,7 @@ def runs(tmp_path_factory):
     # their RoPE positions reach every chunk (ring alone on packed documents: tests/test_packed_megatron.py)
     for name, extra in (("none", ["cp=none", "trainer.devices=1"]),
                         ("ring", ["cp=ring", "recompute=full", "recompute.sequence_chunks=3"])):
-        code, text = run_app([sys.executable, "-m", "nemo_longctx.train", f"output_dir={base / name}", *COMMON,
+        code, text = run_app([sys.executable, "-m", "nemo_longctx.apps.train", f"output_dir={base / name}", *COMMON,
                               *extra], timeout=400)
         assert code == 0, text[-4000:]
         out[name] = (_losses(base / name), text)

@@ -41,7 +41,7 @@ class Composer:
         from hydra import initialize_config_dir
         from hydra.core.override_parser.overrides_parser import OverridesParser
 
-        from nemo_longctx.plan import conf_dir
+        from nemo_longctx.apps.plan import conf_dir
 
         self._init = initialize_config_dir(config_dir=conf_dir(), version_base=None)
         self._init.__enter__()
@@ -78,10 +78,10 @@ def _contract(rank, world):
         compat.apply()
     from omegaconf import OmegaConf
 
+    from nemo_longctx.apps.plan import inputs_from_config, optim_fields, train_overrides
     from nemo_longctx.integrations.megatron.model_state import model_state_options, model_state_problems
     from nemo_longctx.integrations.nemo.app import config_problems, dry_run
-    from nemo_longctx.memory.planner import plan
-    from nemo_longctx.plan import inputs_from_config, optim_fields, train_overrides
+    from nemo_longctx.planner.search import plan
 
     t0 = time.time()
     compose = Composer()
@@ -122,9 +122,9 @@ def _contract(rank, world):
                     res["bad"].append((ov, str(e)))
 
     # converse: what the app accepts is searched
-    from nemo_longctx.memory.planner import RECOMPUTE, Hardware, candidate_configs
-    from nemo_longctx.memory.model_shapes import KNOWN_SHAPES
-    from nemo_longctx.plan import RECOMPUTE_GROUP, app_problems, search_space
+    from nemo_longctx.apps.plan import RECOMPUTE_GROUP, app_problems, search_space
+    from nemo_longctx.planner.model_shapes import KNOWN_SHAPES
+    from nemo_longctx.planner.search import RECOMPUTE, Hardware, candidate_configs
 
     plan_cfg = _plan_cfg("llama3_8b", "h100")
     shape, _, _, precision, _, _, search = inputs_from_config(plan_cfg)

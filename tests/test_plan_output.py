@@ -12,12 +12,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _plan(*overrides):
-    return subprocess.run([sys.executable, "-m", "nemo_longctx.plan", *overrides], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "nemo_longctx.apps.plan", *overrides], cwd=ROOT, capture_output=True,
                           text=True, timeout=180)
 
 
 def test_legend_limited_by_and_caveats_follow_the_chosen_line():
-    from nemo_longctx.plan import LEGEND
+    from nemo_longctx.apps.plan import LEGEND
 
     r = _plan("model=llama3_8b", "plan.seq_length=1048576", "plan.gpus=8")
     assert r.returncode == 0, r.stderr
@@ -66,8 +66,8 @@ def test_plan_key_problems_accept_the_shipped_configs():
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
 
-    from nemo_longctx.plan import conf_dir
-    from nemo_longctx.plan_keys import plan_key_problems
+    from nemo_longctx.apps.plan import conf_dir
+    from nemo_longctx.shared.plan_keys import plan_key_problems
 
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=conf_dir(), version_base=None):

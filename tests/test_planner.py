@@ -1,4 +1,4 @@
-"""Planner (nemo_longctx.memory.planner) and the `plan` Hydra app: monotonicity, CP choice, refusals, outputs."""
+"""Planner (nemo_longctx.planner.search) and the `plan` Hydra app: monotonicity, CP choice, refusals, outputs."""
 
 import json
 import re
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from nemo_longctx.memory.model_shapes import KNOWN_SHAPES, ModelShape, shape_from_config
-from nemo_longctx.memory.planner import (
+from nemo_longctx.planner.model_shapes import KNOWN_SHAPES, ModelShape, shape_from_config
+from nemo_longctx.planner.search import (
     loss_fixed_bytes,
     GIB,
     Candidate,
@@ -163,7 +163,7 @@ def test_shape_from_config_reads_fields_and_known_names():
 
 # ------------------------------------------------------------------------------------------------ the app
 def _plan_cli(*overrides, check=True):
-    cmd = [sys.executable, "-m", "nemo_longctx.plan", *overrides]
+    cmd = [sys.executable, "-m", "nemo_longctx.apps.plan", *overrides]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     if check:
         assert r.returncode == 0, r.stdout + r.stderr
@@ -197,9 +197,9 @@ def test_bridge_frontend_writes_an_sbatch_that_runs_the_bridge_entry_with_the_ch
     from hydra import compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
 
-    from nemo_longctx import bridge_app
-    from nemo_longctx.memory.planner import candidate_options
-    from nemo_longctx.plan import inputs_from_config
+    from nemo_longctx.apps import bridge as bridge_app
+    from nemo_longctx.apps.plan import inputs_from_config
+    from nemo_longctx.planner.search import candidate_options
 
     sb = tmp_path / "bridge.sbatch"
     planned = ["model=llama3_8b", "plan.seq_length=131072", "plan.gpus=16", "plan.gpu_memory_gb=80"]
@@ -242,7 +242,7 @@ def test_json_output_parses_and_agrees_with_the_library():
     assert d["chosen"]["fits"] and d["overrides"][0] == "model=llama3_8b"
     from hydra import compose, initialize_config_dir
 
-    from nemo_longctx.plan import conf_dir, inputs_from_config
+    from nemo_longctx.apps.plan import conf_dir, inputs_from_config
 
     with initialize_config_dir(config_dir=conf_dir(), version_base=None):
         cfg = compose("plan", overrides=["model=llama3_8b", "plan.seq_length=524288", "plan.gpus=16"])
@@ -264,9 +264,9 @@ def test_app_refuses_with_exit_2_and_the_missing_resources():
 def test_candidate_of_inverts_option_model_for_every_searched_candidate():
     """``candidate_of(options)`` (what the train app's dry run sizes) is the inverse of ``candidate_options(c)`` for
     every candidate the planner searches, and None for options it does not model."""
-    from nemo_longctx.memory.model_shapes import KNOWN_SHAPES
-    from nemo_longctx.memory.planner import Hardware, candidate_configs, candidate_of, candidate_options
     from nemo_longctx.options import LongContextOptions
+    from nemo_longctx.planner.model_shapes import KNOWN_SHAPES
+    from nemo_longctx.planner.search import Hardware, candidate_configs, candidate_of, candidate_options
 
     shape, seq = KNOWN_SHAPES["llama3_8b"], 1 << 20
     cands = list(candidate_configs(shape, seq, Hardware(gpus=8)))

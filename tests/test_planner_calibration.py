@@ -18,8 +18,8 @@ pytest.importorskip("megatron.core")
 
 from distributed import run_distributed  # noqa: E402
 
-from nemo_longctx.memory.model_shapes import ModelShape  # noqa: E402
-from nemo_longctx.memory.planner import (  # noqa: E402
+from nemo_longctx.planner.model_shapes import ModelShape  # noqa: E402
+from nemo_longctx.planner.search import (  # noqa: E402
     LOCAL_CPU,
     TE_GPU,
     Candidate,
@@ -327,8 +327,8 @@ def test_cuda_rows_recorded_on_an_h200_match_the_local_gpu_preset():
     import math
     from dataclasses import replace
 
-    from nemo_longctx.memory.model_shapes import KNOWN_SHAPES
-    from nemo_longctx.memory.planner import LOCAL_CPU, LOCAL_GPU, Candidate, predicted_peak_bytes
+    from nemo_longctx.planner.model_shapes import KNOWN_SHAPES
+    from nemo_longctx.planner.search import LOCAL_CPU, LOCAL_GPU, Candidate, predicted_peak_bytes
 
     shape = replace(KNOWN_SHAPES["llama3_8b"], num_layers=2)
     rows = _recorded_cuda_rows()

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from nemo_longctx.memory.model_shapes import KNOWN_SHAPES
-from nemo_longctx.memory.planner import Candidate, ModelState, Precision, model_state_bytes, structural_accept
+from nemo_longctx.planner.model_shapes import KNOWN_SHAPES
+from nemo_longctx.planner.search import Candidate, ModelState, Precision, model_state_bytes, structural_accept
 
 L8B = KNOWN_SHAPES["llama3_8b"]
 P = L8B.parameters()
@@ -67,8 +67,8 @@ def test_structural_filter_agrees_with_the_apps_checks():
     combinations of the planner's vocabulary."""
     import itertools
 
-    from nemo_longctx.memory.planner import MODEL_STATES, RECOMPUTE
-    from nemo_longctx.plan import app_problems
+    from nemo_longctx.apps.plan import app_problems
+    from nemo_longctx.planner.search import MODEL_STATES, RECOMPUTE
 
     for algo, rc, off, ms in itertools.product(("none", "ring", "ulysses", "hybrid"), RECOMPUTE,
                                                ("none", "layer_input"), MODEL_STATES):
@@ -79,8 +79,8 @@ def test_frontier_is_the_longest_fitting_length_and_the_app_accepts_it():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     import frontier
 
-    from nemo_longctx.memory.planner import plan
-    from nemo_longctx.plan import app_problems
+    from nemo_longctx.apps.plan import app_problems
+    from nemo_longctx.planner.search import plan
 
     seq, p, ctx = frontier.frontier("llama3_8b", "h100", 1)
     shape, hw, precision, coef, cost, search, tol = ctx

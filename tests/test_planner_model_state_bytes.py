@@ -46,8 +46,8 @@ import pytest
 
 import model_state_runs
 from model_state_runs import COMMON
-from nemo_longctx.memory.model_shapes import shape_from_config
-from nemo_longctx.memory.planner import Candidate, ModelState, Precision, largest_parameter_tensor, model_state_bytes
+from nemo_longctx.planner.model_shapes import shape_from_config
+from nemo_longctx.planner.search import Candidate, ModelState, Precision, largest_parameter_tensor, model_state_bytes
 
 BF16 = Precision()  # bf16 weights, fp32 main grads (grad_reduce_in_fp32), fp32 master + Adam moments
 FP32 = Precision(activation_bytes=4, param_bytes=4)  # trainer.precision=32: the weights are the master

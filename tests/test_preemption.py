@@ -79,7 +79,7 @@ def runs(tmp_path_factory):
 
     args = [f"output_dir={d['torchrun']}", *SAVING]
     code, out["torchrun"] = run_app([str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", "-m",
-                                     "nemo_longctx.train", *args, "run.fault=SIGTERM@2:0"])
+                                     "nemo_longctx.apps.train", *args, "run.fault=SIGTERM@2:0"])
     out["torchrun_code"], out["torchrun_ckpts"] = code, _complete(d["torchrun"])
     code, out["torchrun_resumed"] = run_app(APP + args)
     assert code == 0, out["torchrun_resumed"][-3000:]

@@ -44,8 +44,8 @@ def _hydra_value(v):
 
 
 def _cases():
-    from nemo_longctx.integrations.nemo.config_keys import APP_OPTIONS
     from nemo_longctx.options import LongContextOptions
+    from nemo_longctx.shared.app_keys import APP_OPTIONS
 
     out = []
     for opt in LongContextOptions.options() + APP_OPTIONS:  # one bad value per key here (tests/test_options.py
@@ -109,7 +109,7 @@ def _run(args, cwd, timeout=60):
 # and output, and the frameworks the whole process imported -- none, so no mistake waited for NeMo or the ranks
 MISTAKES_DRIVER = r"""
 import json, os, sys, tempfile
-from nemo_longctx import train
+from nemo_longctx.apps import train
 results = {}
 for name, args in json.loads(sys.argv[1]).items():
     sys.stdout.flush(); sys.stderr.flush()
@@ -186,7 +186,7 @@ def test_model_level_problems_are_found_once_before_training(tmp_path):
 
 
 def test_path_values_holding_equals_are_passed_on_quoted():
-    from nemo_longctx.overrides import quote_path_values
+    from nemo_longctx.shared.overrides import quote_path_values
 
     assert quote_path_values(["checkpoint.resume=/c/step=3-consumed_samples=6.0-last", "cp.size=2"]) == [
         "checkpoint.resume='/c/step=3-consumed_samples=6.0-last'", "cp.size=2"]
@@ -198,7 +198,7 @@ def _plan(model, overrides):
     from hydra import compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
 
-    from nemo_longctx import plan
+    from nemo_longctx.apps import plan
 
     GlobalHydra.instance().clear()
     with initialize_config_module(config_module="nemo_longctx.conf", version_base=None):

@@ -4,7 +4,7 @@
 - Line continuations (``\\``) are joined, ``# comments`` dropped, ``cmd1 && cmd2`` / ``;`` split; a command is the
   segment whose first word is ``nemo-longctx`` (or a path ending in it) followed by ``train`` or ``plan``.
 - ``train`` commands run as dry runs: ``run.dry_run=true`` appended and ``output_dir`` replaced by a temporary
-  directory, all of them in ONE process (Hydra's compose API + ``nemo_longctx.train.run``, the app's own path after
+  directory, all of them in ONE process (Hydra's compose API + ``nemo_longctx.apps.train.run``, the app's own path after
   Hydra: option model, config problems, ``dry_run``) so NeMo is imported once; ``plan`` commands run as they are
   (``nemo-longctx plan``, in a temporary working directory).
 - A command is skipped, with the reason listed, when an argument names a file that does not exist here

@@ -1,8 +1,8 @@
 """Where a run writes and what it resumes from, checked before launch: ``output_dir`` and ``checkpoint.dir`` probed
 for a real write, room for the checkpoints kept, ``checkpoint.resume`` naming a checkpoint (not the folder of them), a
 model field of the wrong kind and the ``==`` typo -- each refused in the launching process with exit 2, one line naming
-the key, and no traceback (``nemo_longctx/path_checks.py``, ``app.run_path_problems``, ``app.model_field_problems``,
-``overrides.quote_path_values``)."""
+the key, and no traceback (``nemo_longctx/shared/path_checks.py``, ``app.run_path_problems``,
+``app.model_field_problems``, ``overrides.quote_path_values``)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from nemo_longctx.integrations.nemo.app import preflight
-from nemo_longctx.overrides import quote_path_values
-from nemo_longctx.path_checks import checkpoint_folder_hint, free_space_problem, writable_dir_problem
+from nemo_longctx.shared.overrides import quote_path_values
+from nemo_longctx.shared.path_checks import checkpoint_folder_hint, free_space_problem, writable_dir_problem
 
 NL = str(Path(sys.executable).parent / "nemo-longctx")
 

@@ -67,9 +67,9 @@ def test_llama_script_uses_pyxis_and_no_torchrun():
 
 
 def test_llama_script_runs_the_planners_choice():
-    from nemo_longctx.memory.model_shapes import KNOWN_SHAPES
-    from nemo_longctx.memory.planner import Hardware, plan_or_raise
-    from nemo_longctx.plan import train_overrides
+    from nemo_longctx.apps.plan import train_overrides
+    from nemo_longctx.planner.model_shapes import KNOWN_SHAPES
+    from nemo_longctx.planner.search import Hardware, plan_or_raise
 
     p = plan_or_raise(KNOWN_SHAPES["llama3_8b"], 1 << 20, Hardware(gpus=8, gpu_memory_gb=80))
     planned = set(train_overrides(p, p.chosen, "llama3_8b")) - {"trainer.num_nodes=1"}
@@ -82,7 +82,7 @@ def test_llama_overrides_compose_with_the_train_config():
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from nemo_longctx.plan import conf_dir
+    from nemo_longctx.apps.plan import conf_dir
 
     overrides, _ = _llama_overrides()
     overrides += ["trainer.num_nodes=2", "trainer.max_steps=10", "output_dir=/tmp/x"]
@@ -134,8 +134,8 @@ def test_bridge_script_runs_the_planners_bridge_choice(tmp_path):
     from hydra import compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
 
-    from nemo_longctx.memory.planner import plan
-    from nemo_longctx.plan import frontend_overrides, inputs_from_config
+    from nemo_longctx.apps.plan import frontend_overrides, inputs_from_config
+    from nemo_longctx.planner.search import plan
 
     GlobalHydra.instance().clear()
     with initialize_config_module(config_module="nemo_longctx.conf", version_base=None):
@@ -154,7 +154,7 @@ def test_bridge_script_runs_the_planners_bridge_choice(tmp_path):
 def test_bridge_script_arguments_are_accepted_by_the_bridge_app(tmp_path):
     """Our part composes with conf/bridge.yaml with no problem; the rest are Bridge's keys (its own parser: the
     Bridge venv's tests_bridge/test_bridge_slurm.py applies them to the real recipe)."""
-    from nemo_longctx import bridge_app
+    from nemo_longctx.apps import bridge as bridge_app
 
     _, args = _bridge_job(tmp_path, EXTRA_ARGS="train.eval_iters=0")
     ours, theirs = bridge_app.split_args(args)

@@ -310,7 +310,7 @@ def test_bad_tiling_settings_name_the_field(results):
 def test_tiling_group_composes_with_planner_overrides():
     from hydra import compose, initialize_config_module
 
-    from nemo_longctx.train import options_of
+    from nemo_longctx.apps.train import options_of
 
     with initialize_config_module(config_module="nemo_longctx.conf", version_base=None):
         default = compose("train")
@@ -331,7 +331,7 @@ def _compose(overrides):
 
 
 def test_app_refuses_bad_tiling_before_spawning():
-    from nemo_longctx.train import config_problems, options_of, raise_problems, run
+    from nemo_longctx.apps.train import config_problems, options_of, raise_problems, run
 
     def tiling_of(cfg):  # the app's check, then the line the dry run prints
         options = options_of(cfg)
@@ -356,7 +356,7 @@ def _app(out_dir, extra):
 
     from app_runner import run_app
 
-    code, out = run_app([sys.executable, "-m", "nemo_longctx.train", f"output_dir={out_dir}", *APP, *extra], 300)
+    code, out = run_app([sys.executable, "-m", "nemo_longctx.apps.train", f"output_dir={out_dir}", *APP, *extra], 300)
     assert code == 0, out[-4000:]
     return out
 

@@ -3,7 +3,7 @@
 Two training runs, reused by several tests (each bounded by `timeout` and `ulimit -v`):
   * ring: ``nemo-longctx train`` (console script, the app spawns its 2 processes) = the default config
     (tiny GQA Llama, cp=ring cp.size=2) with 6 steps at seq 2048 and SGD;
-  * none: ``python -m nemo_longctx.train cp=none trainer.devices=1`` (1 process), same seed and data.
+  * none: ``python -m nemo_longctx.apps.train cp=none trainer.devices=1`` (1 process), same seed and data.
 SGD (not Adam) so that a wrong gradient scale (e.g. the loss scaled by cp_size) would show in the parameters.
 Plus one process that dry-runs the llama3_8b/70b container configurations and a NeMo recipe's model config, and
 checks that bad configurations fail (before any step) with messages naming the config field.
@@ -42,7 +42,7 @@ def runs(tmp_path_factory):
     ring, none = base / "ring", base / "none"
     code_r, out_r = _run([str(BIN / "nemo-longctx"), "train", f"output_dir={ring}", *COMMON])
     assert code_r == 0, out_r[-4000:]
-    code_n, out_n = _run([sys.executable, "-m", "nemo_longctx.train", f"output_dir={none}", "cp=none",
+    code_n, out_n = _run([sys.executable, "-m", "nemo_longctx.apps.train", f"output_dir={none}", "cp=none",
                           "trainer.devices=1", *COMMON])
     assert code_n == 0, out_n[-4000:]
     return {"ring": (ring, out_r), "none": (none, out_n)}
@@ -90,7 +90,7 @@ def _compose(overrides):
 
 
 def _config_cases(rank: int, world: int):
-    from nemo_longctx.train import build, dry_run
+    from nemo_longctx.apps.train import build, dry_run
 
     res = {}
     res["llama3_8b"] = dry_run(_compose(["model=llama3_8b", "cp=ring", "cp.size=8", "trainer.devices=8",

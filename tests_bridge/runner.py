@@ -1,4 +1,4 @@
-"""Run ``python -m nemo_longctx.bridge_app`` in a subprocess from the repository root (the Bridge tests' helper)."""
+"""Run ``python -m nemo_longctx.apps.bridge`` in a subprocess from the repository root (the Bridge tests' helper)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def run_bridge(tmp_path: Path, name: str, *args: str, timeout: float = 600,
     """(exit code, stdout + stderr, rank 0's metrics rows) of one ``nemo-longctx bridge`` run writing to
     ``tmp_path/name``; ``env``: extra environment variables (inherited by the ranks and their children)."""
     out = tmp_path / name
-    p = subprocess.run([sys.executable, "-m", "nemo_longctx.bridge_app", f"output_dir={out}", *args],
+    p = subprocess.run([sys.executable, "-m", "nemo_longctx.apps.bridge", f"output_dir={out}", *args],
                        capture_output=True, text=True, timeout=timeout, cwd=ROOT, env={**os.environ, **(env or {})})
     metrics = out / "metrics.jsonl"
     rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []

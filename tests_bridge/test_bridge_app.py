@@ -113,7 +113,7 @@ def test_python_api_enable_long_context_with_keyword_groups():
     """``enable_long_context(cfg, **groups)`` on a Bridge ConfigContainer (the demo's): the provider gets the CP size,
     our layer spec (core attention, tiled MLP) and Megatron's recompute fields, the callbacks exist; bad values raise
     one ConfigError naming them, in Bridge's key names where the key is Bridge's."""
-    from nemo_longctx import bridge_app
+    from nemo_longctx.apps import bridge as bridge_app
     from nemo_longctx.integrations.bridge.config import enable_long_context, long_context_callbacks
     from nemo_longctx.integrations.megatron.spec import LongContextSpec
     from nemo_longctx.integrations.megatron.tiled_mlp_layer import TiledMLPLayerSpec

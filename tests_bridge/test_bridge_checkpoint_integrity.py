@@ -1,5 +1,5 @@
 """``nemo-longctx bridge`` verifies the checkpoint a run would load before any rank starts
-(``integrations/bridge/checkpoint.damaged_checkpoint_problems``, ``nemo_longctx.checkpoint_integrity``).
+(``integrations/bridge/checkpoint.damaged_checkpoint_problems``, ``nemo_longctx.shared.checkpoint_integrity``).
 
 One real Bridge run (CPU demo, one rank, gloo) saves a checkpoint at steps 1 and 2 (``iter_0000001``, ``iter_0000002``,
 Bridge's ``latest_train_state.pt`` and Megatron-LM's ``latest_checkpointed_iteration.txt`` naming 2). A copy whose

@@ -4,7 +4,7 @@
 ring CP=2 on 2 gloo ranks); ``nemo-longctx bridge-export`` writes the trained checkpoint back as a HF directory whose
 forward gives the next step's loss, and an untrained round trip gives back the original tensors bit for bit.
 
-The batch is rebuilt from the container the app builds (``bridge_app.build``: its mock dataset config and tokenizer)
+The batch is rebuilt from the container the app builds (``apps.bridge.build``: its mock dataset config and tokenizer)
 with Bridge's own dataset provider: Bridge's mock data is deterministic from its seed, and sample i is step i+1's
 (global batch 1, no data parallelism)."""
 
@@ -54,11 +54,11 @@ def _start(out: Path, module: str, *args) -> subprocess.Popen:
 
 
 def _bridge(out: Path, *args) -> subprocess.Popen:
-    return _start(out, "nemo_longctx.bridge_app", f"output_dir={out}", *args)
+    return _start(out, "nemo_longctx.apps.bridge", f"output_dir={out}", *args)
 
 
 def _export(out: Path, checkpoint: Path, hf_out: Path) -> subprocess.Popen:
-    return _start(out, "nemo_longctx.bridge_convert", f"checkpoint={checkpoint}", f"output={hf_out}")
+    return _start(out, "nemo_longctx.apps.bridge_convert", f"checkpoint={checkpoint}", f"output={hf_out}")
 
 
 def _result(p: subprocess.Popen, out: Path, timeout: int = 600):
@@ -74,7 +74,7 @@ def reference_batches(hf_dir: Path, n: int, out: Path):
     from megatron.bridge.data.utils import pretrain_train_valid_test_datasets_provider
     from megatron.bridge.training.tokenizers.tokenizer import build_tokenizer
 
-    from nemo_longctx import bridge_app
+    from nemo_longctx.apps import bridge as bridge_app
 
     cfg = bridge_app.compose([f"init_from={hf_dir}", "cp=none"])
     container = bridge_app.build(cfg, RUN, bridge_app.options_of(cfg), str(out))
@@ -183,7 +183,7 @@ def test_export_after_a_step_is_the_trained_model(hf_runs):
     assert abs(hf_loss(hf_runs["hf"], hf_runs["batches"][1]) - step2) > 10 * RTOL * step2  # the step changed it
 
 
-def _run(*args, module="nemo_longctx.bridge_app", timeout=300):
+def _run(*args, module="nemo_longctx.apps.bridge", timeout=300):
     p = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, cwd=ROOT,
                        timeout=timeout)
     return p.returncode, p.stdout + p.stderr
@@ -203,9 +203,10 @@ def test_bad_init_from_and_export_arguments_fail_before_anything_runs(hf_runs, t
     assert f"init_from={hf}: model.seq_length=250 must be divisible by 2*cp.size = 4" in log, log[-3000:]
     assert f"model.ffn_hidden_size=512 but init_from={hf} has ffn_hidden_size=256" in log
     assert "core attention:" not in log  # no rank started
-    code, log = _run(f"checkpoint={missing}", f"output={tmp_path}/x", module="nemo_longctx.bridge_convert")
+    code, log = _run(f"checkpoint={missing}", f"output={tmp_path}/x", module="nemo_longctx.apps.bridge_convert")
     assert code == 2 and f"checkpoint={missing}: not a directory" in log, log[-3000:]
-    code, log = _run(f"checkpoint={hf_runs['tmp'] / 'ckpt_none'}", f"output={hf}", module="nemo_longctx.bridge_convert")
+    code, log = _run(f"checkpoint={hf_runs['tmp'] / 'ckpt_none'}", f"output={hf}",
+                     module="nemo_longctx.apps.bridge_convert")
     assert code == 2 and f"output={hf}: exists and is not empty" in log, log[-3000:]
 
 

@@ -35,7 +35,7 @@ def test_a_rank_raising_fails_the_run_and_names_the_rank(tmp_path):
 def test_sigterm_to_the_launcher_stops_every_rank(tmp_path):
     tag = uuid.uuid4().hex
     out_file = tmp_path / "out.txt"
-    cmd = [sys.executable, "-m", "nemo_longctx.bridge_app", f"output_dir={tmp_path / 'run'}", "cp=ring", "cp.size=2",
+    cmd = [sys.executable, "-m", "nemo_longctx.apps.bridge", f"output_dir={tmp_path / 'run'}", "cp=ring", "cp.size=2",
            "run.fault=hang@2:0", "train.train_iters=100"]
     with open(out_file, "w") as f:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,

@@ -63,7 +63,7 @@ def test_sigterm_with_ulysses(tmp_path):
 
 @pytest.mark.smoke
 def test_settings_that_cannot_save_on_a_signal_are_refused(tmp_path):
-    from nemo_longctx.bridge_app import demo_config
+    from nemo_longctx.apps.bridge import demo_config
     from nemo_longctx.integrations.bridge.preemption import (apply_on_signal, latched_signals, on_signal_problems,
                                                              save_time_warning)
 

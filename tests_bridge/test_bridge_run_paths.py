@@ -1,5 +1,5 @@
-"""``nemo-longctx bridge`` probes where it writes before launch, as the NeMo 2 app does (``nemo_longctx.path_checks``):
-``output_dir`` that is a file, and a ``checkpoint.save`` that cannot be created when the run saves, each exit 2 with
+"""``nemo-longctx bridge`` probes where it writes before launch, as the NeMo 2 app does
+(``nemo_longctx.shared.path_checks``): ``output_dir`` that is a file, and a ``checkpoint.save`` that cannot be created when the run saves, each exit 2 with
 one line naming the key, no traceback, no rank started."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def test_unwritable_output_dir_and_checkpoint_save_are_refused_before_launch(tmp
     for args, line in (([f"output_dir={f}"], f"output_dir={f}: is a file, not a directory"),
                        ([f"output_dir={tmp_path / 'out'}", f"checkpoint.save={bad}", "checkpoint.save_interval=1"],
                         f"checkpoint.save={bad}: cannot be created in /proc")):
-        p = subprocess.run([sys.executable, "-m", "nemo_longctx.bridge_app", *args], capture_output=True, text=True,
+        p = subprocess.run([sys.executable, "-m", "nemo_longctx.apps.bridge", *args], capture_output=True, text=True,
                            timeout=300, cwd=ROOT)
         out = p.stdout + p.stderr
         assert p.returncode == 2 and line in out, out[-3000:]

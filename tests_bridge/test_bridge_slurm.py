@@ -1,7 +1,7 @@
 """The Megatron-Bridge front end launched by Slurm (run with ``.venv-bridge/bin/python -m pytest tests_bridge``):
 
 * a real single-node Slurm (``scripts/slurm_local.sh``): an sbatch of 2 tasks whose srun starts
-  ``python -m nemo_longctx.bridge_app`` twice, no local launcher: each task is a rank, its RANK / WORLD_SIZE /
+  ``python -m nemo_longctx.apps.bridge`` twice, no local launcher: each task is a rank, its RANK / WORLD_SIZE /
   LOCAL_RANK / MASTER_ADDR / MASTER_PORT come from the SLURM_* variables through the NeMo app's own helper
   (``detect_external_launch``), and the CPU demo's losses equal a local launch's;
 * under an srun-like environment a bad value fails every rank before any process group, with the shared message;
@@ -45,7 +45,7 @@ def test_bridge_demo_under_srun_trains_like_the_local_launch(slurm_cluster, tmp_
     """2 srun tasks = 2 ranks (no local launcher): losses equal the local launch's (the ranks, the rendezvous and the
     CP group came out right), every attention layer ours."""
     out = tmp_path / "srun"
-    argv = [sys.executable, "-m", "nemo_longctx.bridge_app", *DEMO, f"output_dir={out}"]
+    argv = [sys.executable, "-m", "nemo_longctx.apps.bridge", *DEMO, f"output_dir={out}"]
     (tmp_path / "job.sbatch").write_text(f"""#!/bin/bash
 #SBATCH --job-name=nemo-longctx-bridge-srun
 #SBATCH --nodes=1
@@ -76,8 +76,8 @@ srun --ntasks=2 --kill-on-bad-exit=1 {shlex.join(argv)}
     assert "core attention: 2 layers run LongContextCoreAttention (ring x 2)" in log, log[-3000:]
 
     t0 = time.perf_counter()
-    local = subprocess.run([sys.executable, "-m", "nemo_longctx.bridge_app", *DEMO, f"output_dir={tmp_path / 'local'}"],
-                           env=_no_slurm_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
+    local = subprocess.run([sys.executable, "-m", "nemo_longctx.apps.bridge", *DEMO,
+                            f"output_dir={tmp_path / 'local'}"], env=_no_slurm_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
     local_s = time.perf_counter() - t0
     assert local.returncode == 0 and "world 2" in local.stdout, (local.stdout + local.stderr)[-4000:]
     ref, got = _rows(tmp_path / "local"), _rows(out)
@@ -94,7 +94,7 @@ def test_a_bad_value_under_srun_fails_every_rank_before_training(tmp_path):
     env = {**_no_slurm_env(), "SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_LOCALID": "1",
            "SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_NODEID": "0",
            "SLURM_STEP_NODELIST": "localhost"}
-    p = subprocess.run([sys.executable, "-m", "nemo_longctx.bridge_app", "cp=ring", "cp.size=2",
+    p = subprocess.run([sys.executable, "-m", "nemo_longctx.apps.bridge", "cp=ring", "cp.size=2",
                         "model.seq_length=250", f"output_dir={tmp_path / 'bad'}"],
                        env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
     log = p.stdout + p.stderr
@@ -141,7 +141,7 @@ def test_example_sbatch_arguments_build_the_real_bridge_recipe(tmp_path):
     args = _example_args(tmp_path)
     script = """
 import json, os, sys
-from nemo_longctx import bridge_app
+from nemo_longctx.apps import bridge as bridge_app
 from nemo_longctx.integrations.bridge.config import model_problems_of
 args = json.loads(sys.argv[1])
 ours, theirs = bridge_app.split_args(args)

@@ -7,7 +7,6 @@
 - norm_recompute.py  RecomputedNorm: norm output released after its consumer, recomputed in backward; works under
                      saved-tensor hooks (tracker, offload)
 - tiling.py          tiled_mlp and chunked_output_cross_entropy (sequence tiling of the MLP and the loss)
-- planner.py         memory / cost model that picks CP, recompute, offload and tiling for a target run
 """
 
 from .host_pool import HostPool

@@ -81,7 +81,7 @@ def checkpoint_problems(container: Any, bridge_overrides: List[str], cuda: Optio
         out.append(f"checkpoint.pretrained_checkpoint={pre}: no such file or directory")
     out += damaged_checkpoint_problems(container)
     if save is not None and (getattr(c, "save_interval", None) or 0) > 0:  # where it saves: a real write probe
-        from nemo_longctx.path_checks import writable_dir_problem
+        from nemo_longctx.shared.path_checks import writable_dir_problem
 
         out += [m for m in [writable_dir_problem("checkpoint.save", str(save))] if m]
     if cuda is None:
@@ -129,7 +129,7 @@ def _iteration_to_load(path: str, ckpt_step: Optional[int]) -> Tuple[Optional[st
 
 def newest_intact_iteration(path: str, but: str = "") -> Optional[str]:
     """The newest ``iter_*`` directory of ``path`` (other than ``but``) that ``checkpoint_problem`` passes, or None."""
-    from nemo_longctx.checkpoint_integrity import checkpoint_problem
+    from nemo_longctx.shared.checkpoint_integrity import checkpoint_problem
 
     names = [n for n in os.listdir(path) if re.fullmatch(r"iter_\d+", n) and os.path.isdir(os.path.join(path, n))]
     for name in sorted(names, key=lambda n: int(n[5:]), reverse=True):
@@ -163,7 +163,7 @@ def damaged_checkpoint_problems(container: Any) -> List[str]:
 
 def _damaged(key: str, path: str, step: Optional[int]) -> Optional[str]:
     """The problem of the iteration directory Bridge loads from ``path`` (``key``'s value), or None."""
-    from nemo_longctx.checkpoint_integrity import checkpoint_problem
+    from nemo_longctx.shared.checkpoint_integrity import checkpoint_problem
 
     try:
         it, how = _iteration_to_load(path, step)

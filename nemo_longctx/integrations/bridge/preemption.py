@@ -27,7 +27,7 @@ import signal
 import time
 from typing import Any, List, Optional, Sequence, Tuple
 
-from nemo_longctx.signals import SignalLatch, preempted_line, signals_of, slow_save_warning
+from nemo_longctx.shared.signals import SignalLatch, preempted_line, signals_of, slow_save_warning
 
 
 def _user_handler(container: Any, keys: Sequence[str]) -> Optional[bool]:
@@ -73,7 +73,7 @@ def latched_signals(container: Any, run_signals: Sequence[str]) -> Tuple[signal.
 
 def save_time_warning(container: Any, grace_s: float) -> Optional[str]:
     """The start-up warning when the planner's estimate of one save of the container's model exceeds the grace."""
-    from nemo_longctx.memory.planner import save_time_warning as estimated
+    from nemo_longctx.planner.search import save_time_warning as estimated
 
     m = container.model
     fields = {k: v for k, v in vars(m).items() if v is None or isinstance(v, (bool, int, float, str))}
@@ -128,7 +128,7 @@ class SaveOnSignal:
     def outcome(self, train_iters: int, rank: int) -> int:
         """After Bridge's ``pretrain`` stopped (its ``sys.exit(0)`` after a signal): ``PREEMPTED_EXIT`` when a signal's
         checkpoint was saved before the last step (rank 0 prints ``preempted_line``), else 0."""
-        from nemo_longctx.signals import PREEMPTED_EXIT
+        from nemo_longctx.shared.signals import PREEMPTED_EXIT
 
         if self.saved is None or self.saved[0] >= int(train_iters):
             self.latch.uninstall()

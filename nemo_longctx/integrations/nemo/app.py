@@ -22,16 +22,6 @@ from typing import Any, Dict, List, Optional
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from nemo_longctx.integrations.nemo.config_keys import (
-    APP_GROUPS,
-    APP_OPTIONS,
-    NEMO_KEYS,
-    RESUME_MODES,
-    on_signal_problems,
-    parse_fault,
-    save_on_signal,
-)
-from nemo_longctx.integrations.nemo.launch import Launch
 from nemo_longctx.integrations.nemo.pretrained import init_from_of, init_from_problems
 from nemo_longctx.options import (  # noqa: F401  (ConfigError, raise_problems: the app's error type, re-exported)
     ConfigError,
@@ -40,7 +30,17 @@ from nemo_longctx.options import (  # noqa: F401  (ConfigError, raise_problems: 
     raise_problems,
     unknown_keys,
 )
-from nemo_longctx.signals import signals_of
+from nemo_longctx.shared.app_keys import (
+    APP_GROUPS,
+    APP_OPTIONS,
+    NEMO_KEYS,
+    RESUME_MODES,
+    on_signal_problems,
+    parse_fault,
+    save_on_signal,
+)
+from nemo_longctx.shared.launch import Launch
+from nemo_longctx.shared.signals import signals_of
 
 
 # ------------------------------------------------------------------------------------------------ config helpers
@@ -125,13 +125,13 @@ def app_key_problems(cfg: DictConfig) -> List[str]:
     p += on_signal_problems(cfg.get("checkpoint"))
     resume = present.get("checkpoint.resume")
     if isinstance(resume, str) and resume and resume not in RESUME_MODES:
-        from nemo_longctx.path_checks import checkpoint_folder_hint
+        from nemo_longctx.shared.path_checks import checkpoint_folder_hint
 
         if not os.path.isdir(resume):
             p.append(f"checkpoint.resume={resume!r} is neither auto/never nor an existing checkpoint directory")
         elif (hint := checkpoint_folder_hint(resume)) is not None:
             p.append(f"checkpoint.resume={resume}: {hint}")
-    from nemo_longctx.integrations.nemo.resume_checks import resume_problems
+    from nemo_longctx.shared.resume_checks import resume_problems
 
     p += resume_problems(cfg)  # checkpoint.resume=<path>: the checkpoint it names is whole (checkpoint_integrity)
     return p
@@ -142,7 +142,7 @@ def model_field_types() -> Dict[str, type]:
     (a field set as int in one and float in another is a float)."""
     import yaml
 
-    from nemo_longctx.overrides import conf_dir
+    from nemo_longctx.shared.overrides import conf_dir
 
     types: Dict[str, type] = {}
     for f in sorted((Path(conf_dir()) / "model").glob("*.yaml")):
@@ -169,7 +169,7 @@ def model_field_problems(cfg: DictConfig) -> List[str]:
 def planner_precision(cfg: DictConfig) -> Any:
     """The planner's ``Precision`` of ``trainer.precision``: fp32 weights and activations for "32", else its bf16
     defaults (bf16 weights and activations, fp32 main grads)."""
-    from nemo_longctx.memory.planner import Precision
+    from nemo_longctx.planner.search import Precision
 
     return Precision(activation_bytes=4, param_bytes=4) if str(cfg.trainer.precision) == "32" else Precision()
 
@@ -177,7 +177,7 @@ def planner_precision(cfg: DictConfig) -> Any:
 def planner_shape(cfg: DictConfig) -> tuple:
     """(the planner's ``ModelShape`` of ``cfg.model``, None) or (None, why it cannot be sized: init_from runs and
     configs naming no known shape)."""
-    from nemo_longctx.memory.model_shapes import shape_from_config
+    from nemo_longctx.planner.model_shapes import shape_from_config
 
     try:
         return shape_from_config(OmegaConf.to_container(cfg.model, resolve=True)), None
@@ -189,7 +189,7 @@ def run_path_problems(cfg: DictConfig) -> List[str]:
     """Where the run writes, probed before launch: ``output_dir`` and (when it saves) ``checkpoint.dir`` can be
     created and written in, and the checkpoint filesystem has room for ``checkpoint.keep`` checkpoints of this model
     (the planner's size estimate: weights + fp32 master + Adam moments, less what the folder already holds)."""
-    from nemo_longctx.path_checks import free_space_problem, gb, tree_bytes, writable_dir_problem
+    from nemo_longctx.shared.path_checks import free_space_problem, gb, tree_bytes, writable_dir_problem
 
     problems = [m for m in [writable_dir_problem("output_dir", str(cfg.output_dir))] if m]
     node = cfg.get("checkpoint") or {}
@@ -199,7 +199,7 @@ def run_path_problems(cfg: DictConfig) -> List[str]:
     directory, key = checkpoint_dir(cfg), "checkpoint.dir" if node.get("dir") else "output_dir"
     if node.get("dir") and (m := writable_dir_problem("checkpoint.dir", directory)):
         return [m]
-    from nemo_longctx.memory.planner import checkpoint_bytes
+    from nemo_longctx.planner.search import checkpoint_bytes
 
     shape, _ = planner_shape(cfg)
     if shape is None:  # a model the planner cannot size (init_from: sized by its checkpoint)
@@ -237,7 +237,7 @@ def config_problems(cfg: DictConfig, options: Optional[LongContextOptions] = Non
     from nemo_longctx.integrations.megatron.cpu_compat import needed
     from nemo_longctx.integrations.megatron.validation import model_state_cpu_problems
     from nemo_longctx.integrations.nemo.data_checks import data_problems
-    from nemo_longctx.integrations.nemo.launch import detect_external_launch
+    from nemo_longctx.shared.launch import detect_external_launch
 
     options = options or options_of(cfg)
     problems = app_key_problems(cfg)
@@ -265,7 +265,7 @@ def preflight(args: List[str], config_name: str = "train", target_cuda: Optional
     """What ``nemo-longctx train <args>`` would refuse before loading NeMo: the command line composed by Hydra's
     compose API (a malformed override, an unknown group choice or key) and every config-level problem. The app runs
     it in the launching process; tests call it in-process for many command lines."""
-    from nemo_longctx.overrides import compose
+    from nemo_longctx.shared.overrides import compose
 
     cfg, problems = compose(config_name, args, hydra_config=True)
     if problems or cfg is None:  # None: a Hydra flag it does not model (the run's own checks still apply)
@@ -278,7 +278,7 @@ def save_time_warning(cfg: DictConfig) -> Optional[str]:
     ``run.signal_grace_s`` (``planner.save_time_warning``), else None."""
     if not save_on_signal(cfg.get("checkpoint")):
         return None
-    from nemo_longctx.memory.planner import save_time_warning as estimated
+    from nemo_longctx.planner.search import save_time_warning as estimated
 
     return estimated(OmegaConf.to_container(cfg.model, resolve=True), planner_precision(cfg).param_bytes,
                      float(cfg.run.signal_grace_s))
@@ -480,7 +480,7 @@ def newest_complete_checkpoint(directory: str) -> tuple:
     ``-last`` copy first on a tie, then the newest mtime (``resume_checks.newest_intact``)."""
     from nemo.lightning.pytorch.callbacks.model_checkpoint import ModelCheckpoint
 
-    from nemo_longctx.integrations.nemo.resume_checks import newest_intact
+    from nemo_longctx.shared.resume_checks import newest_intact
 
     return newest_intact(directory, ModelCheckpoint.is_checkpoint_unfinished)
 
@@ -677,7 +677,7 @@ def predicted_memory(cfg: DictConfig, options: LongContextOptions, seq_length: i
     """The planner's per-GPU device memory and per-node host memory for this exact configuration (one line), or
     why it has none."""
     from nemo_longctx.integrations.megatron.cpu_compat import needed
-    from nemo_longctx.memory.planner import ACTIVATION_PRESETS, GIB, Hardware, candidate_of, memory_breakdown
+    from nemo_longctx.planner.search import ACTIVATION_PRESETS, GIB, Hardware, candidate_of, memory_breakdown
 
     shape, why = planner_shape(cfg)
     if shape is None:

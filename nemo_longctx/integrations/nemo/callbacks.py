@@ -22,9 +22,9 @@ from typing import Any, Optional
 
 import lightning.pytorch as pl
 
-from nemo_longctx.console import archive_metrics
-from nemo_longctx.integrations.nemo.config_keys import FAULT_KINDS, parse_fault
-from nemo_longctx.integrations.nemo.launch import inject_fault
+from nemo_longctx.shared.app_keys import FAULT_KINDS, parse_fault
+from nemo_longctx.shared.console import archive_metrics
+from nemo_longctx.shared.launch import inject_fault
 import torch
 
 
@@ -209,7 +209,7 @@ class FaultInjection(pl.Callback):
 
     @classmethod
     def parse(cls, spec: str) -> "FaultInjection":
-        """From ``run.fault`` (checked with the config: ``config_keys.parse_fault``)."""
+        """From ``run.fault`` (checked with the config: ``app_keys.parse_fault``)."""
         return cls(*parse_fault(spec))
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:

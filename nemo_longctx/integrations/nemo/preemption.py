@@ -21,7 +21,7 @@ from typing import Any, Optional, Sequence, Tuple
 import torch
 from nemo.lightning.pytorch.callbacks import PreemptionCallback
 
-from nemo_longctx.signals import SignalLatch, preempted_line, slow_save_warning
+from nemo_longctx.shared.signals import SignalLatch, preempted_line, slow_save_warning
 
 
 class SaveOnSignal(PreemptionCallback):

@@ -116,7 +116,7 @@ def prepare(cfg: DictConfig, rank: int = 0, timeout_s: float = 3600) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     print(f"nemo-longctx: importing init_from={source} into {target} (once)", flush=True)
     # a separate process: NeMo's importer sets up its own single-process trainer and process group
-    code = subprocess.call([sys.executable, "-m", "nemo_longctx.cli", "import", f"source={source}",
+    code = subprocess.call([sys.executable, "-m", "nemo_longctx.apps.cli", "import", f"source={source}",
                             f"output={target}"])
     if code != 0:
         raise RuntimeError(f"init_from={source}: importing it into {target} failed (exit {code}; see above)")

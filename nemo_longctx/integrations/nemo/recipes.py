@@ -38,9 +38,9 @@ import fiddle as fdl
 import nemo_run as run
 
 from nemo_longctx.options import ConfigError, Context, LongContextOptions, Option, raise_problems
-from nemo_longctx.overrides import conf_dir
+from nemo_longctx.shared.overrides import conf_dir
 
-from .config_keys import APP_ONLY, GROUP_CHOICES, RECIPE_KEYS, argument_name, rename_problems
+from nemo_longctx.shared.app_keys import APP_ONLY, GROUP_CHOICES, RECIPE_KEYS, argument_name, rename_problems
 
 CP_CHOICES = ("none", "ring", "ulysses", "hybrid")
 _TYPES = {"int": Optional[int], "number": Optional[float], "bool": Optional[bool], "choice": Optional[str],

@@ -24,7 +24,7 @@ from nemo import lightning as nl
 from nemo_longctx.integrations.megatron.validation import long_context_problems
 from nemo_longctx.options import Context, ModelStateOptions, raise_problems
 
-from .config_keys import NEMO_KEYS, RECIPE_KEYS, rename_problems
+from nemo_longctx.shared.app_keys import NEMO_KEYS, RECIPE_KEYS, rename_problems
 
 from .compat import megatron_groups_timeout
 from .model import enable_long_context

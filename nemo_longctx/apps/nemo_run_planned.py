@@ -40,11 +40,11 @@ import fiddle as fdl
 import nemo_run as run
 
 from nemo_longctx.options import ConfigError, raise_problems
-from nemo_longctx.overrides import compose, conf_dir
+from nemo_longctx.shared.overrides import compose, conf_dir
 
-from nemo_longctx.integrations.nemo.config_keys import argument_name
 from nemo_longctx.integrations.nemo.recipes import (long_context_recipe, plain_value, recipe_model_config,
                                                    recipe_precision, recipe_value)
+from nemo_longctx.shared.app_keys import argument_name
 
 # the GPTConfig fields model_shapes.shape_from_config reads (besides vocab_size)
 SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
@@ -116,7 +116,7 @@ def _vocab_size(recipe: Any, config: Any) -> Tuple[Optional[int], str]:
 def recipe_model_group(recipe: Any) -> Tuple[Dict[str, Any], str]:
     """(the ``model`` group ``shape_from_config`` reads: the built model config's shape fields, its class as
     ``_target_`` and its name, where the vocabulary size comes from)."""
-    from nemo_longctx.memory.model_shapes import shape_from_config
+    from nemo_longctx.planner.model_shapes import shape_from_config
 
     config = recipe_model_config(recipe)
     for flag in ("num_moe_experts", "multi_latent_attention"):
@@ -160,9 +160,9 @@ def plan_for_recipe(recipe: Any, gpus: int, gpus_per_node: int, gpu: str, seq_le
     ``nemo-longctx plan``'s own ``inputs_from_config``. ``seq_key``: how problems name the sequence length."""
     from omegaconf import open_dict
 
-    from nemo_longctx import plan as plan_app
-    from nemo_longctx.memory.planner import plan as make_plan
-    from nemo_longctx.memory.planner import what_is_missing
+    from nemo_longctx.apps import plan as plan_app
+    from nemo_longctx.planner.search import plan as make_plan
+    from nemo_longctx.planner.search import what_is_missing
 
     model, vocab_source = recipe_model_group(recipe)
     args = [f"plan={gpu}", f"plan.gpus={gpus}", f"plan.gpus_per_node={gpus_per_node}",
@@ -193,7 +193,7 @@ def candidate_arguments(candidate: Any) -> Dict[str, Any]:
     keeps at its default must not stay at the recipe's value)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from nemo_longctx.memory.planner import candidate_options
+    from nemo_longctx.planner.search import candidate_options
 
     options, parser = candidate_options(candidate), OverridesParser.create()
     out: Dict[str, Any] = {}
@@ -239,7 +239,7 @@ class PlannedLongContextPlugin(run.Plugin):
     def setup(self, task: Any, executor: Any) -> None:
         from nemo.utils import logging
 
-        from nemo_longctx.memory.planner import GIB
+        from nemo_longctx.planner.search import GIB
 
         if not isinstance(task, fdl.Buildable) or recipe_value(task, "trainer.strategy") is None:
             raise ConfigError(["PlannedLongContextPlugin rewrites a NeMo recipe (run.Partial(llm.pretrain, ...)), got "

@@ -15,9 +15,9 @@ import os
 from pathlib import Path
 from typing import Any, Callable, List, Optional, Tuple
 
-from nemo_longctx.checkpoint_integrity import NEMO_WEIGHTS, checkpoint_problem
-from nemo_longctx.integrations.nemo.config_keys import RESUME_MODES
-from nemo_longctx.path_checks import is_checkpoint, newest_first, unfinished_marker
+from nemo_longctx.shared.app_keys import RESUME_MODES
+from nemo_longctx.shared.checkpoint_integrity import NEMO_WEIGHTS, checkpoint_problem
+from nemo_longctx.shared.path_checks import is_checkpoint, newest_first, unfinished_marker
 
 def newest_intact(directory: str, unfinished: Optional[Callable[[Any], bool]] = None
                   ) -> Tuple[Optional[Path], List[Tuple[str, str]]]:

@@ -23,7 +23,7 @@ import sys
 import time
 from typing import Any, List, Optional, Tuple
 
-from nemo_longctx.process_exit import exit_process
+from nemo_longctx.shared.process_exit import exit_process
 
 OUR_KEYS = ("cp", "optim", "recompute", "offload", "tiling", "memory", "recipe", "init_from", "output_dir", "launcher",
             "run")
@@ -64,10 +64,10 @@ def split_args(argv: List[str]) -> Tuple[List[str], List[str]]:
 
 
 def compose(overrides: List[str]) -> Any:
-    """``conf/bridge.yaml`` composed with our overrides (Hydra's compose API, ``nemo_longctx.overrides``: the same
-    messages as ``nemo-longctx train`` for a malformed override, an unknown group choice or key)."""
+    """``conf/bridge.yaml`` composed with our overrides (Hydra's compose API, ``nemo_longctx.shared.overrides``: the
+    same messages as ``nemo-longctx train`` for a malformed override, an unknown group choice or key)."""
     from nemo_longctx.options import ConfigError
-    from nemo_longctx.overrides import compose as compose_config
+    from nemo_longctx.shared.overrides import compose as compose_config
 
     cfg, problems = compose_config("bridge", overrides)
     if problems:
@@ -89,8 +89,8 @@ def options_of(cfg: Any) -> Any:
 def _app_options() -> Tuple[Any, ...]:
     """This app's own keys (``conf/bridge.yaml`` outside the option model's groups), typed and checked by the option
     model's one checker, like the NeMo app's ``APP_OPTIONS``."""
-    from nemo_longctx.integrations.nemo.config_keys import APP_OPTIONS
     from nemo_longctx.options import Option
+    from nemo_longctx.shared.app_keys import APP_OPTIONS
 
     shared = {o.key: o for o in APP_OPTIONS}  # the NeMo 2 app's keys with the same meaning here
     return (
@@ -118,8 +118,8 @@ def app_problems(ours: List[str], options: Any, cfg: Any = None) -> List[str]:
     """The app's own keys (typed, misspelt ones refused) and what this front end does not take, each named."""
     from omegaconf import OmegaConf
 
-    from nemo_longctx.integrations.nemo.config_keys import parse_fault
     from nemo_longctx.options import ConfigError, unknown_keys
+    from nemo_longctx.shared.app_keys import parse_fault
 
     p = [f"{a.split('=')[0]}: on the Bridge front end the learning-rate schedule is Bridge's ({BRIDGE_OWNS[k]}=...)"
          for a in ours for k in [a.lstrip("+~").split("=", 1)[0]] if k in BRIDGE_OWNS]
@@ -139,7 +139,7 @@ def app_problems(ours: List[str], options: Any, cfg: Any = None) -> List[str]:
         except ConfigError as e:
             p += e.problems
     if isinstance(present.get("output_dir"), str):  # a real write probe, before Hydra makes the run directory
-        from nemo_longctx.path_checks import writable_dir_problem
+        from nemo_longctx.shared.path_checks import writable_dir_problem
 
         p += [m for m in [writable_dir_problem("output_dir", present["output_dir"])] if m]
     return p
@@ -147,10 +147,10 @@ def app_problems(ours: List[str], options: Any, cfg: Any = None) -> List[str]:
 
 class FaultDrill:
     """``run.fault=KIND@STEP:RANK`` as a Bridge callback: at the start of training step STEP (1-based) global rank
-    RANK runs the launcher's drill (``integrations.nemo.launch.inject_fault``), as the NeMo app does."""
+    RANK runs the launcher's drill (``shared.launch.inject_fault``), as the NeMo app does."""
 
     def __init__(self, spec: str) -> None:
-        from nemo_longctx.integrations.nemo.config_keys import parse_fault
+        from nemo_longctx.shared.app_keys import parse_fault
 
         self.kind, self.step, self.rank = parse_fault(spec)
 
@@ -163,7 +163,7 @@ class FaultDrill:
             def on_train_step_start(self, context: Any) -> None:
                 import torch.distributed as dist
 
-                from nemo_longctx.integrations.nemo.launch import inject_fault
+                from nemo_longctx.shared.launch import inject_fault
 
                 if int(context.state.train_state.step) + 1 == outer.step and dist.get_rank() == outer.rank:
                     inject_fault(outer.kind, outer.step, outer.rank)
@@ -270,7 +270,7 @@ class StepMetrics:
                 if problems:
                     raise RuntimeError("nemo-longctx bridge: " + "; ".join(problems))
                 layers = sum(1 for chunk in context.model for _ in _attention_layers(chunk))
-                from nemo_longctx import console
+                from nemo_longctx.shared import console
 
                 console.setup(console.level(), dist.get_rank())  # again: Bridge set its loggers' levels up
                 if dist.get_rank() == 0:
@@ -329,7 +329,7 @@ def run_rank(cfg: Any, bridge_overrides: List[str], options: Any, container: Any
     from nemo_longctx.integrations.bridge.memory import memory_of
     from nemo_longctx.integrations.bridge.preemption import SaveOnSignal, latched_signals
 
-    from nemo_longctx import console
+    from nemo_longctx.shared import console
 
     console.setup(console.level(), console.rank_from_env())  # again: the libraries are imported now
     output_dir = os.path.abspath(str(cfg.output_dir))
@@ -386,17 +386,17 @@ def external_rank(cfg: Any, bridge_overrides: List[str], options: Any, launch: A
 
 def main(argv: Optional[List[str]] = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
-    from nemo_longctx import console
+    from nemo_longctx.shared import console
 
     verbose = console.VERBOSE_FLAG in args  # everything the libraries print (every rank gets the flag too)
     args = [a for a in args if a != console.VERBOSE_FLAG]
     console.setup("debug" if verbose else "info", console.rank_from_env())
-    from nemo_longctx.help import maybe_print_help
+    from nemo_longctx.apps.help import maybe_print_help
 
     maybe_print_help("bridge", args, app_options=_app_options())  # -h/--help: our groups and keys, exit 0
     from nemo_longctx.integrations.bridge.hf import init_from_problems
-    from nemo_longctx.integrations.nemo.launch import detect_external_launch, launch_local
     from nemo_longctx.options import ConfigError, raise_problems
+    from nemo_longctx.shared.launch import detect_external_launch, launch_local
 
     try:
         args = recipe_flag(args)
@@ -440,7 +440,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     code = launch_local(world, args + ([console.VERBOSE_FLAG] if verbose else []),
                         max(1, (os.cpu_count() or 1) // world), wall_timeout_s=cfg.run.timeout_s,
                         shutdown_timeout_s=int(cfg.launcher.shutdown_timeout_s),
-                        log_dir=os.path.join(output_dir, "rank_logs"), module="nemo_longctx.bridge_app",
+                        log_dir=os.path.join(output_dir, "rank_logs"), module="nemo_longctx.apps.bridge",
                         env={"NEMO_LONGCTX_BRIDGE_RANK": "1"}, forward_signals=signals,
                         signal_grace_s=float(cfg.run.signal_grace_s))
     metrics = os.path.join(output_dir, "metrics.jsonl")

@@ -1,10 +1,10 @@
 """`nemo-longctx plan`: pick CP / TP / recompute / offload / tiling for a long-context run before the first OOM.
 
     nemo-longctx plan model=llama3_8b plan.seq_length=1048576 plan.gpus=8 plan.gpu_memory_gb=80
-    python -m nemo_longctx.plan model=llama3_70b plan.seq_length=1048576 plan.gpus=64 plan.json=true
+    python -m nemo_longctx.apps.plan model=llama3_70b plan.seq_length=1048576 plan.gpus=64 plan.json=true
 
 Composes conf/plan.yaml (the same `model` group as `nemo-longctx train`, plus the `plan` group for GPU presets),
-evaluates every candidate with nemo_longctx.memory.planner, prints a table (fitting candidates by relative cost,
+evaluates every candidate with nemo_longctx.planner.search, prints a table (fitting candidates by relative cost,
 then the closest misses), and the cheapest fitting one as ready `nemo-longctx train` overrides.
 `plan.write_sbatch=PATH` writes an sbatch script for it, `plan.plot=PATH` a PNG of predicted per-GPU memory vs
 sequence length, `plan.json=true` prints JSON only. Exit status 2 (with what is missing) when nothing fits.
@@ -22,12 +22,9 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from nemo_longctx.memory.model_shapes import shape_from_config
 from nemo_longctx.options import ConfigError, Context, raise_problems  # noqa: F401  (ConfigError: main's refusal)
-from nemo_longctx.overrides import conf_dir  # noqa: F401  (plan.conf_dir: the Hydra tree, used by the apps)
-from nemo_longctx.plan_keys import PLAN_OPTIONS, plan_key_problems  # noqa: F401  (PLAN_OPTIONS: plan's keys)
-from nemo_longctx.signals import DEFAULT_GRACE_S
-from nemo_longctx.memory.planner import (  # noqa: F401  (RECOMPUTE_GROUP, option_model: the contract's names)
+from nemo_longctx.planner.model_shapes import shape_from_config
+from nemo_longctx.planner.search import (  # noqa: F401  (RECOMPUTE_GROUP, option_model: the contract's names)
     CHECKPOINT_WRITE_GB_S,
     checkpoint_estimate,
     GIB,
@@ -47,6 +44,9 @@ from nemo_longctx.memory.planner import (  # noqa: F401  (RECOMPUTE_GROUP, optio
     plan as make_plan,
     what_is_missing,
 )
+from nemo_longctx.shared.overrides import conf_dir  # noqa: F401  (plan.conf_dir: the Hydra tree, used by the apps)
+from nemo_longctx.shared.plan_keys import PLAN_OPTIONS, plan_key_problems  # noqa: F401  (PLAN_OPTIONS: plan's keys)
+from nemo_longctx.shared.signals import DEFAULT_GRACE_S
 
 # How a candidate maps onto `nemo-longctx train` overrides: the option model (nemo_longctx.options) emits the option
 # groups' overrides (`LongContextOptions.to_overrides`); these are the train app's other keys the plan sets.
@@ -328,8 +328,8 @@ def caveats(ev: Evaluation, precision: str, target: str = "gpu", frontend: str =
     from dataclasses import replace as _replace
 
     from nemo_longctx.integrations.megatron.validation import model_state_cpu_problems
-    from nemo_longctx.integrations.nemo.config_keys import NEMO_KEYS
     from nemo_longctx.options import Context as _Context
+    from nemo_longctx.shared.app_keys import NEMO_KEYS
 
     gpu = target == "gpu"
     keys = NEMO_KEYS if frontend == "nemo" else {}
@@ -360,7 +360,7 @@ def format_caveats(items: List[str]) -> str:
 
 def source_checkout() -> str:
     """The nemo_longctx checkout this module runs from ('' when installed from a wheel: no pyproject.toml)."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     return str(root) if (root / "pyproject.toml").exists() else ""
 
 
@@ -576,8 +576,8 @@ def run(cfg: Any, out=sys.stdout) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    """Console entry (`nemo-longctx plan ...` / `python -m nemo_longctx.plan ...`): Hydra overrides in argv."""
-    from nemo_longctx.help import maybe_print_help
+    """Console entry (`nemo-longctx plan ...` / `python -m nemo_longctx.apps.plan ...`): Hydra overrides in argv."""
+    from nemo_longctx.apps.help import maybe_print_help
 
     maybe_print_help("plan", sys.argv[1:] if argv is None else argv)  # -h/--help: plan's keys, exit 0
     import hydra

@@ -1,4 +1,5 @@
-"""``python -m nemo_longctx.reaper TOKEN``: the local launcher's reaper (``launch._Reaper``; standard library only).
+"""``python -m nemo_longctx.shared.reaper TOKEN``: the local launcher's reaper (``launch._Reaper``; standard library
+only).
 
 Blocks until its stdin reaches EOF -- the launcher closed the pipe at its end, or the kernel did because the launcher
 died, a SIGKILL included -- then SIGKILLs every process whose environment carries ``NEMO_LONGCTX_RUN_TOKEN=TOKEN``

@@ -7,7 +7,7 @@ import re
 from typing import List, Sequence, Tuple
 
 from nemo_longctx.options import ConfigError, LongContextOptions, Option
-from nemo_longctx.signals import DEFAULT_GRACE_S, DEFAULT_SIGNALS, SIGNAL_NAMES
+from nemo_longctx.shared.signals import DEFAULT_GRACE_S, DEFAULT_SIGNALS, SIGNAL_NAMES
 
 RESUME_MODES = ("auto", "never")
 # the groups whose keys are all declared (here or in the option model): any other key in them is refused

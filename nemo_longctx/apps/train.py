@@ -1,5 +1,5 @@
-"""``nemo-longctx train`` / ``python -m nemo_longctx.train``: the Hydra app for NeMo 2 pre-training with nemo_longctx
-context parallelism.
+"""``nemo-longctx train`` / ``python -m nemo_longctx.apps.train``: the Hydra app for NeMo 2 pre-training with
+nemo_longctx context parallelism.
 
 Flow: compose the config (``conf/train.yaml`` + the command line) -> validate every config-level problem at once ->
 [no torchrun/srun and world > 1: start the local ranks with PyTorch's elastic agent, each re-running this app with
@@ -24,7 +24,7 @@ import hydra
 from omegaconf import DictConfig
 
 from nemo_longctx.options import LongContextOptions
-from nemo_longctx.signals import PREEMPTED_EXIT, signals_of
+from nemo_longctx.shared.signals import PREEMPTED_EXIT, signals_of
 
 from nemo_longctx.integrations.nemo.app import (  # noqa: F401  (re-exported: the app's public helpers)
     Built,
@@ -40,8 +40,8 @@ from nemo_longctx.integrations.nemo.app import (  # noqa: F401  (re-exported: th
     save_time_warning,
     world_size_of,
 )
-from nemo_longctx.integrations.nemo.config_keys import save_on_signal
-from nemo_longctx.integrations.nemo.launch import (
+from nemo_longctx.shared.app_keys import save_on_signal
+from nemo_longctx.shared.launch import (
     CONFIG_ERROR_EXIT,
     Launch,
     detect_external_launch,
@@ -69,8 +69,8 @@ def train_rank(cfg: DictConfig, launch: Optional[Launch], options: Optional[Long
     import lightning.pytorch as pl
     from omegaconf import OmegaConf
 
-    from nemo_longctx import console
     from nemo_longctx.integrations.nemo.app import fit
+    from nemo_longctx.shared import console
 
     rank = launch.rank if launch is not None else 0
     level = str(OmegaConf.select(cfg, "log.level", default="info"))
@@ -110,8 +110,8 @@ def train_rank(cfg: DictConfig, launch: Optional[Launch], options: Optional[Long
 def _print_summary(cfg: DictConfig, code: int, since: Optional[float] = None, rank_logs: Optional[str] = None) -> None:
     """The run's final summary (``console.summary_lines``), read from its metrics file; ``since``: when the ranks
     started (a metrics file last written before then is a previous run's)."""
-    from nemo_longctx import console
     from nemo_longctx.integrations.nemo.app import checkpoint_dir
+    from nemo_longctx.shared import console
 
     metrics = os.path.join(str(cfg.output_dir), "metrics.jsonl")
     every = int(cfg.get("checkpoint", {}).get("every_n_steps", 0) or 0)
@@ -231,19 +231,19 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def _rank0() -> bool:
-    from nemo_longctx import console
+    from nemo_longctx.shared import console
 
     return console.rank_from_env() == 0
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    from nemo_longctx.help import maybe_print_help
+    from nemo_longctx.apps.help import maybe_print_help
 
     maybe_print_help("train", sys.argv[1:] if argv is None else argv)  # -h/--help: our groups and keys, exit 0
     die_with_parent()  # a rank of the local launcher never outlives it
     faulthandler.enable()  # a rank killed by SIGSEGV/SIGABRT/SIGBUS/SIGFPE leaves its Python stacks on stderr
     args = list(sys.argv[1:] if argv is None else argv)
-    from nemo_longctx import console
+    from nemo_longctx.shared import console
 
     # --verbose = log.level=debug: the override replaces the flag, so Hydra and every rank (handed _ARGV) get it; the
     # console is quieted now, before the libraries are imported (train_rank applies the composed cfg.log.level)
@@ -256,7 +256,7 @@ def main(argv: Optional[List[str]] = None) -> None:
               "(e.g. one sbatch job each)", file=sys.stderr)
         sys.exit(2)
     from nemo_longctx.integrations.nemo.app import preflight
-    from nemo_longctx.overrides import quote_path_values
+    from nemo_longctx.shared.overrides import quote_path_values
 
     args = quote_path_values(args)  # checkpoint.resume=/ckpt/step=3-...: a path, passed on quoted
     if os.environ.get("NEMO_LONGCTX_SPAWNED") != "1":  # the launching process (or a torchrun/srun rank)
@@ -268,7 +268,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     _ARGV[:] = args
     sys.argv = [sys.argv[0], *args]
     _hydra_main()  # Hydra exits with 1 itself when the task raises (and prints the error)
-    from nemo_longctx.process_exit import exit_process
+    from nemo_longctx.shared.process_exit import exit_process
 
     exit_process(_EXIT["code"])  # without NeMo's ~4 s of interpreter teardown (process_exit.py)
 

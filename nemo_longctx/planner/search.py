@@ -77,7 +77,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Iterable, Mapping, Optional
 
 from nemo_longctx.options import DEFAULT_SEQUENCE_CHUNK_TOKENS, Context, LongContextOptions, auto_tiles, layout_problems
-from nemo_longctx.signals import DEFAULT_GRACE_S
+from nemo_longctx.shared.signals import DEFAULT_GRACE_S
 
 from .model_shapes import ModelShape, shape_from_config
 
@@ -252,7 +252,7 @@ class ModelState:
 
 
 # searched by default: every sharding, optimizer offload 0 / 0.5 / 1, precision-aware off / on; the plan app keeps
-# the combinations its validation accepts (nemo_longctx.plan.app_accepts)
+# the combinations its validation accepts (nemo_longctx.apps.plan.app_accepts)
 MODEL_STATES = tuple(ModelState(sh, f, pa) for sh in SHARDING for f in (0.0, 0.5, 1.0) for pa in (False, True))
 
 

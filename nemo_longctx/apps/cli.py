@@ -1,5 +1,5 @@
-"""``nemo-longctx`` console script: ``nemo-longctx train [overrides]`` (nemo_longctx.train) and
-``nemo-longctx plan [args]`` (nemo_longctx.plan). Hydra parses ``sys.argv``, so the subcommand is removed from it
+"""``nemo-longctx`` console script: ``nemo-longctx train [overrides]`` (nemo_longctx.apps.train) and
+``nemo-longctx plan [args]`` (nemo_longctx.apps.plan). Hydra parses ``sys.argv``, so the subcommand is removed from it
 before the app runs."""
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ commands:
 nemo-longctx train|plan|bridge --help: the command's config groups and keys; --hydra-help: Hydra's own help.
 """
 
-COMMANDS = {"train": "nemo_longctx.train", "bridge": "nemo_longctx.bridge_app", "plan": "nemo_longctx.plan",
-            "import": "nemo_longctx.convert:import_main", "export": "nemo_longctx.convert:export_main",
-            "bridge-export": "nemo_longctx.bridge_convert:export_main"}
+COMMANDS = {"train": "nemo_longctx.apps.train", "bridge": "nemo_longctx.apps.bridge", "plan": "nemo_longctx.apps.plan",
+            "import": "nemo_longctx.apps.convert:import_main", "export": "nemo_longctx.apps.convert:export_main",
+            "bridge-export": "nemo_longctx.apps.bridge_convert:export_main"}
 
 
-HELP_APPS = ("train", "plan")  # `nemo-longctx <app> --help` answered by nemo_longctx.help (bridge: by its main)
+HELP_APPS = ("train", "plan")  # `nemo-longctx <app> --help` answered by nemo_longctx.apps.help (bridge: by its main)
 
 
 def main(argv=None) -> None:
@@ -46,7 +46,7 @@ def main(argv=None) -> None:
         print(f"nemo-longctx: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         sys.exit(2)
     if command in HELP_APPS and any(a in ("-h", "--help") for a in argv[2:]):  # answered without the app's imports
-        from nemo_longctx.help import maybe_print_help
+        from nemo_longctx.apps.help import maybe_print_help
 
         maybe_print_help(command, argv[2:])
     module_name, _, function = COMMANDS[command].partition(":")

@@ -12,7 +12,7 @@ import sys
 import time
 from typing import List, Optional
 
-from nemo_longctx.convert import parse_args
+from nemo_longctx.shared.converter_args import parse_args
 
 EXPORT_USAGE = """usage: nemo-longctx bridge-export checkpoint=<Bridge checkpoint.save dir, or one of its iter_* \\
     dirs> output=<new HF dir> [source=<the HF model dir it was trained from; default: the checkpoint's init_from>]

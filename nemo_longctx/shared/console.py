@@ -1,4 +1,4 @@
-"""The console of a training run, for every front end (``train.py``, ``bridge_app.py``): standard library only.
+"""The console of a training run, for every front end (``apps/train.py``, ``apps/bridge.py``): standard library only.
 
 ``log.level=info`` (the default; the quiet console): our step lines, real warnings once on rank 0, errors from every
 rank, and one summary at the end. ``log.level=debug`` (``--verbose``): everything the libraries print, as they print it.
@@ -275,7 +275,7 @@ def summary_lines(code: int, rows: Sequence[dict], wall_s: float, *, max_steps: 
     """The final summary: ``<prefix>: finished|preempted, ...|FAILED (exit N) in W s from launch | steps S/M |
     final loss L | mean tokens/s T | peak P`` and one line per output path given (``(label, path)``; None paths and
     paths that do not exist left out)."""
-    from nemo_longctx.signals import PREEMPTED_EXIT
+    from nemo_longctx.shared.signals import PREEMPTED_EXIT
 
     s = summarize(rows)
     state = {0: "finished", PREEMPTED_EXIT: f"preempted, checkpoint saved (exit {code}: run the same command to "

@@ -176,4 +176,4 @@ def conf_dir() -> str:
         for loc in spec.submodule_search_locations:
             if (Path(loc) / "plan.yaml").exists():
                 return str(loc)
-    return str(Path(__file__).resolve().parents[1] / "conf")
+    return str(Path(__file__).resolve().parents[2] / "conf")

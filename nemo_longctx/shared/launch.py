@@ -7,7 +7,7 @@ GROUP_RANK, MASTER_ADDR, MASTER_PORT) and Lightning's ``TorchElasticEnvironment`
     SLURM_LOCALID, SLURM_NODEID, SLURM_STEP_NODELIST / SLURM_JOB_NODELIST) they are derived from the Slurm
     variables (no torchrun needed);
   * otherwise the app starts ``trainer.devices`` local processes with PyTorch's elastic agent (``launch_local``,
-    what ``torchrun --standalone`` runs) running ``python -m nemo_longctx.train <the same command line>``.
+    what ``torchrun --standalone`` runs) running ``python -m nemo_longctx.apps.train <the same command line>``.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Dict, Optional, Sequence
 
-from nemo_longctx.reaper import RUN_TOKEN_VAR
-from nemo_longctx.signals import PREEMPTED_EXIT
+from nemo_longctx.shared.reaper import RUN_TOKEN_VAR
+from nemo_longctx.shared.signals import PREEMPTED_EXIT
 
 
 @dataclass(frozen=True)
@@ -93,9 +93,9 @@ def detect_external_launch() -> Optional[Launch]:
 
 def launch_local(nproc: int, argv: Sequence[str], threads_per_process: int, *, wall_timeout_s: Optional[float] = None,
                  shutdown_timeout_s: int = 30, env: Optional[Dict[str, str]] = None,
-                 log_dir: Optional[str] = None, module: str = "nemo_longctx.train",
+                 log_dir: Optional[str] = None, module: str = "nemo_longctx.apps.train",
                  forward_signals: Sequence[int] = (), signal_grace_s: float = 120.0) -> int:
-    """Start ``python -m <module> *argv`` (default: ``nemo_longctx.train``) on ``nproc`` local ranks with PyTorch's
+    """Start ``python -m <module> *argv`` (default: ``nemo_longctx.apps.train``) on ``nproc`` local ranks with PyTorch's
     elastic agent (the code ``torchrun --standalone`` runs: a c10d rendezvous on a port the OS picks, no restarts)
     and wait for them.
 
@@ -272,9 +272,9 @@ def _children(pid: int) -> list:
 
 
 class _Reaper:
-    """``python -m nemo_longctx.reaper``: a process that outlives the launcher by a moment to SIGKILL every process
-    still carrying this run's token (``RUN_TOKEN_VAR``, set in this process's environment, so every rank and every
-    process a rank starts inherits it). It waits for EOF on a pipe whose write end only the launcher holds: the kernel
+    """``python -m nemo_longctx.shared.reaper``: a process that outlives the launcher by a moment to SIGKILL every
+    process still carrying this run's token (``RUN_TOKEN_VAR``, set in this process's environment, so every rank and
+    every process a rank starts inherits it). It waits for EOF on a pipe whose write end only the launcher holds: the kernel
     closes it however the launcher ends. ``release()`` (the launcher's normal end) closes it now and waits for the
     sweep."""
 
@@ -283,8 +283,8 @@ class _Reaper:
 
         token = uuid.uuid4().hex
         env = {k: v for k, v in os.environ.items() if k != RUN_TOKEN_VAR}
-        self._proc = subprocess.Popen([sys.executable, "-m", "nemo_longctx.reaper", token], stdin=subprocess.PIPE,
-                                      env=env, start_new_session=True, close_fds=True)
+        self._proc = subprocess.Popen([sys.executable, "-m", "nemo_longctx.shared.reaper", token],
+                                      stdin=subprocess.PIPE, env=env, start_new_session=True, close_fds=True)
         os.environ[RUN_TOKEN_VAR] = token
         self.pid = self._proc.pid
 
@@ -448,7 +448,7 @@ def die_with_parent() -> None:
 
 
 def inject_fault(kind: str, step: int, rank: int) -> None:
-    """A failure drill (``run.fault=KIND@STEP:RANK``, parsed by ``config_keys.parse_fault``) on this rank now, at the
+    """A failure drill (``run.fault=KIND@STEP:RANK``, parsed by ``app_keys.parse_fault``) on this rank now, at the
     start of training step STEP (both apps call it from their step-start hook): ``raise`` a RuntimeError, ``kill``
     itself with SIGKILL, ``abort`` like a C++ fatal error (a marker on stderr, then SIGABRT), ``hang`` (the peers
     block in their next collective until the collective timeout or the launcher stops the run), or ``SIGTERM`` /

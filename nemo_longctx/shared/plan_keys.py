@@ -1,8 +1,8 @@
 """`nemo-longctx plan`'s own keys (``conf/plan.yaml`` and the ``plan`` group's GPU presets), declared with the option
 model's one checker (``nemo_longctx.options.Option``), like the NeMo app's ``APP_OPTIONS``.
 
-Standard library + the option model only: ``nemo-longctx plan --help`` (``nemo_longctx.help``) reads these without
-importing the planner (which imports torch). ``nemo_longctx.plan`` re-exports ``PLAN_OPTIONS`` and checks every
+Standard library + the option model only: ``nemo-longctx plan --help`` (``nemo_longctx.apps.help``) reads these
+without importing the plan app or the planner. ``nemo_longctx.apps.plan`` re-exports ``PLAN_OPTIONS`` and checks every
 ``plan.*`` value with ``plan_key_problems`` before planning: all problems at once, each naming its key and value.
 """
 

@@ -2,8 +2,8 @@
 
 ``NEMO2_CONTAINERS``: NVIDIA's NGC NeMo containers that ship NeMo 2 (``nemo.collections.llm``), with the versions
 their release tables give (``../shared/design.md``). ``TESTED``: the stacks this repository's CI runs, and how.
-``python -m nemo_longctx.versions`` (the Dockerfile runs it) prints the installed versions and whether that stack is
-tested; with ``STRICT_VERSIONS=1`` an untested stack is an error (exit 1), otherwise a warning (exit 0).
+``python -m nemo_longctx.shared.versions`` (the Dockerfile runs it) prints the installed versions and whether that
+stack is tested; with ``STRICT_VERSIONS=1`` an untested stack is an error (exit 1), otherwise a warning (exit 0).
 """
 
 from __future__ import annotations

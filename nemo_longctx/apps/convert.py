@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import List, Optional
 
 from nemo_longctx.options import ConfigError
+from nemo_longctx.shared.converter_args import parse_args
 
 IMPORT_USAGE = """usage: nemo-longctx import source=<local Hugging Face model dir> output=<new NeMo checkpoint dir>
 
@@ -23,27 +24,6 @@ EXPORT_USAGE = """usage: nemo-longctx export checkpoint=<NeMo checkpoint dir, or
 Converts a checkpoint trained from an imported model back to Hugging Face (NeMo's exporter, llm.export_ckpt); the
 result loads with transformers.AutoModelForCausalLM.from_pretrained.
 """
-
-
-def parse_args(argv: List[str], required: List[str], usage: str, optional: Sequence[str] = ()) -> Dict[str, str]:
-    """``KEY=VALUE`` arguments of a converter: the ``required`` keys and any of ``optional``; anything else, or a
-    missing required key, exits 2 with every problem and the usage; ``-h``/``--help`` prints the usage."""
-    if any(a in ("-h", "--help", "help") for a in argv):
-        print(usage)
-        sys.exit(0)
-    args, problems = {}, []
-    expected = " ".join([k + "=..." for k in required] + [f"[{k}=...]" for k in optional])
-    for a in argv:
-        key, sep, value = a.partition("=")
-        if not sep or key not in (*required, *optional):
-            problems.append(f"unknown argument {a!r} (expected {expected})")
-        else:
-            args[key] = value
-    problems += [f"{k}= is required" for k in required if not args.get(k)]
-    if problems:
-        print("invalid arguments:\n  - " + "\n  - ".join(problems) + "\n\n" + usage, file=sys.stderr)
-        sys.exit(2)
-    return args
 
 
 def _run(fn, usage: str, **kwargs) -> None:

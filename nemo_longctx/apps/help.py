@@ -9,7 +9,7 @@ from the option model and the ``conf/`` tree (nothing here is written twice):
 - worked examples, and where Hydra's own help is (``--hydra-help``, passed through to Hydra untouched).
 
 Standard library, PyYAML and the option model only (no NeMo, torch or Hydra import): it answers in well under a
-second. Entry points: ``maybe_print_help(app, args)`` at the top of each app's ``main`` and in ``nemo_longctx.cli``
+second. Entry points: ``maybe_print_help(app, args)`` at the top of each app's ``main`` and in ``nemo_longctx.apps.cli``
 before the app is imported.
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 HELP_FLAGS = ("-h", "--help")
-CONF = Path(__file__).resolve().with_name("conf")
+CONF = Path(__file__).resolve().parents[1] / "conf"  # nemo_longctx/conf
 _MISSING = object()
 
 EXAMPLES = {
@@ -158,15 +158,15 @@ def _show(value: Any) -> str:
 # ------------------------------------------------------------------------------------------------- declarations
 def declared_options(app: str, app_options: Sequence[Any] = ()) -> Tuple[Any, ...]:
     """Every ``Option`` an app declares (what its help lists); ``app_options``: the Bridge app's own keys
-    (``bridge_app._app_options()``, handed in by its ``main``: this module does not import the apps)."""
+    (``apps.bridge._app_options()``, handed in by its ``main``: this module does not import the apps)."""
     from nemo_longctx.options import LongContextOptions
 
     if app == "train":
-        from nemo_longctx.integrations.nemo.config_keys import APP_OPTIONS
+        from nemo_longctx.shared.app_keys import APP_OPTIONS
 
         return tuple(LongContextOptions.options()) + tuple(APP_OPTIONS)
     if app == "plan":
-        from nemo_longctx.plan_keys import PLAN_OPTIONS
+        from nemo_longctx.shared.plan_keys import PLAN_OPTIONS
 
         return tuple(PLAN_OPTIONS)
     if app == "bridge":
