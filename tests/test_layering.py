@@ -4,7 +4,10 @@ Layers, arrows only pointing down (an import may go to the same or a lower rank;
 
     apps          nemo_longctx.apps.* (train, bridge, bridge_convert, plan, convert, help, cli, nemo_run_cli,
                   nemo_run_planned), nemo_longctx.selftest(.*), nemo_longctx.__main__
-    front ends    nemo_longctx.integrations.nemo.*, nemo_longctx.integrations.bridge.*
+    front ends    nemo_longctx.integrations.nemo.*    (each module imports NeMo or Lightning, itself or through a
+                                                       module of the NeMo wing that does; else it belongs in shared/.
+                                                       One named exception: NEMO_WING_WITHOUT_NEMO)
+                  nemo_longctx.integrations.bridge.*  (never reaches the NeMo wing; nor does the Bridge app)
     neutral       nemo_longctx.integrations.megatron.*   (megatron-core and torch; never nemo/lightning/hydra/bridge)
     memory        nemo_longctx.memory.*                  (plain torch; may use attention)
     attention     nemo_longctx.attention.*               (plain torch)
@@ -23,7 +26,10 @@ but the leaves (the planner also ``shared.signals``), so every layer may import 
 the apps do (integrations/megatron, memory and attention import neither). Ranking them above the torch layers would
 allow the launcher or the planner to import attention, memory or Megatron code, which they must not.
 
-Also checked: no import cycles; every internal import names an existing module.
+Also checked: no import cycles; every internal import names an existing module; no module imports a private
+(single-underscore) name of another module of the package, by ``from m import _x`` or as ``m._x`` on an imported
+module, except the compat modules (``COMPAT``: they patch what they must); the package root holds only
+``__init__.py``, ``__main__.py`` and ``options.py`` besides the subpackages.
 
 Every import counts: module level and inside functions, ``import x``, ``from x import y``, relative imports resolved
 to absolute names, and ``importlib.import_module("<literal>")``. ``from pkg import name`` is an import of the
@@ -38,7 +44,7 @@ from __future__ import annotations
 import ast
 import os
 import sys
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Set, Tuple
@@ -52,6 +58,7 @@ PKG_DIR = ROOT / PKG
 APPS = ("apps", "selftest", "__main__")
 FRONT_ENDS = ("integrations.nemo", "integrations.bridge")
 LEAVES = {PKG, f"{PKG}.options", f"{PKG}.conf", f"{PKG}.integrations"}
+ROOT_FILES = ("__init__.py", "__main__.py", "options.py")  # the package root's only .py files (rule 5)
 
 # rank of each layer: an import may only go to the same or a lower rank (leaves: anyone may import them)
 RANKS = {"apps": 6, "front end": 5, "integrations.megatron": 4, "memory": 3, "attention": 2, "planner": 1, "shared": 0}
@@ -68,6 +75,26 @@ LAZY_OPTIONAL_KERNELS = {
 # third-party packages attention/ and memory/ may import at all ("torch only"; plus the optional kernels above)
 PLAIN_TORCH_THIRD_PARTY = ("torch",)
 
+# shared/ (rule 3): the third-party packages it may import, and the package's modules besides shared.*
+SHARED_THIRD_PARTY = ("torch", "hydra", "omegaconf")
+SHARED_OWN = (f"{PKG}.options",)
+# planner/ (plain Python): the package's modules it may import besides planner.*; no third-party package at all
+PLANNER_OWN = (f"{PKG}.options", f"{PKG}.shared.signals")
+# the NeMo wing's frameworks (rule 1): each of its modules imports one, itself or through a module of the wing
+NEMO_FRAMEWORKS = ("nemo", "lightning", "pytorch_lightning")
+NEMO_WING = f"{PKG}.integrations.nemo"
+# integrations/nemo modules that import neither, and why they stay there
+NEMO_WING_WITHOUT_NEMO = {
+    NEMO_WING: "the wing's package __init__ (a docstring)",
+    f"{NEMO_WING}.steps": "NeMo's data_step_fn / forward_step_fn (the contract of NeMo's GPTConfig) written with "
+                          "torch and Megatron-core: not shared/ (Megatron), not integrations/megatron (neither "
+                          "Megatron-core's loop nor Bridge calls it: theirs is forward_step(data_iterator, model))",
+}
+# the Megatron-Bridge side (rule 2): none of these reaches the NeMo wing, directly or through other modules
+BRIDGE_SIDE = (f"{PKG}.apps.bridge", f"{PKG}.apps.bridge_convert", f"{PKG}.integrations.bridge")
+# the modules that patch libraries and may use private names of other modules (rule 4)
+COMPAT = {f"{PKG}.integrations.megatron.cpu_compat", f"{PKG}.integrations.megatron.cpu_compat_fsdp",
+          f"{PKG}.integrations.bridge.cpu_compat", f"{PKG}.integrations.nemo.compat"}
 STDLIB = sys.stdlib_module_names | {"__future__"}
 
 
@@ -202,8 +229,101 @@ def _from(*layers: str) -> List[Import]:
     return [i for i in IMPORTS if _layer(i.src) in layers]
 
 
+def _third_party(i: Import) -> bool:
+    return not _own(i.target)
+
+
 def _top(name: str) -> str:
     return name.split(".")[0]
+
+
+def _own_edges() -> Dict[str, Set[str]]:
+    edges: Dict[str, Set[str]] = defaultdict(set)
+    for i in IMPORTS:
+        if _own(i.target) and i.target in MODULES and i.target != i.src:
+            edges[i.src].add(i.target)
+    return edges
+
+
+def _chain(start: str, goal, edges: Dict[str, Set[str]]) -> Optional[List[str]]:
+    """A shortest import chain start -> ... -> a module for which ``goal`` holds (breadth first), or None."""
+    parent: Dict[str, Optional[str]] = {start: None}
+    queue = deque([start])
+    while queue:
+        v = queue.popleft()
+        if v != start and goal(v):
+            path = [v]
+            while parent[path[-1]] is not None:
+                path.append(parent[path[-1]])
+            return path[::-1]
+        for w in sorted(edges.get(v, ())):
+            if w not in parent:
+                parent[w] = v
+                queue.append(w)
+    return None
+
+
+@dataclass(frozen=True)
+class PrivateUse:
+    src: str
+    owner: str  # the module whose private name is used
+    name: str
+    file: str
+    line: int
+
+    def where(self) -> str:
+        return f"{self.file}:{self.line} ({self.src} uses {self.owner}.{self.name})"
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _dotted(node: ast.AST) -> Optional[str]:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        base = _dotted(node.value)
+        return f"{base}.{node.attr}" if base else None
+    return None
+
+
+def _private_uses(src: str, path: Path) -> List[PrivateUse]:
+    """``from m import _x`` of another module ``m`` of the package, and ``m._x`` on a name bound to one (``import
+    nemo_longctx.a.m as m``, ``from nemo_longctx.a import m``, ``import nemo_longctx.a.m``) -- anywhere in the file."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    rel = str(path.relative_to(ROOT))
+    out: List[PrivateUse] = []
+    bound: Dict[str, str] = {}  # local name -> module of the package
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if _own(a.name):
+                    bound[a.asname or a.name.split(".")[0]] = a.name if a.asname else PKG
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve_relative(src, node.level, node.module) if node.level else node.module
+            if not _own(base or ""):
+                continue
+            for a in node.names:
+                sub = f"{base}.{a.name}"
+                if sub in MODULES and a.name not in INIT_NAMES.get(base, ()):
+                    bound[a.asname or a.name] = sub
+                elif _private(a.name) and base != src:
+                    out.append(PrivateUse(src, base, a.name, rel, node.lineno))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            dotted = _dotted(node.value)
+            if dotted is None or dotted.split(".")[0] not in bound:
+                continue
+            head, *rest = dotted.split(".")
+            owner = ".".join([bound[head], *rest])
+            if owner in MODULES and owner != src:
+                out.append(PrivateUse(src, owner, node.attr, rel, node.lineno))
+    return out
+
+
+PRIVATE_USES: List[PrivateUse] = sorted({u for name, path in MODULES.items() for u in _private_uses(name, path)},
+                                        key=lambda u: (u.file, u.line, u.name))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -221,6 +341,100 @@ def test_the_walk_sees_the_package():
 def test_every_module_has_a_layer():
     unplaced = sorted(m for m in MODULES if _layer(m) is None)
     assert not unplaced, f"modules in no layer (give them one here, in the docstring's table): {unplaced}"
+
+
+def test_package_root_holds_only_init_main_and_options():
+    """Rule 5: modules live in the subpackage of their role (apps, shared, planner, integrations, memory, attention,
+    selftest); the root keeps the package's ``__init__``, ``python -m nemo_longctx`` and the option model (a leaf
+    every layer imports)."""
+    found = sorted(p.name for p in PKG_DIR.glob("*.py"))
+    extra = sorted(set(found) - set(ROOT_FILES))
+    assert not extra, (f"nemo_longctx/ holds {extra} besides {list(ROOT_FILES)}: move each into the subpackage of "
+                       "its role (apps/, shared/, planner/, integrations/...)")
+    assert set(ROOT_FILES) <= set(found), found
+
+
+def test_nemo_wing_modules_import_nemo_or_lightning():
+    """Rule 1: integrations/nemo/ holds what needs NeMo: every module there imports nemo or lightning (module level or
+    lazily), itself or through another module of the wing that does; one that does not belongs in shared/ (or is
+    named, with its reason, in NEMO_WING_WITHOUT_NEMO)."""
+    wing = sorted(m for m in MODULES if _under(m, NEMO_WING))
+    direct = {i.src for i in IMPORTS if i.src in wing and _third_party(i) and _matches(i.target, NEMO_FRAMEWORKS)}
+    edges = {m: {t for t in targets if t in wing} for m, targets in _own_edges().items() if m in wing}
+    reaching = {m for m in wing if m in direct or _chain(m, lambda v: v in direct, edges)}
+    bad = [m for m in wing if m not in reaching and m not in NEMO_WING_WITHOUT_NEMO]
+    lines = []
+    for m in bad:
+        imps = sorted({i.target for i in IMPORTS if i.src == m and not _top(i.target) in STDLIB})
+        lines.append(f"{MODULES[m].relative_to(ROOT)} ({m}) imports no NeMo/Lightning; its non-stdlib imports: {imps}")
+    assert not bad, ("modules of integrations/nemo/ that import neither nemo nor lightning (itself or through the "
+                     "wing) -- move them to shared/ or name them in NEMO_WING_WITHOUT_NEMO with the reason:\n  "
+                     + "\n  ".join(lines))
+    stale = sorted(m for m in NEMO_WING_WITHOUT_NEMO if m not in MODULES or m in reaching)
+    assert not stale, f"NEMO_WING_WITHOUT_NEMO names modules that are gone or import NeMo/Lightning now: {stale}"
+
+
+def test_bridge_side_never_reaches_the_nemo_wing():
+    """Rule 2: the Bridge app (apps/bridge.py, apps/bridge_convert.py) and integrations/bridge/ import nothing of
+    integrations.nemo -- directly or through any chain of the package's modules (module level or lazily)."""
+    edges = _own_edges()
+    direct = [i for i in IMPORTS if _matches(i.src, BRIDGE_SIDE) and _under(i.target, NEMO_WING)]
+    assert not direct, _report("the Bridge side imports the NeMo wing (integrations.nemo)", direct)
+    chains = []
+    for m in sorted(m for m in MODULES if _matches(m, BRIDGE_SIDE)):
+        chain = _chain(m, lambda v: _under(v, NEMO_WING), edges)
+        if chain:
+            chains.append(" -> ".join(chain))
+    assert not chains, ("the Bridge side reaches the NeMo wing through other modules (import chains):\n  "
+                        + "\n  ".join(chains))
+
+
+def test_shared_imports_only_the_standard_library_torch_hydra_options_and_shared():
+    """Rule 3: shared/ (imported by both front ends) imports the standard library, torch, Hydra/OmegaConf,
+    nemo_longctx.options and other shared modules only -- never nemo, lightning, megatron(.bridge), nemo_run,
+    transformers, nor another layer of the package."""
+    bad = [i for i in _from("shared")
+           if not (_under(i.target, f"{PKG}.shared") or _matches(i.target, SHARED_OWN)
+                   if _own(i.target) else _top(i.target) in STDLIB or _matches(i.target, SHARED_THIRD_PARTY))]
+    assert not bad, _report("nemo_longctx/shared/ imports beyond the standard library, torch, Hydra/OmegaConf, "
+                            "nemo_longctx.options and shared/", bad)
+
+
+def test_planner_is_plain_python():
+    """planner/: the standard library, nemo_longctx.options and nemo_longctx.shared.signals (PLANNER_OWN) only -- no
+    torch (``nemo-longctx plan`` and the NeMo-Run plugin plan without it)."""
+    bad = [i for i in _from("planner")
+           if not (_under(i.target, f"{PKG}.planner") or _matches(i.target, PLANNER_OWN)
+                   if _own(i.target) else _top(i.target) in STDLIB)]
+    assert not bad, _report("nemo_longctx/planner/ imports beyond the standard library and " + ", ".join(PLANNER_OWN),
+                            bad)
+
+
+def test_no_module_uses_a_private_name_of_another():
+    """Rule 4: a helper one module takes from another is public (no leading underscore): ``from m import _x`` and
+    ``m._x`` on an imported module of the package are refused, except in the compat modules (COMPAT). Names of
+    third-party libraries are not checked here."""
+    bad = [u for u in PRIVATE_USES if u.src not in COMPAT]
+    assert not bad, (f"private names used across modules ({len(bad)}; make the helper public at its definition and "
+                     "every use):\n  " + "\n  ".join(u.where() for u in bad))
+
+
+def test_the_private_name_check_sees_both_forms(tmp_path):
+    """The scan itself: ``from m import _x`` and ``m._x`` (through ``from pkg import m``) are both found."""
+    global ROOT
+    pkg_dir = tmp_path / PKG / "shared"
+    pkg_dir.mkdir(parents=True)
+    (pkg_dir / "probe.py").write_text("from nemo_longctx.shared.launch import _first_line\n"
+                                      "from nemo_longctx.shared import console\n"
+                                      "x = console._quiet\n")
+    saved = ROOT
+    ROOT = tmp_path
+    try:
+        uses = _private_uses(f"{PKG}.shared.probe", pkg_dir / "probe.py")
+    finally:
+        ROOT = saved
+    assert {(u.owner, u.name) for u in uses} == {(f"{PKG}.shared.launch", "_first_line"),
+                                                 (f"{PKG}.shared.console", "_quiet")}, uses
 
 
 def test_megatron_integration_is_framework_neutral():
