@@ -26,6 +26,7 @@ import torch.distributed as dist
 from .comm import group_size_and_rank
 from .kernels import resolve_softmax_scale, select_kernel
 from .ring import ring_attention
+from .sinks import resolve_sinks
 from .ulysses import check_ulysses_inputs, thd_order_for, ulysses_core
 from .input_checks import check_window
 
@@ -87,6 +88,8 @@ def hybrid_attention(
     cu_seqlens=None,
     cu_seqlens_padded=None,
     window_size=None,
+    sinks: Optional[Tensor] = None,
+    softmax_type: Optional[str] = None,
 ) -> Tensor:
     """Exact attention, Ulysses over ``ulysses_group`` x ring over ``ring_group`` (groups from ``make_cp_groups``).
 
@@ -96,19 +99,24 @@ def hybrid_attention(
     ``cu_seqlens`` / ``cu_seqlens_padded``: a packed sequence (per-document zigzag over all U*R ranks, see ``thd``);
     after the all-to-all each rank holds, per document, the zigzag shard of its ring rank over R ranks, and the
     THD ring (``ring_thd``) runs over ``ring_group``. ``window_size``: sliding-window attention; the ring part
-    exchanges only the K/V the window needs (``ring_window``). Raises ValueError before communicating.
+    exchanges only the K/V the window needs (``ring_window``). ``sinks`` / ``softmax_type``: attention sinks as in
+    ``ring.ring_attention``, applied once to the ring's final rows of the heads a rank holds after the all-to-all;
+    each rank's sinks gradient is its partial sum (zeros for heads it does not hold): sum it over the CP group.
+    Raises ValueError before communicating.
     """
     u_size, _ = group_size_and_rank(ulysses_group)
     r_size, _ = group_size_and_rank(ring_group)
     plan = check_ulysses_inputs(q, k, v, u_size, r_size, causal, head_chunks, global_seq_len, fn="hybrid_attention")
     thd = thd_order_for(q, u_size, ring_group, cu_seqlens, cu_seqlens_padded, fn="hybrid_attention")
     window = check_window(window_size, causal, u_size * r_size, q.shape[1], thd is not None, fn="hybrid_attention")
+    sink_logits = resolve_sinks(sinks, softmax_type, q, fn="hybrid_attention")
     if u_size == 1 and head_chunks == 1 and not regather_in_backward:  # pure ring: nothing to exchange or reorder
         return ring_attention(q, k, v, ring_group, causal, softmax_scale, kernel=kernel, global_seq_len=global_seq_len,
-                              cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded, window_size=window_size)
+                              cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded, window_size=window_size,
+                              sinks=sinks, softmax_type=softmax_type)
     scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
     kern = select_kernel(q.device, q.dtype, kernel, head_dim=q.shape[-1], value_dim=v.shape[-1])
     return ulysses_core(
         q, k, v, plan, ulysses_group if u_size > 1 else None, ring_group if r_size > 1 else None, causal, scale, kern,
-        bool(regather_in_backward), thd, window,
+        bool(regather_in_backward), thd, window, sink_logits,
     )

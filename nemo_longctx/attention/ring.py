@@ -30,6 +30,7 @@ from .kernels import AttentionKernel, resolve_softmax_scale, select_kernel
 from .merge import merge_attention_
 from .ring_thd import ring_thd_attention
 from .ring_window import ring_window_attention
+from .sinks import apply_sinks, resolve_sinks, sinks_grad
 from .thd import thd_layout_or_none
 from .input_checks import check_attention_inputs, check_window
 
@@ -55,12 +56,17 @@ def _block_plan(step: int, rank: int, size: int, causal: bool, c: int):
 
 def ring_attention_forward(
     q: Tensor, k: Tensor, v: Tensor, group: Optional[dist.ProcessGroup], causal: bool, scale: float,
-    kernel: AttentionKernel,
+    kernel: AttentionKernel, sinks: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
-    """Forward pass without autograd: (out [b, s_local, hq, dv] in q.dtype, lse [b, hq, s_local] fp32/fp64)."""
+    """Forward pass without autograd: (out [b, s_local, hq, dv] in q.dtype, lse [b, hq, s_local] fp32/fp64).
+
+    ``sinks`` ([hq] sink logits, ``sinks.resolve_sinks``): applied once, to the final rows (``sinks.apply_sinks``),
+    before the cast to q.dtype; the returned (out, lse) are then the sink-including ones the backward takes."""
     size, rank = group_size_and_rank(group)
     if size == 1:  # one block: the kernel's own result (an accumulator would only add a copy of out in fp32)
         out, lse = kernel.forward(q, k, v, causal, scale)
+        if sinks is not None:
+            out, lse = apply_sinks(out, lse.to(_accumulator_dtype(q.dtype)), sinks)
         return out.to(q.dtype), lse.to(_accumulator_dtype(q.dtype))
     ring = RingExchange(group)
     c = q.shape[1] // 2
@@ -77,6 +83,8 @@ def ring_attention_forward(
             merge_attention_(acc_out[:, qs], acc_lse[:, :, qs], out, lse)
         if pending is not None:
             kv = tuple(pending.wait())
+    if sinks is not None:
+        acc_out, acc_lse = apply_sinks(acc_out, acc_lse, sinks)
     return acc_out.to(q.dtype), acc_lse
 
 
@@ -141,17 +149,18 @@ def _grad_accumulator(grad: Tensor, rows: slice, like: Tensor, dtype: torch.dtyp
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, kernel: AttentionKernel):
-        out, lse = ring_attention_forward(q, k, v, group, causal, scale, kernel)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, group, causal, scale, kernel: AttentionKernel, sinks=None):
+        out, lse = ring_attention_forward(q, k, v, group, causal, scale, kernel, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.args = (group, causal, scale, kernel)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         dq, dk, dv = ring_attention_backward(dout, q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None
+        dsinks = sinks_grad(dout, out, lse, sinks) if ctx.needs_input_grad[7] else None
+        return dq, dk, dv, None, None, None, None, dsinks
 
 
 def ring_attention(
@@ -167,6 +176,8 @@ def ring_attention(
     cu_seqlens=None,
     cu_seqlens_padded=None,
     window_size=None,
+    sinks: Optional[Tensor] = None,
+    softmax_type: Optional[str] = None,
 ) -> Tensor:
     """Exact attention over a zigzag-sharded sequence split across ``group`` (see module docstring).
 
@@ -176,25 +187,33 @@ def ring_attention(
     documents on [1, s_local, h, d] tensors, per-document zigzag and attention (``thd``, ``ring_thd``).
     ``window_size=(left, right)``: sliding-window attention (flash-attn convention, ``(-1, -1)`` = none, causal
     SWA = ``(W, 0)``); only the K/V the window needs travel (``ring_window``).
+    ``sinks`` ([hq] learnable sink logits, any float dtype, differentiable) / ``softmax_type`` ("vanilla",
+    "off-by-one", "learnable"; None: "learnable" iff ``sinks`` is given): attention sinks (``sinks`` module); the
+    sinks' gradient on each rank is the partial sum over its rows (sum it over the CP group).
     Raises ValueError on inconsistent inputs before communicating.
     """
     size, _ = group_size_and_rank(group)
     check_attention_inputs(q, k, v, size, causal, global_seq_len, fn="ring_attention")
     layout = thd_layout_or_none(q, size, cu_seqlens, cu_seqlens_padded, fn="ring_attention")
     window = check_window(window_size, causal, size, q.shape[1], layout is not None, fn="ring_attention")
+    sink_logits = resolve_sinks(sinks, softmax_type, q, fn="ring_attention")
     scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
     kern = select_kernel(q.device, q.dtype, kernel, head_dim=q.shape[-1], value_dim=v.shape[-1])
+    group = group if size > 1 else None
     if layout is not None:
-        return ring_thd_attention(q, k, v, group if size > 1 else None, causal, scale, kern, layout, window)
+        return ring_thd_attention(q, k, v, group, causal, scale, kern, layout, window, sink_logits)
     if window is not None:
-        return ring_window_attention(q, k, v, group if size > 1 else None, causal, scale, kern, window)
-    return _RingAttention.apply(q, k, v, group if size > 1 else None, causal, scale, kern)
+        return ring_window_attention(q, k, v, group, causal, scale, kern, window, sink_logits)
+    return _RingAttention.apply(q, k, v, group, causal, scale, kern, sink_logits)
 
 
 def local_attention(
     q: Tensor, k: Tensor, v: Tensor, causal: bool = True, softmax_scale: Optional[float] = None, *,
     kernel: Optional[str] = None, cu_seqlens=None, cu_seqlens_padded=None, window_size=None,
+    sinks: Optional[Tensor] = None, softmax_type: Optional[str] = None,
 ) -> Tensor:
-    """Differentiable single-device attention with the same layout and kernels (CP size 1)."""
+    """Differentiable single-device attention with the same layout and kernels (CP size 1); ``sinks`` /
+    ``softmax_type`` as in ``ring_attention``."""
     return ring_attention(q, k, v, None, causal, softmax_scale, kernel=kernel, cu_seqlens=cu_seqlens,
-                          cu_seqlens_padded=cu_seqlens_padded, window_size=window_size)
+                          cu_seqlens_padded=cu_seqlens_padded, window_size=window_size, sinks=sinks,
+                          softmax_type=softmax_type)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from .comm import RingExchange, group_size_and_rank
 from .kernels import AttentionKernel
+from .sinks import apply_sinks, sinks_grad
 from .thd import ThdLayout, empty_accumulators, merge_rows_, varlen_backward, varlen_forward
 from .window import window_backward_blocks, window_forward_blocks
 
@@ -32,9 +33,10 @@ def _accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def ring_thd_forward(
     q: Tensor, k: Tensor, v: Tensor, group: Optional[dist.ProcessGroup], causal: bool, scale: float,
-    kernel: AttentionKernel, layout: ThdLayout, window=None,
+    kernel: AttentionKernel, layout: ThdLayout, window=None, sinks: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
-    """(out [1, s_local, hq, dv] in q.dtype, lse [1, hq, s_local] fp32/fp64; padding rows 0 / -inf)."""
+    """(out [1, s_local, hq, dv] in q.dtype, lse [1, hq, s_local] fp32/fp64; padding rows 0 / -inf).
+    ``sinks`` ([hq] logits): applied once to the final rows (``sinks.apply_sinks``; padding rows stay 0 / -inf)."""
     size, rank = group_size_and_rank(group)
     ring = RingExchange(group) if size > 1 else None
     acc_out, acc_lse = empty_accumulators(q, v, _accumulator_dtype(q.dtype))
@@ -49,6 +51,8 @@ def ring_thd_forward(
             window_forward_blocks(q, kv[0], kv[1], blocks, window, scale, kernel, acc_out, acc_lse, merge_rows_)
         if pending is not None:
             kv = tuple(pending.wait())
+    if sinks is not None:
+        acc_out, acc_lse = apply_sinks(acc_out, acc_lse, sinks)
     return acc_out.to(q.dtype), acc_lse
 
 
@@ -95,21 +99,24 @@ def ring_thd_backward(
 
 class _RingAttentionTHD(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, kernel: AttentionKernel, layout: ThdLayout, window=None):
-        out, lse = ring_thd_forward(q, k, v, group, causal, scale, kernel, layout, window)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, group, causal, scale, kernel: AttentionKernel, layout: ThdLayout, window=None,
+                sinks=None):
+        out, lse = ring_thd_forward(q, k, v, group, causal, scale, kernel, layout, window, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.args = (group, causal, scale, kernel, layout, window)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         dq, dk, dv = ring_thd_backward(dout, q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None, None
+        dsinks = sinks_grad(dout, out, lse, sinks) if ctx.needs_input_grad[9] else None
+        return dq, dk, dv, None, None, None, None, None, None, dsinks
 
 
 def ring_thd_attention(q, k, v, group, causal: bool, scale: float, kernel: AttentionKernel,
-                       layout: ThdLayout, window=None) -> Tensor:
+                       layout: ThdLayout, window=None, sinks: Optional[Tensor] = None) -> Tensor:
     """Differentiable THD ring attention on validated inputs (``ring.ring_attention(..., cu_seqlens=...)``);
-    ``window``: a normalized sliding window, applied within each document (the whole K/V still travel)."""
-    return _RingAttentionTHD.apply(q, k, v, group, causal, scale, kernel, layout, window)
+    ``window``: a normalized sliding window, applied within each document (the whole K/V still travel);
+    ``sinks``: [hq] sink logits (``sinks.resolve_sinks``) or None."""
+    return _RingAttentionTHD.apply(q, k, v, group, causal, scale, kernel, layout, window, sinks)

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from .comm import group_size_and_rank, record_bytes_sent
 from .kernels import AttentionKernel
+from .sinks import apply_sinks, sinks_grad
 from .thd import empty_accumulators, merge_rows_
 from .window import INF, window_backward_blocks, window_forward_blocks, windowed_blocks
 
@@ -110,8 +111,10 @@ def _wait(works) -> None:
         w.wait()
 
 
-def ring_window_forward(q, k, v, group, causal: bool, scale: float, kernel: AttentionKernel, window
-                        ) -> Tuple[Tensor, Tensor]:
+def ring_window_forward(q, k, v, group, causal: bool, scale: float, kernel: AttentionKernel, window,
+                        sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """(out in q.dtype, lse fp32/fp64) of the windowed rows; ``sinks`` ([hq] logits) applied once to the final
+    rows (``sinks.apply_sinks``)."""
     size, rank = group_size_and_rank(group)
     s = q.shape[1]
     segs = segments(size, rank, s)
@@ -124,6 +127,8 @@ def ring_window_forward(q, k, v, group, causal: bool, scale: float, kernel: Atte
     for p, (kp, vp) in recv.items():
         blocks = windowed_blocks(segs, ex.key_segments(p), window)
         window_forward_blocks(q, kp, vp, blocks, window, scale, kernel, acc_out, acc_lse, merge_rows_)
+    if sinks is not None:
+        acc_out, acc_lse = apply_sinks(acc_out, acc_lse, sinks)
     return acc_out.to(q.dtype), acc_lse
 
 
@@ -162,20 +167,22 @@ def ring_window_backward(dout, q, k, v, out, lse, group, causal: bool, scale: fl
 
 class _RingWindowAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, kernel, window):
-        out, lse = ring_window_forward(q, k, v, group, causal, scale, kernel, window)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, group, causal, scale, kernel, window, sinks=None):
+        out, lse = ring_window_forward(q, k, v, group, causal, scale, kernel, window, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.args = (group, causal, scale, kernel, window)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         dq, dk, dv = ring_window_backward(dout, q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None
+        dsinks = sinks_grad(dout, out, lse, sinks) if ctx.needs_input_grad[8] else None
+        return dq, dk, dv, None, None, None, None, None, dsinks
 
 
 def ring_window_attention(q, k, v, group: Optional[dist.ProcessGroup], causal: bool, scale: float,
-                          kernel: AttentionKernel, window) -> Tensor:
-    """Differentiable windowed CP attention on validated inputs (``ring.ring_attention(..., window_size=...)``)."""
-    return _RingWindowAttention.apply(q, k, v, group, causal, scale, kernel, window)
+                          kernel: AttentionKernel, window, sinks: Optional[Tensor] = None) -> Tensor:
+    """Differentiable windowed CP attention on validated inputs (``ring.ring_attention(..., window_size=...)``);
+    ``sinks``: [hq] sink logits (``sinks.resolve_sinks``) or None."""
+    return _RingWindowAttention.apply(q, k, v, group, causal, scale, kernel, window, sinks)

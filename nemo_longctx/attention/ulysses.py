@@ -28,6 +28,10 @@ GQA/MQA: only key/value heads travel, never repeated query-side. When hkv % P ==
 them. Otherwise each KV head is replicated rep = P / gcd(hkv, P) times (the least rep with hkv*rep % P == 0;
 replica e serves query heads e*g ... e*g+g-1 with g = hq / (hkv*rep), which keeps the query -> KV grouping
 exact), replicas are gathered only while packing the send buffer, and their gradients are summed back.
+
+Attention sinks (``sinks`` module): after the all-to-all a rank computes query heads ``q_heads(rank, t)`` of every
+chunk, so it applies those heads' sink logits to its final rows (in the local kernel's or the inner ring's final
+merge, once) and returns the sinks' gradient for those heads, zeros for the others.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from .layouts import thd_zigzag_indices
 from .ring import ring_attention_backward, ring_attention_forward
 from .ring_thd import ring_thd_backward, ring_thd_forward
 from .ring_window import ring_window_backward, ring_window_forward
+from .sinks import resolve_sinks, sinks_grad
 from .thd import ThdLayout, thd_layout_or_none
 from .input_checks import check_attention_inputs, check_window
 
@@ -209,14 +214,15 @@ def _pick_heads(x: Tensor, heads: HeadIndex) -> Tensor:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _inner_forward(q, k, v, ring_group, causal, scale, kernel, thd=None, window=None):
+def _inner_forward(q, k, v, ring_group, causal, scale, kernel, thd=None, window=None, sinks=None):
+    """(out, lse) of the gathered heads; ``sinks``: those heads' sink logits, applied once to the final rows."""
     if thd is not None:
-        return ring_thd_forward(q, k, v, ring_group, causal, scale, kernel, thd.layout, window)
+        return ring_thd_forward(q, k, v, ring_group, causal, scale, kernel, thd.layout, window, sinks)
     if window is not None:
-        return ring_window_forward(q, k, v, ring_group, causal, scale, kernel, window)
-    if ring_group is None:
+        return ring_window_forward(q, k, v, ring_group, causal, scale, kernel, window, sinks)
+    if ring_group is None and sinks is None:
         return kernel.forward(q, k, v, causal, scale)
-    return ring_attention_forward(q, k, v, ring_group, causal, scale, kernel)
+    return ring_attention_forward(q, k, v, ring_group, causal, scale, kernel, sinks)
 
 
 def _inner_backward(dout, q, k, v, out, lse, ring_group, causal, scale, kernel, thd=None, window=None):
@@ -261,8 +267,8 @@ def _to_heads(sources, outs, send, recv, group, natural) -> None:
         lo += w
 
 
-def _to_sequence(tensors, sinks, send, recv, group, natural) -> None:
-    """Inverse of ``_to_heads``: for [b, P*s_local, n, e] ``tensors``, ``sinks[i](j, part)`` receives the
+def _to_sequence(tensors, receivers, send, recv, group, natural) -> None:
+    """Inverse of ``_to_heads``: for [b, P*s_local, n, e] ``tensors``, ``receivers[i](j, part)`` receives the
     [b, s_local, n, e] part of tensor i that rank j computed for this rank's sequence shard."""
     widths = [_features(t) for t in tensors]
     snd, rcv = _front(send, sum(widths)), _front(recv, sum(widths))
@@ -273,16 +279,17 @@ def _to_sequence(tensors, sinks, send, recv, group, natural) -> None:
     all_to_all_equal(snd, rcv, group)
     for j in range(rcv.shape[0]):
         lo = 0
-        for t, sink, w in zip(tensors, sinks, widths):
-            sink(j, rcv[j, :, :, lo:lo + w].unflatten(-1, t.shape[2:]))
+        for t, receive, w in zip(tensors, receivers, widths):
+            receive(j, rcv[j, :, :, lo:lo + w].unflatten(-1, t.shape[2:]))
             lo += w
 
 
 class _UlyssesAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan: UlyssesHeadPlan, group, ring_group, causal, scale, kernel: AttentionKernel,
-                regather: bool, thd: Optional[ThdOrder] = None, window=None):
+                regather: bool, thd: Optional[ThdOrder] = None, window=None, sinks=None):
         size, b, s, d, dv = plan.size, q.shape[0], q.shape[1], q.shape[3], v.shape[3]
+        rank = group_size_and_rank(group)[1]
         nqc, nkc, seq = plan.q_per_chunk, plan.kv_per_chunk, plan.size * q.shape[1]
         # non-causal attention does not depend on the sequence order; packed documents always do
         natural = thd if thd is not None else (causal or window is not None) and size > 1
@@ -296,7 +303,7 @@ class _UlyssesAttention(torch.autograd.Function):
             ql, kl, vl = q.new_empty(b, seq, nqc, d), q.new_empty(b, seq, nkc, d), q.new_empty(b, seq, nkc, dv)
             staging += [ql, kl, vl]
 
-        def out_sink(t):
+        def out_into(t):
             return lambda j, part: out[:, :, plan.q_heads(j, t)].copy_(part)
 
         with hold_buffers(*staging):
@@ -313,13 +320,15 @@ class _UlyssesAttention(torch.autograd.Function):
                     sources += [(k, kv_of), (v, kv_of)]
                     outs += [kl, vl]
                 _to_heads(sources, outs, send, recv, group, natural)
-                ol, lse = _inner_forward(ql, kl, vl, ring_group, causal, scale, kernel, thd, window)
-                _to_sequence([ol], [out_sink(t)], send, recv, group, natural)
+                head_sinks = None if sinks is None else sinks[plan.q_heads(rank, t)]
+                ol, lse = _inner_forward(ql, kl, vl, ring_group, causal, scale, kernel, thd, window, head_sinks)
+                _to_sequence([ol], [out_into(t)], send, recv, group, natural)
                 saved += [lse] if regather else [ql, kl, vl, ol, lse]
         if regather:
             saved = [q, k, v, out] + saved
-        ctx.save_for_backward(*saved)
+        ctx.save_for_backward(*saved, sinks)
         ctx.args = (plan, group, ring_group, causal, scale, kernel, regather, thd, window)
+        ctx.rank = rank
         ctx.kv_dtype = k.dtype
         ctx.head_dim = d
         return out
@@ -327,7 +336,8 @@ class _UlyssesAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         plan, group, ring_group, causal, scale, kernel, regather, thd, window = ctx.args
-        saved = ctx.saved_tensors
+        *saved, sinks = ctx.saved_tensors
+        dsinks = torch.zeros_like(sinks) if ctx.needs_input_grad[12] else None
         if regather:
             q, k, v, out = saved[:4]
             saved = saved[4:]
@@ -354,17 +364,17 @@ class _UlyssesAttention(torch.autograd.Function):
         else:
             dk, dv = dout.new_empty(k_shape), dout.new_empty(v_shape)
 
-        def q_sink(t):
+        def dq_into(t):
             return lambda j, part: dq[:, :, plan.q_heads(j, t)].copy_(part)
 
-        def kv_sink(t, grad):
-            def sink(j, part):
+        def kv_into(t, grad):
+            def receive(j, part):
                 idx = plan.kv_heads(j, t, dout.device)
                 if isinstance(idx, slice):
                     grad[:, :, idx].copy_(part)  # each KV head's gradient arrives exactly once
                 else:
                     grad.index_add_(2, idx, part.to(grad.dtype))
-            return sink
+            return receive
 
         dkl_acc = dvl_acc = None
         with hold_buffers(*staging):
@@ -383,6 +393,9 @@ class _UlyssesAttention(torch.autograd.Function):
                     ql, kl, vl, ol, lse = saved[5 * t: 5 * t + 5]
                     _to_heads([(dout, q_of)], [dout_l], send, recv, group, natural)
                 dql, dkl, dvl = _inner_backward(dout_l, ql, kl, vl, ol, lse, ring_group, causal, scale, kernel, thd, window)
+                if dsinks is not None:  # (ol, lse) are the sink-including rows of this rank's heads
+                    heads = plan.q_heads(ctx.rank, t)
+                    dsinks[heads] += sinks_grad(dout_l, ol, lse, sinks[heads])
                 # chunks that share KV heads sum their KV gradients locally; they travel once, with the last one
                 last_kv = t == plan.head_chunks - 1 or plan.chunk_starts_kv_block(t + 1)
                 if not (new_kv and last_kv):
@@ -393,24 +406,26 @@ class _UlyssesAttention(torch.autograd.Function):
                         dvl_acc.add_(dvl)
                     dkl, dvl = dkl_acc, dvl_acc
                 if last_kv:
-                    _to_sequence([dql, dkl, dvl], [q_sink(t), kv_sink(t, dk), kv_sink(t, dv)],
+                    _to_sequence([dql, dkl, dvl], [dq_into(t), kv_into(t, dk), kv_into(t, dv)],
                                  send, recv, group, natural)
                     dkl_acc = dvl_acc = None
                 else:
-                    _to_sequence([dql], [q_sink(t)], send, recv, group, natural)
+                    _to_sequence([dql], [dq_into(t)], send, recv, group, natural)
                 del dql, dkl, dvl
-        return dq, dk.to(ctx.kv_dtype), dv.to(ctx.kv_dtype), None, None, None, None, None, None, None, None, None
+        return (dq, dk.to(ctx.kv_dtype), dv.to(ctx.kv_dtype), None, None, None, None, None, None, None, None, None,
+                dsinks)
 
 
 def ulysses_core(
     q: Tensor, k: Tensor, v: Tensor, plan: UlyssesHeadPlan, group: Optional[dist.ProcessGroup],
     ring_group: Optional[dist.ProcessGroup], causal: bool, scale: float, kernel: AttentionKernel,
-    regather_in_backward: bool = False, thd: Optional[ThdOrder] = None, window=None,
+    regather_in_backward: bool = False, thd: Optional[ThdOrder] = None, window=None, sinks: Optional[Tensor] = None,
 ) -> Tensor:
     """Differentiable Ulysses attention on already validated inputs (``ring_group`` None: local kernel;
-    ``thd``: a packed sequence, see ``thd_order``; ``window``: a normalized sliding window)."""
+    ``thd``: a packed sequence, see ``thd_order``; ``window``: a normalized sliding window; ``sinks``: the [hq]
+    sink logits of ``sinks.resolve_sinks``, or None)."""
     return _UlyssesAttention.apply(q, k, v, plan, group, ring_group, causal, scale, kernel, regather_in_backward,
-                                   thd, window)
+                                   thd, window, sinks)
 
 
 def thd_order_for(q: Tensor, ulysses_size: int, ring_group, cu_seqlens, cu_seqlens_padded,
@@ -440,6 +455,8 @@ def ulysses_attention(
     cu_seqlens=None,
     cu_seqlens_padded=None,
     window_size=None,
+    sinks: Optional[Tensor] = None,
+    softmax_type: Optional[str] = None,
 ) -> Tensor:
     """Exact attention over a zigzag-sharded sequence split across ``group`` by all-to-all (module docstring).
 
@@ -452,13 +469,17 @@ def ulysses_attention(
     sequence on [1, s_local, h, d] tensors (per-document zigzag, see ``thd``); after the all-to-all the tokens
     are put in natural packed order and each document attends only to itself. ``window_size=(left, right)``:
     sliding-window attention (flash-attn convention), applied by the local attention after the all-to-all.
+    ``sinks`` / ``softmax_type``: attention sinks as in ``ring.ring_attention``; each rank's sinks gradient holds
+    the heads it computed after the all-to-all (zeros for the others): sum it over the group.
     Raises ValueError before communicating.
     """
     size, _ = group_size_and_rank(group)
     plan = check_ulysses_inputs(q, k, v, size, 1, causal, head_chunks, global_seq_len, fn="ulysses_attention")
     thd = thd_order_for(q, size, None, cu_seqlens, cu_seqlens_padded, fn="ulysses_attention")
     window = check_window(window_size, causal, size, q.shape[1], thd is not None, fn="ulysses_attention")
+    sink_logits = resolve_sinks(sinks, softmax_type, q, fn="ulysses_attention")
     scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
     kern = select_kernel(q.device, q.dtype, kernel, head_dim=q.shape[-1], value_dim=v.shape[-1])
     group = group if size > 1 else None
-    return ulysses_core(q, k, v, plan, group, None, causal, scale, kern, bool(regather_in_backward), thd, window)
+    return ulysses_core(q, k, v, plan, group, None, causal, scale, kern, bool(regather_in_backward), thd, window,
+                        sink_logits)
