@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
+from nemo_longctx.attention.sinks import SOFTMAX_TYPES  # Megatron-core's names (TransformerConfig.softmax_type)
 from nemo_longctx.options import Context, LongContextOptions, layout_problems
 
 from .cp_algorithms import get_cp_algorithm, mark_checked
@@ -73,6 +74,12 @@ def long_context_problems(
             "model.attention_backend=local makes NeMo replace every layer's core_attention with Megatron's own "
             "(DotProductAttention, no CP): use auto"
         )
+    softmax = getattr(config, "softmax_type", "vanilla")  # absent before Megatron-core 0.15
+    if softmax not in SOFTMAX_TYPES:
+        problems.append(f"model.softmax_type={softmax!r} must be one of {SOFTMAX_TYPES}")
+    elif softmax != "vanilla" and not algo.takes_sinks:
+        problems.append(f"model.softmax_type={softmax!r} (attention sinks) is not supported by "
+                        f"cp.algorithm={cp_algorithm!r}: its attention function takes no sinks")
     if algo.validate is not None:
         try:
             algo.validate(config, cp_size, tp=tp, **dict(cp_kwargs or {}))
