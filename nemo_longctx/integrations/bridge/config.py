@@ -131,11 +131,13 @@ def model_problems_of(cfg: Any, options: LongContextOptions, world_size: int) ->
 
 def cpu_problems(cfg: Any, options: LongContextOptions) -> List[str]:
     """Without CUDA: the model-state options that cannot run on a CPU (``cpu_compat.model_state_cpu_problems``);
-    the run saves checkpoints whenever ``checkpoint.save`` is set (at its interval, at the end, on a signal)."""
-    from nemo_longctx.integrations.megatron.cpu_compat import model_state_cpu_problems
+    the run saves checkpoints whenever ``checkpoint.save`` is set (at its interval, at the end, on a signal); and the
+    MoE settings Megatron's local layers cannot train (``cpu_compat.moe_cpu_problems``)."""
+    from nemo_longctx.integrations.megatron.cpu_compat import model_state_cpu_problems, moe_cpu_problems
 
     return model_state_cpu_problems(options.optim.state, checkpointing=cfg.checkpoint.save is not None,
-                                    saving="checkpoint.save=<dir>", no_saving="checkpoint.save=null")
+                                    saving="checkpoint.save=<dir>",
+                                    no_saving="checkpoint.save=null") + moe_cpu_problems(cfg.model)
 
 
 def describe(cfg: Any, options: LongContextOptions) -> Dict[str, str]:
