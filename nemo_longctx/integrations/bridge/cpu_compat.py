@@ -157,7 +157,7 @@ def cpu_settings(cfg: Any) -> Any:
     m.attention_backend = None
     m.transformer_impl = "local"
     normalization = getattr(m, "normalization", "RMSNorm")
-    m.transformer_layer_spec = functools.partial(_local_block_spec, normalization=normalization)
+    m.transformer_layer_spec = functools.partial(local_block_spec, normalization=normalization)
     cfg.mixed_precision = None
     cfg.optimizer.bf16 = cfg.optimizer.fp16 = False
     cfg.ddp.overlap_grad_reduce = cfg.ddp.overlap_param_gather = False
@@ -171,7 +171,9 @@ def cpu_settings(cfg: Any) -> Any:
     return cfg
 
 
-def _local_block_spec(provider: Any, vp_stage: Any = None, normalization: str = "RMSNorm") -> Any:
+def local_block_spec(provider: Any, vp_stage: Any = None, normalization: str = "RMSNorm") -> Any:
+    """Megatron's local (non-TE) GPT block spec of ``provider`` (public: a run config names it as the
+    ``transformer_layer_spec`` base, and Bridge's loader refuses private names)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     return get_gpt_decoder_block_spec(provider, use_transformer_engine=False, normalization=normalization,
