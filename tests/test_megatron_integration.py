@@ -5,6 +5,8 @@
 - LongContextCoreAttention vs Megatron's own DotProductAttention: cp=1 forward + backward (fp64 and fp32, GQA and
   MHA, b=1 and b=2, default and explicit softmax_scale, apply_query_key_layer_scaling), and cp=2 (ring over the real
   Megatron CP group) against DotProductAttention on the full sequence, compared on this rank's zigzag shard;
+- attention sinks (``softmax_type`` learnable / off-by-one) vs DotProductAttention at cp=1 and ring CP=2 (forward,
+  q/k/v and sink gradients), the vanilla module unchanged;
 - build-time errors for unsupported combinations; the spec helper on the local layer spec and a real MCore GPTModel
   whose every layer's core_attention is ours.
 """
@@ -58,6 +60,75 @@ def _ours(config, q, k, v, dout, softmax_scale=None, layer_number=1, pg_collecti
 
 def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def _with_sinks(mod, q, k, v, dout, sinks):
+    """(out, dq, dk, dv, dsinks) of a core-attention module whose learnable sink is set to ``sinks`` (fp64 here)."""
+    if sinks is not None:
+        with torch.no_grad():
+            mod.softmax_offset.copy_(sinks)
+        mod.softmax_offset.grad = None
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = mod(q, k, v, None, attn_mask_type=mod.attn_mask_type)
+    out.backward(dout)
+    dsinks = mod.softmax_offset.grad.clone() if sinks is not None else None
+    return out.detach(), q.grad, k.grad, v.grad, dsinks
+
+
+def _sink_cases(pg_cp1):
+    """Attention sinks (``softmax_type``; this Megatron-core has the field: 0.15 leaves the learnable sink of its
+    DotProductAttention uninitialised, so both modules get the same values): ours at cp=1 and ring CP=2 vs Megatron's
+    DotProductAttention, forward and q/k/v/sink gradients (the sink's summed over the CP group); the state dict key
+    and the vanilla module's (none) as Megatron's."""
+    import dataclasses
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from nemo_longctx.attention import zigzag_shard
+    from nemo_longctx.integrations.megatron.core_attention import LongContextCoreAttention
+
+    if "softmax_type" not in {f.name for f in dataclasses.fields(TransformerConfig)}:
+        return None  # Megatron-core 0.14: no sinks
+    dtype, heads, groups, d, s = torch.float64, 4, 2, 16, 32
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(s, 2, heads, d, generator=g, dtype=dtype)
+    k, v = (torch.randn(s, 2, groups, d, generator=g, dtype=dtype) for _ in range(2))
+    dout = torch.randn(s, 2, heads * d, generator=g, dtype=dtype)
+    sinks = torch.linspace(-1.0, 3.0, heads, dtype=dtype)
+    cpr = ps.get_context_parallel_rank()
+    sh = lambda t: zigzag_shard(t, 0, 2, cpr)  # noqa: E731
+    out = {}
+    for softmax_type in ("learnable", "off-by-one"):
+        learn = sinks if softmax_type == "learnable" else None
+        cfg1 = _config(1, heads, groups, d, dtype, softmax_type=softmax_type)
+        want = _with_sinks(DotProductAttention(cfg1, 1, AttnMaskType.causal, "self"), q, k, v, dout, learn)
+        mod1 = LongContextCoreAttention(cfg1, 1, AttnMaskType.causal, "self", pg_collection=pg_cp1)
+        got1 = _with_sinks(mod1, q, k, v, dout, learn)
+        mod2 = LongContextCoreAttention(_config(2, heads, groups, d, dtype, softmax_type=softmax_type), 2,
+                                        AttnMaskType.causal, "self")
+        got2 = _with_sinks(mod2, sh(q), sh(k), sh(v), sh(dout), learn)
+        if learn is not None:
+            dist.all_reduce(got2[4], group=ps.get_context_parallel_group())
+        n = 5 if learn is not None else 4
+        out[softmax_type] = {
+            "cp1": [_rel(a, w) for a, w in zip(got1[:n], want[:n])],
+            "cp2": [_rel(a, sh(w) if i < 4 else w) for i, (a, w) in enumerate(zip(got2[:n], want[:n]))],
+            "keys": (sorted(mod1.state_dict()), sorted(DotProductAttention(cfg1, 1, AttnMaskType.causal,
+                                                                           "self").state_dict())),
+            "param": (tuple(mod1.softmax_offset.shape), str(mod1.softmax_offset.dtype),
+                      isinstance(mod1.softmax_offset, torch.nn.Parameter)),
+        }
+    vanilla = LongContextCoreAttention(_config(1, heads, groups, d, dtype), 1, AttnMaskType.causal, "self",
+                                       pg_collection=pg_cp1)
+    out["vanilla_state"] = (sorted(vanilla.state_dict()), vanilla.softmax_offset)
+    out["control"] = _rel(_with_sinks(vanilla, q, k, v, dout, None)[0],
+                          _with_sinks(DotProductAttention(_config(1, heads, groups, d, dtype, softmax_type="learnable"),
+                                                          1, AttnMaskType.causal, "self"), q, k, v, dout, sinks)[0])
+    return out
 
 
 def _worker(rank: int, world: int):
@@ -127,6 +198,7 @@ def _worker(rank: int, world: int):
                 "shape": tuple(got1[0].shape),
             })
     res["attention"] = cases
+    res["sinks"] = _sink_cases(pg_cp1)
 
     # -- build-time errors (messages checked in the parent)
     errors = {}
@@ -190,6 +262,22 @@ def test_core_attention_matches_megatron_dot_product_attention(results):
         for c in r["attention"]:
             assert max(c["cp1"]) < c["tol"], c
             assert max(c["cp2"]) < c["tol"], c
+
+
+def test_attention_sinks_match_megatron_dot_product_attention(results):
+    if results[0]["sinks"] is None:
+        pytest.skip("this Megatron-core's TransformerConfig has no softmax_type")
+    for r in results:
+        sk = r["sinks"]
+        for name in ("learnable", "off-by-one"):
+            c = sk[name]
+            assert max(c["cp1"]) < 1e-10 and max(c["cp2"]) < 1e-10, (name, c)
+            assert c["keys"][0] == c["keys"][1], c["keys"]
+        assert sk["learnable"]["keys"][0] == ["softmax_offset"] and sk["off-by-one"]["keys"][0] == []
+        assert sk["learnable"]["param"] == ((4,), "torch.float64", True)
+        assert sk["off-by-one"]["param"] == ((4,), "torch.float64", False)
+        assert sk["vanilla_state"] == ([], None)  # vanilla softmax: no sink, no state, as before
+        assert sk["control"] > 1e-2  # our attention without the sink misses Megatron's with it
 
 
 def test_unsupported_combinations_raise_clear_errors(results):

@@ -215,6 +215,7 @@ def build(cfg: Any, bridge_overrides: List[str], options: Any, output_dir: str) 
     from nemo_longctx.integrations.bridge.checkpoint import override_keys
     from nemo_longctx.integrations.bridge.config import enable_long_context
     from nemo_longctx.integrations.bridge.preemption import apply_on_signal, on_signal_problems
+    from nemo_longctx.integrations.megatron.cp_algorithms import align_cp_comm_type, get_cp_algorithm
     from nemo_longctx.options import raise_problems
 
     container = demo_config() if cfg.recipe is None else recipe_config(str(cfg.recipe))
@@ -234,6 +235,21 @@ def build(cfg: Any, bridge_overrides: List[str], options: Any, output_dir: str) 
     keys, on_signal = override_keys(bridge_overrides), cfg.checkpoint.on_signal
     raise_problems(on_signal_problems(container, on_signal, keys))
     apply_on_signal(container, on_signal, list(cfg.run.signals), keys)
+    # a recipe's cp_comm_type is its TransformerEngine hint (gpt_oss: "a2a"), the user's only as a Bridge override:
+    # a hint that contradicts cp.algorithm is cleared (None, which each of our algorithms takes; Bridge's checks of
+    # TE's schemes -- "a2a+p2p" needs hierarchical_context_parallel_sizes -- then do not apply); a contradicting
+    # override is refused by name
+    m, algorithm = container.model, options.cp.algorithm
+    if "model.cp_comm_type" in keys:
+        try:
+            align_cp_comm_type(m, algorithm, explicit=True)
+        except ValueError as e:
+            raise_problems([str(e)])
+    elif isinstance(m.cp_comm_type, list) or m.cp_comm_type not in get_cp_algorithm(algorithm).cp_comm_types:
+        print(f"nemo-longctx bridge: model.cp_comm_type={m.cp_comm_type!r} of the recipe cleared (null) for "
+              f"cp.algorithm={algorithm}: a TransformerEngine hint; nemo_longctx's {algorithm} attention runs the "
+              "context parallelism", flush=True)
+        m.cp_comm_type = None
     return enable_long_context(container, options)
 
 
@@ -269,13 +285,14 @@ class StepMetrics:
                                                                                             cp.algorithm, pp)]
                 if problems:
                     raise RuntimeError("nemo-longctx bridge: " + "; ".join(problems))
-                layers = sum(1 for chunk in context.model for _ in _attention_layers(chunk))
+                cores = [layer.core_attention for chunk in context.model for layer in _attention_layers(chunk)]
+                layers = len(cores)
                 from nemo_longctx.shared import console
 
                 console.setup(console.level(), dist.get_rank())  # again: Bridge set its loggers' levels up
                 if dist.get_rank() == 0:
                     print(f"nemo-longctx bridge: core attention: {layers} layers run LongContextCoreAttention "
-                          f"({cp.describe()})", flush=True)
+                          f"({cp.describe()}){_attention_features(cores)}", flush=True)
                     if int(context.state.train_state.step) == 0:  # a fresh run: keep the previous run's metrics
                         moved = console.archive_metrics(os.path.dirname(outer.path))
                         if moved:
@@ -308,6 +325,22 @@ class StepMetrics:
                           + (f" | {outer.memory.meter.summary()}" if outer.memory is not None else ""), flush=True)
 
         return _Metrics()
+
+
+def _attention_features(cores: List[Any]) -> str:
+    """What the built core attentions hold beyond plain causal attention (nothing for plain ones): their attention
+    sinks (``softmax_type``) and sliding windows, by layer number."""
+    parts = []
+    sinks = sorted({c.softmax_type for c in cores if getattr(c, "softmax_type", "vanilla") != "vanilla"})
+    if sinks:
+        held = sum(1 for c in cores if getattr(c, "softmax_type", "vanilla") != "vanilla")
+        parts.append(f"attention sinks ({', '.join(sinks)}) in {held} layers")
+    windows = {}
+    for c in cores:
+        if getattr(c, "window_size", None) is not None:
+            windows.setdefault(tuple(c.window_size), []).append(c.layer_number)
+    parts += [f"sliding window {w} in layers {layers}" for w, layers in windows.items()]
+    return "; " + "; ".join(parts) if parts else ""
 
 
 def _attention_layers(model: Any) -> List[Any]:

@@ -10,6 +10,8 @@ validation of any option: ``nemo_longctx.options`` checks them, ``integrations/m
                                        ``OptimizerConfig`` / ``DistributedDataParallelConfig``;
 ``long_context_callbacks(cfg)``        the Bridge callbacks of those options (per-step activation memory, the
                                        offload check): pass them to ``pretrain(cfg, forward_step, callbacks=...)``;
+``allow_our_targets()``                 our ``_target_`` prefix on Bridge's allow-list for saved run configs (Bridge's
+                                       ``register_allowed_target_prefix``; done by ``enable_long_context``);
 ``model_problems_of(cfg, options, world_size)``  the checks against the model (heads, sequence length vs 2*cp,
                                        layers per stage, ...), once, before any process group exists.
 
@@ -32,6 +34,20 @@ BRIDGE_KEYS = {"seq_length": "model.seq_length", "tp": "model.tensor_model_paral
                "pp": "model.pipeline_model_parallel_size", "sequence_parallel": "model.sequence_parallel",
                "precision": "mixed_precision", "checkpointing": "checkpoint.save_interval",
                "world_size": "the world size (WORLD_SIZE)", "num_layers": "model.num_layers"}
+
+
+TARGET_PREFIX = "nemo_longctx"  # the _target_ prefix of our classes in a saved run config
+
+
+def allow_our_targets() -> None:
+    """Let Bridge's config loader instantiate our classes: megatron-bridge (0.6) instantiates a saved run config's
+    ``_target_`` only under allowed module prefixes (``utils.instantiate_utils``: megatron., torch., nvidia., ...); our
+    prefix is added through Bridge's own ``register_allowed_target_prefix``. Called by ``enable_long_context``; call it
+    before loading a run config of ours (``ConfigContainer.from_yaml``, ``model_load_save.load_model_config``) in a
+    process that has not."""
+    from megatron.bridge.utils.instantiate_utils import register_allowed_target_prefix
+
+    register_allowed_target_prefix(TARGET_PREFIX)
 
 
 def precision_of(cfg: Any) -> str:
@@ -74,6 +90,7 @@ def enable_long_context(cfg: Any, options: Union[LongContextOptions, Mapping[str
         options = dict(groups)
     options = as_options(options)
     raise_problems(options.problems(replace(context_of(cfg), cuda=torch.cuda.is_available())))
+    allow_our_targets()  # the run config Bridge saves names our layer spec
     m = cfg.model
     cp = options.cp
     m.context_parallel_size = cp.size
@@ -131,11 +148,13 @@ def model_problems_of(cfg: Any, options: LongContextOptions, world_size: int) ->
 
 def cpu_problems(cfg: Any, options: LongContextOptions) -> List[str]:
     """Without CUDA: the model-state options that cannot run on a CPU (``validation.model_state_cpu_problems``);
-    the run saves checkpoints whenever ``checkpoint.save`` is set (at its interval, at the end, on a signal)."""
-    from nemo_longctx.integrations.megatron.validation import model_state_cpu_problems
+    the run saves checkpoints whenever ``checkpoint.save`` is set (at its interval, at the end, on a signal); and the
+    MoE settings Megatron's local layers cannot train (``validation.moe_cpu_problems``)."""
+    from nemo_longctx.integrations.megatron.validation import model_state_cpu_problems, moe_cpu_problems
 
     return model_state_cpu_problems(options.optim.state, checkpointing=cfg.checkpoint.save is not None,
-                                    saving="checkpoint.save=<dir>", no_saving="checkpoint.save=null")
+                                    saving="checkpoint.save=<dir>",
+                                    no_saving="checkpoint.save=null") + moe_cpu_problems(cfg.model)
 
 
 def describe(cfg: Any, options: LongContextOptions) -> Dict[str, str]:

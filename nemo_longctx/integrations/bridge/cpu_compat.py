@@ -25,6 +25,12 @@ B7. Megatron-core picks TransformerEngine's fused optimizers and multi-tensor ke
     CUDA kernels. Without CUDA the names are bound to what Megatron-core itself binds when TE and Apex are absent:
     torch's ``AdamW``/``SGD`` (``USING_PYTORCH_OPTIMIZER = True``) and ``megatron.core.utils``'
     ``local_multi_tensor_*`` (grad norm, clipping and scaling in plain torch).
+B10. The MoE router's gating GEMM (``moe/moe_utils.py:1326/1359``, ``RouterGatingLinearFunction``) runs TE's
+    ``general_gemm`` (cuBLAS) whenever TE imports (``moe_utils.te_general_gemm`` is bound), whatever the config says:
+    every MoE model (GPT-OSS, Qwen3-MoE, DeepSeek, ...) dies in the first router call without a driver. Without CUDA
+    the name is bound to None, what Megatron-core binds when TE is absent: the function's own torch ``mm``/``addmm``
+    (the same product and bias, fp32). TE's other MoE kernels (fused permutation, fused router) are config choices
+    (``moe_permute_fusion``, ``moe_router_fusion``): ``cpu_settings`` turns them off like the other fusions.
 """
 
 from __future__ import annotations
@@ -125,11 +131,18 @@ def _torch_optimizers() -> None:  # B7
     clip_grads.multi_tensor_scale_tensor_impl = None
 
 
+def _moe_router_gemm() -> None:  # B10
+    from megatron.core.transformer.moe import moe_utils
+
+    moe_utils.te_general_gemm = None
+
+
 def cpu_settings(cfg: Any) -> Any:
     """A ``ConfigContainer`` set up for the CPU (configuration, not patches; logged): fp32 without mixed precision;
     the fused kernels off; CPU initialization; Megatron's local (non-TE) **block** spec as the base spec -- with a
     layer spec the final norm stays TE's ``TENorm`` and ``attention_backend=local`` makes the provider swap the core
-    attention back (gpt_provider.py:277-279); gloo without decentralized process groups (those are NCCL only);
+    attention back (gpt_provider.py:277-279); TE's MoE token permutation and router fusions off (Megatron's unfused
+    permutation and router: the same values); gloo without decentralized process groups (those are NCCL only);
     no overlapped grad reduce / param gather (CUDA streams); no manual GC and no timers in TensorBoard."""
     import torch
 
@@ -138,7 +151,8 @@ def cpu_settings(cfg: Any) -> Any:
     m.params_dtype = torch.float32
     m.use_cpu_initialization = True
     for flag in ("gradient_accumulation_fusion", "bias_activation_fusion", "bias_dropout_fusion",
-                 "masked_softmax_fusion", "apply_rope_fusion", "persist_layer_norm", "cross_entropy_loss_fusion"):
+                 "masked_softmax_fusion", "apply_rope_fusion", "persist_layer_norm", "cross_entropy_loss_fusion",
+                 "moe_permute_fusion", "moe_router_fusion"):
         setattr(m, flag, False)
     m.attention_backend = None
     m.transformer_impl = "local"
@@ -158,6 +172,8 @@ def cpu_settings(cfg: Any) -> Any:
 
 
 def local_block_spec(provider: Any, vp_stage: Any = None, normalization: str = "RMSNorm") -> Any:
+    """Megatron's local (non-TE) GPT block spec of ``provider`` (public: a run config names it as the
+    ``transformer_layer_spec`` base, and Bridge's loader refuses private names)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     return get_gpt_decoder_block_spec(provider, use_transformer_engine=False, normalization=normalization,
@@ -180,6 +196,7 @@ def apply(force: bool = False) -> bool:
     _checkpoint_rng_state()
     _seed_rng_tracker()
     _torch_optimizers()
+    _moe_router_gemm()
     _APPLIED = True
     log.info("nemo_longctx.integrations.bridge.cpu_compat: CPU stand-ins for Megatron-Bridge applied")
     return True

@@ -18,12 +18,11 @@ importer plays no part here).
     source's provider (``source``, default the checkpoint's ``model.hf_model_id``: the ``init_from`` directory),
     its weights loaded from the checkpoint by Bridge's ``model_load_save.build_and_load_model``, and written by
     ``AutoBridge.save_hf_pretrained`` (config, tokenizer and generation files copied from the source). Bridge's own
-    ``AutoBridge.export_ckpt`` cannot read these checkpoints: it re-creates the provider from ``run_config.yaml``,
-    where Bridge's YAML writer stored our ``transformer_layer_spec`` (a ``LongContextSpec`` object) as
-    ``{_target_: nemo_longctx.integrations.megatron.spec.LongContextSpec, _call_: true}`` without its arguments
-    (``megatron/training/config/yaml_utils.py``, ``_safe_object_representer``), and instantiating it fails
-    (``InstantiationException``: not in the target allowlist; allowlisted, ``LongContextSpec()`` lacks ``base``).
-    The spec has no parameters, so the exported tensors are those of the checkpoint either way. Bridge's export
+    ``AutoBridge.export_ckpt`` re-creates the provider from ``run_config.yaml``, which names our
+    ``transformer_layer_spec`` (``LongContextSpec.to_cfg_dict``: the class with its arguments) and which Bridge's
+    loader instantiates once our prefix is on its allow-list (``config.allow_our_targets``; before, it stored the
+    spec without arguments and refused it: ``InstantiationException``); that export path has not been run here. The
+    spec has no parameters, so the exported tensors are those of the checkpoint either way. Bridge's export
     writes the source's ``config.json``: a checkpoint whose architecture or RoPE fields differ from the source's
     (e.g. ``model.rotary_base`` changed for long context) is refused, naming each field.
 """

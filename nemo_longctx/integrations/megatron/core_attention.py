@@ -19,6 +19,19 @@ window comes from ``config.window_size`` / ``window_attn_skip_freq`` exactly as 
 decides it (``is_layer_window_attention``) and is passed as ``window_size=(left, right)``; with THD the window
 applies within each document.
 
+Attention sinks (GPT-OSS): ``config.softmax_type`` "off-by-one" or "learnable" (Megatron-core's field) exactly as
+Megatron's ``DotProductAttention`` (0.19) holds them: ``softmax_offset``, [attention heads per TP partition] in
+``config.params_dtype`` on ``torch.cuda.current_device()`` (the CPU without CUDA) -- for "learnable" a parameter,
+initialised with ``config.init_method`` when ``config.perform_initialization`` (the only random numbers this module
+draws, where Megatron's module draws them), in the sharded state dict under ``<prefix>softmax_offset`` sharded over
+TP on dim 0 (the key and layout of Megatron's and TransformerEngine's attention); for "off-by-one" a plain tensor of
+zeros (no state). They go to the algorithm as ``sinks`` / ``softmax_type`` (``attention.sinks``: the extra
+denominator term, once per row, under every CP algorithm, dense, packed and windowed); each CP rank's sink gradient
+is its rows' share, summed over the CP group by the data-parallel gradient reduction (DDP reduces over DP x CP). The
+paths that do not run through those functions refuse sinks by name (``recompute=full_keep_attn``,
+``recompute.sequence_chunks``, a registered CP algorithm without ``takes_sinks``). A config without the field
+(Megatron-core 0.14) is vanilla softmax, as before.
+
 The algorithm is looked up by name in ``cp_algorithms.CP_ALGORITHMS`` (ring, ulysses, hybrid); its
 ``setup`` (hybrid: the Ulysses/ring sub-groups) runs once here at construction. At CP size 1 the same
 algorithm runs with ``group=None`` (local attention). Unsupported combinations raise ValueError at build time
@@ -36,12 +49,13 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from nemo_longctx.attention.kernels import select_kernel
+from nemo_longctx.attention.sinks import SOFTMAX_TYPES  # Megatron-core's names (TransformerConfig.softmax_type)
 from nemo_longctx.memory.keep_attention import kept_ring_attention
 from nemo_longctx.memory.sequence_chunks import active_sequence_chunking, chunk_core_attention
 from nemo_longctx.options import SEQUENCE_CHUNK_ALGORITHMS
 
 from .cp_algorithms import check_cp_options, get_cp_algorithm, is_checked, mark_checked
-from .mcore_versions import is_layer_window_attention, process_groups
+from .mcore_versions import is_layer_window_attention, process_groups, sharded_tensors_for_checkpoint
 
 Tensor = torch.Tensor
 
@@ -89,6 +103,19 @@ def _cp_group(pg_collection: Any):
     return None
 
 
+def _tp_group(pg_collection: Any):
+    """The tensor-parallel process group: ``pg_collection.tp`` if given, else Megatron's global TP group (None when
+    model parallelism is not initialised)."""
+    group = getattr(pg_collection, "tp", None) if pg_collection is not None else None
+    if group is not None:
+        return group
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_tensor_model_parallel_group()
+    return None
+
+
 class LongContextCoreAttention(MegatronModule):
     """Exact causal (or unmasked) attention for Megatron layers via a nemo_longctx CP algorithm."""
 
@@ -132,8 +159,12 @@ class LongContextCoreAttention(MegatronModule):
         self.window_size = None
         if is_layer_window_attention(config, layer_number):
             self.window_size = _window_of(config.window_size)
-        if getattr(config, "softmax_type", "vanilla") != "vanilla":
-            raise ValueError(f"model.softmax_type={config.softmax_type!r} is not supported (only 'vanilla')")
+        self.softmax_type = getattr(config, "softmax_type", "vanilla")  # absent before Megatron-core 0.15
+        if self.softmax_type not in SOFTMAX_TYPES:
+            raise ValueError(f"model.softmax_type={self.softmax_type!r} must be one of {SOFTMAX_TYPES}")
+        if self.softmax_type != "vanilla" and not self.algorithm.takes_sinks:
+            raise ValueError(f"model.softmax_type={self.softmax_type!r} (attention sinks) is not supported by "
+                             f"cp.algorithm={self.algorithm.name!r}: its attention function takes no sinks")
         if isinstance(cp_comm_type, list):
             raise ValueError("model.cp_comm_type as a per-layer list is not supported; use one string or null")
         if cp_comm_type not in self.algorithm.cp_comm_types:
@@ -174,6 +205,55 @@ class LongContextCoreAttention(MegatronModule):
         # and multiplies back in the softmax: the math is unchanged, so it is ignored here.
         head_dim = self.k_channels
         self.softmax_scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+        self._tp_group = _tp_group(pg_collection)
+        self._init_softmax_offset(config)
+
+    def _init_softmax_offset(self, config: TransformerConfig) -> None:
+        """``softmax_offset`` as Megatron-core 0.19's ``DotProductAttention.__init__`` makes it (same name, shape,
+        dtype, device, initialisation and random-number use), so a model built with this module from a seed has
+        Megatron's weights and checkpoints of either load into the other."""
+        if self.softmax_type == "vanilla":
+            self.softmax_offset = None
+            return
+        tp = self._tp_group.size() if self._tp_group is not None else int(config.tensor_model_parallel_size or 1)
+        if config.num_attention_heads % tp:
+            raise ValueError(f"model.num_attention_heads={config.num_attention_heads} must be divisible by the "
+                             f"tensor-parallel size {tp}")
+        heads = config.num_attention_heads // tp
+        device = torch.cuda.current_device() if torch.cuda.is_available() else torch.device("cpu")
+        if self.softmax_type == "off-by-one":
+            self.softmax_offset = torch.zeros(heads, device=device, dtype=config.params_dtype)
+            return
+        self.register_parameter("softmax_offset", torch.nn.Parameter(
+            torch.empty(heads, device=device, dtype=config.params_dtype)))
+        if config.perform_initialization:
+            self.softmax_offset = config.init_method(self.softmax_offset)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: Tuple = (), metadata: Optional[dict] = None):
+        """With learnable sinks: Megatron's ``DotProductAttention.sharded_state_dict`` (``<prefix>softmax_offset``,
+        TP-sharded on dim 0, replicated over DP x CP). Otherwise Megatron's default (this module holds no state)."""
+        if self.softmax_type != "learnable":
+            return super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        tp_group = self._tp_group
+        if tp_group is None:
+            from megatron.core import parallel_state
+
+            tp_group = parallel_state.get_tensor_model_parallel_group()
+        return sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix,
+                                              {"softmax_offset": 0}, sharded_offsets, tp_group, metadata)
+
+    def _sink_kwargs(self) -> Dict[str, Any]:
+        """The attention function's sink arguments: none for vanilla softmax (the call stays as it was)."""
+        if self.softmax_type == "vanilla":
+            return {}
+        return {"sinks": self.softmax_offset if self.softmax_type == "learnable" else None,
+                "softmax_type": self.softmax_type}
+
+    def _refuse_sinks(self, option: str) -> None:
+        if self.softmax_type != "vanilla":
+            raise ValueError(f"{option} does not take attention sinks (model.softmax_type={self.softmax_type!r}): "
+                             "its attention path has no sink term; use another recompute option "
+                             "(recompute=full or selective without sequence_chunks)")
 
     def _check_mask_type(self, attn_mask_type: Any) -> AttnMaskType:
         if isinstance(attn_mask_type, torch.Tensor):  # Megatron's checkpointed path passes it as a tensor
@@ -248,6 +328,7 @@ class LongContextCoreAttention(MegatronModule):
         if self.window_size is not None:
             thd["window_size"] = self.window_size
         if active_sequence_chunking() is not None:  # recompute.sequence_chunks: this layer runs chunk by chunk
+            self._refuse_sinks("recompute.sequence_chunks")
             if packed_seq_params is not None:
                 raise ValueError("sequence-chunked layer: packed_seq_params reached the core attention (the chunked "
                                  "layer's block hands the documents to the chunk state and runs the layer without "
@@ -260,6 +341,7 @@ class LongContextCoreAttention(MegatronModule):
                                        ulysses_group=ulysses_group)
             return out.transpose(0, 1).reshape(sq, b, hq * dv)
         if self.kept_attention_cache is not None:
+            self._refuse_sinks("recompute=full_keep_attn")
             if thd:
                 raise ValueError("recompute=full_keep_attn supports neither packed sequences nor sliding windows "
                                  f"(model.window_size={self.config.window_size}); use recompute=full or selective")
@@ -275,6 +357,7 @@ class LongContextCoreAttention(MegatronModule):
             causal=mask_type == AttnMaskType.causal,
             softmax_scale=self.softmax_scale,
             **thd,
+            **self._sink_kwargs(),
             **self.algorithm_kwargs,
         )
         out = out.transpose(0, 1).reshape(sq, b, hq * dv)

@@ -15,6 +15,10 @@ An entry maps a name (the ``cp_algorithm`` ModuleSpec param, the ``cp.algorithm`
       rank in the same layer order (collective setup such as sub-groups goes here, never in forward); returns
       the kwargs the attention function is then called with.
   cp_comm_types                          values of Megatron's ``config.cp_comm_type`` this algorithm accepts
+  takes_sinks                            whether ``attention`` takes attention sinks (``sinks=`` [hq] logits or None,
+                                         ``softmax_type=`` "off-by-one" | "learnable"; ``attention.sinks``), passed
+                                         only for a model with ``softmax_type`` other than "vanilla"; a model with
+                                         sinks under an algorithm without them is refused by name (never run without)
 
 Algorithms: ``ring`` (zigzag P2P ring), ``ulysses`` (all-to-all over the whole CP group, ``head_chunks``),
 ``hybrid`` (Ulysses over ``ulysses_size`` consecutive CP ranks x ring across them, ``head_chunks``).
@@ -44,6 +48,7 @@ class CPAlgorithm:
     validate: Optional[ValidateFn] = None
     setup: Optional[SetupFn] = None
     cp_comm_types: FrozenSet[Optional[str]] = field(default_factory=lambda: frozenset({None, "p2p"}))
+    takes_sinks: bool = False
 
 
 CP_ALGORITHMS: Dict[str, CPAlgorithm] = {}
@@ -145,14 +150,15 @@ def is_checked(config: Any, cp_size: int, algorithm: str, kwargs: Dict[str, Any]
 
 
 def _ring(q, k, v, *, group, causal, softmax_scale, kernel: Optional[str] = None, cu_seqlens=None,
-          cu_seqlens_padded=None, window_size=None, **unused):
+          cu_seqlens_padded=None, window_size=None, sinks=None, softmax_type=None, **unused):
     if unused:
         raise ValueError(f"cp.algorithm='ring' got unknown options {sorted(unused)}")
     return ring_attention(q, k, v, group, causal, softmax_scale, kernel=kernel, cu_seqlens=cu_seqlens,
-                          cu_seqlens_padded=cu_seqlens_padded, window_size=window_size)
+                          cu_seqlens_padded=cu_seqlens_padded, window_size=window_size, sinks=sinks,
+                          softmax_type=softmax_type)
 
 
-register_cp_algorithm(CPAlgorithm(name="ring", attention=_ring))
+register_cp_algorithm(CPAlgorithm(name="ring", attention=_ring, takes_sinks=True))
 
 
 # ------------------------------------------------------------------------------------------------ ulysses / hybrid
@@ -201,7 +207,7 @@ def _hybrid(q, k, v, *, group, causal, softmax_scale, ulysses_group, ring_group,
 
 # cp_comm_type: Megatron/TE's names for the same schemes ("a2a" = Ulysses, "a2a+p2p" = hierarchical) are accepted
 register_cp_algorithm(CPAlgorithm(name="ulysses", attention=_ulysses, validate=_validate_ulysses,
-                                  cp_comm_types=frozenset({None, "a2a"})))
+                                  cp_comm_types=frozenset({None, "a2a"}), takes_sinks=True))
 register_cp_algorithm(CPAlgorithm(name="hybrid", attention=_hybrid, validate=_validate_hybrid,
                                   setup=_setup_hybrid,
-                                  cp_comm_types=frozenset({None, "a2a+p2p"})))
+                                  cp_comm_types=frozenset({None, "a2a+p2p"}), takes_sinks=True))

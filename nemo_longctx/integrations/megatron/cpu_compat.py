@@ -67,8 +67,8 @@ list). NeMo's fixes keep their numbers and live in ``integrations/nemo/compat.py
 Megatron-FSDP (``optim=fsdp``) has its own fixes (device, DTensor mesh, gradient scaling, exit) in
 ``cpu_compat_fsdp.py``, applied from ``apply()``.
 
-What cannot run without CUDA at all is refused (not patched) by ``validation.model_state_cpu_problems``, before
-step 0.
+What cannot run without CUDA at all is refused (not patched) by ``validation.model_state_cpu_problems`` and, for MoE
+layers, ``validation.moe_cpu_problems``, before step 0.
 """
 
 from __future__ import annotations

@@ -65,3 +65,24 @@ def thd_freqs_on_this_cp_rank(cp_rank: int, cp_size: int, x: Any, freqs: Any, of
     if "offset" in inspect.signature(_get_thd_freqs_on_this_cp_rank).parameters:
         return _get_thd_freqs_on_this_cp_rank(cp_rank, cp_size, x, freqs, offset)
     return _get_thd_freqs_on_this_cp_rank(cp_rank, cp_size, x, freqs)
+
+
+def sharded_tensors_for_checkpoint(state_dict: Any, prefix: str, tensor_parallel_layers_axis_map: Any,
+                                   sharded_offsets: Any, tp_group: Any = None, metadata: Any = None) -> Any:
+    """Megatron's ``transformer.utils.make_sharded_tensors_for_checkpoint``. Megatron-core 0.19 takes the module's
+    TP group and the data-parallel-with-CP group (``metadata['dp_cp_group']``, Megatron's global one where metadata
+    lacks it), as its own modules pass them; earlier versions take neither and read the global groups."""
+    import inspect
+
+    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+    if "dp_cp_group" not in inspect.signature(make_sharded_tensors_for_checkpoint).parameters:
+        return make_sharded_tensors_for_checkpoint(state_dict, prefix, tensor_parallel_layers_axis_map,
+                                                   sharded_offsets)
+    dp_cp_group = (metadata or {}).get("dp_cp_group")
+    if dp_cp_group is None:
+        from megatron.core import parallel_state
+
+        dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    return make_sharded_tensors_for_checkpoint(state_dict, prefix, tensor_parallel_layers_axis_map, sharded_offsets,
+                                               tp_group=tp_group, dp_cp_group=dp_cp_group)

@@ -51,6 +51,13 @@ def memory_model_problems(opts: MemoryOptions, model_config: Any, pp: int = 1,
     if opts.full and uses_fp8_or_fp4(model_config):
         p.append(f"recompute={r} in nemo_longctx runs Megatron's tensor_parallel.checkpoint: fp8/fp4 "
                  "(te_checkpoint) is not supported")
+    softmax = getattr(model_config, "softmax_type", "vanilla")
+    if softmax != "vanilla":  # these two paths compute attention without the sink term: refused, never dropped
+        for option, on in (("recompute=full_keep_attn", r == "full_keep_attn"),
+                           (f"recompute.sequence_chunks={opts.sequence_chunks}", opts.sequence_chunks != "off")):
+            if on:
+                p.append(f"{option} does not take attention sinks (model.softmax_type={softmax!r}): its attention "
+                         "path has no sink term; use recompute=full (without sequence_chunks) or selective")
     if opts.sequence_chunks != "off":
         key = f"recompute.sequence_chunks={opts.sequence_chunks}"
         if getattr(model_config, "multi_latent_attention", False) and getattr(model_config, "apply_rope_fusion",
@@ -210,6 +217,10 @@ def attach_memory_options(model: Any, opts: MemoryOptions, *, record_events: boo
                 if rt.kept_cache is not None and m.algorithm.name not in KEEP_ATTN_ALGORITHMS:
                     raise ValueError(f"recompute=full_keep_attn needs cp.algorithm=ring, the model's core attention "
                                      f"runs {m.algorithm.name!r}")
+                if rt.kept_cache is not None:
+                    m._refuse_sinks("recompute=full_keep_attn")
+                if opts.sequence_chunks != "off":
+                    m._refuse_sinks(f"recompute.sequence_chunks={opts.sequence_chunks}")
                 m.kept_attention_cache = rt.kept_cache
         if rt.kept_cache is not None and not any(isinstance(m, LongContextCoreAttention) for m in b.modules()):
             raise ValueError("recompute=full_keep_attn needs nemo_longctx core attention in the layers "

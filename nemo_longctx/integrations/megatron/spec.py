@@ -131,6 +131,17 @@ class LongContextSpec:
     def __repr__(self) -> str:
         return f"{type(self).__name__}(base={self.base!r}, cp_algorithm={self.cp_algorithm!r})"
 
+    def to_cfg_dict(self) -> dict:
+        """How a saved run config holds it (Megatron's config containers call this when they write YAML: Bridge's
+        ``run_config.yaml``): this class with its arguments, so the config's loader rebuilds it."""
+        return {"_target_": f"{type(self).__module__}.{type(self).__qualname__}", "base": _cfg_value(self.base),
+                "cp_algorithm": self.cp_algorithm, "algorithm_kwargs": dict(self.algorithm_kwargs)}
+
+
+def _cfg_value(value: Any) -> Any:
+    """A nested spec wrapper as its own ``to_cfg_dict`` (functions and partials are written by the YAML writer)."""
+    return value.to_cfg_dict() if hasattr(value, "to_cfg_dict") else value
+
 
 def core_attention_modules(spec: Any) -> list:
     """The core_attention module class of every layer in a layer or block spec (for checks and dry runs)."""

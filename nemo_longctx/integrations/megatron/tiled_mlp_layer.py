@@ -148,6 +148,12 @@ class TiledMLPLayerSpec:
     def __repr__(self) -> str:
         return f"TiledMLPLayerSpec(base={self.base!r}, mlp_tiles={self.mlp_tiles!r})"
 
+    def to_cfg_dict(self) -> dict:
+        """How a saved run config holds it (``spec.LongContextSpec.to_cfg_dict``): this class and its arguments."""
+        base = self.base.to_cfg_dict() if hasattr(self.base, "to_cfg_dict") else self.base
+        return {"_target_": f"{type(self).__module__}.{type(self).__qualname__}", "base": base,
+                "mlp_tiles": self.mlp_tiles, "tile_tokens": self.tile_tokens}
+
 
 def with_tiled_mlp(spec: Any, mlp_tiles: Any, tile_tokens: int = DEFAULT_MLP_TILE_TOKENS) -> Any:
     """``spec`` with every dense MLP tiled (``mlp_tiles`` off: ``spec`` itself); idempotent on a TiledMLPLayerSpec."""

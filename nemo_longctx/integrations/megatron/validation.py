@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
+from nemo_longctx.attention.sinks import SOFTMAX_TYPES  # Megatron-core's names (TransformerConfig.softmax_type)
 from nemo_longctx.options import Context, LongContextOptions, layout_problems
 
 from .cp_algorithms import get_cp_algorithm, mark_checked
@@ -76,6 +77,12 @@ def long_context_problems(
             "model.attention_backend=local makes NeMo replace every layer's core_attention with Megatron's own "
             "(DotProductAttention, no CP): use auto"
         )
+    softmax = getattr(config, "softmax_type", "vanilla")  # absent before Megatron-core 0.15
+    if softmax not in SOFTMAX_TYPES:
+        problems.append(f"model.softmax_type={softmax!r} must be one of {SOFTMAX_TYPES}")
+    elif softmax != "vanilla" and not algo.takes_sinks:
+        problems.append(f"model.softmax_type={softmax!r} (attention sinks) is not supported by "
+                        f"cp.algorithm={cp_algorithm!r}: its attention function takes no sinks")
     if algo.validate is not None:
         try:
             algo.validate(config, cp_size, tp=tp, **dict(cp_kwargs or {}))
@@ -162,4 +169,42 @@ def model_state_cpu_problems(opts: Any, force: bool = False, checkpointing: bool
         out.append("optim.use_precision_aware_optimizer=true runs TransformerEngine's FusedAdam, a CUDA kernel: "
                    "not available on CPU (CPU only; on GPUs it is allowed with TransformerEngine installed)")
     # Megatron-FSDP (optim.megatron_fsdp) runs on CPU over gloo with cpu_compat_fsdp's device/mesh fixes
+    return out
+
+
+def moe_cpu_problems(config: Any, force: bool = False) -> list:
+    """Problems (each naming its ``model.*`` field) of a MoE model config that Megatron-core's local (non-TE) layers,
+    the only ones without CUDA, cannot train; empty when CUDA is available (unless ``force``) or without experts.
+
+    - Expert biases (``add_bias_linear``: GPT-OSS) at expert-parallel and expert-tensor-parallel size 1: the local
+      experts (``SequentialMLP``) add the bias in place (``mlp.py``: ``output += output_bias * per_token_scale``) to
+      the output of ``linear_fc2``, which at those sizes is what ``_ReduceFromModelParallelRegion`` returned
+      unchanged -- autograd refuses the in-place change ("a view ... is being modified inplace"). With either size
+      above 1 the expert linear skips that function (``explicit_expert_comm``).
+    - The ``alltoall`` token dispatcher at expert-parallel size > 1: its split sizes become host lists only when they
+      were CUDA tensors (``moe_utils.maybe_move_tensor_to_cpu``); CPU tensors reach ``all_to_all_single``, which
+      rejects them. The ``allgather`` dispatcher exchanges no split sizes.
+    - The ``flex`` dispatcher: DeepEP / HybridEP kernels (CUDA)."""
+    from .cpu_compat import needed
+
+    if not (force or needed()) or not getattr(config, "num_moe_experts", None):
+        return []
+    out = []
+    ep = int(getattr(config, "expert_model_parallel_size", 1) or 1)
+    etp = getattr(config, "expert_tensor_parallel_size", None)
+    etp = int(config.tensor_model_parallel_size or 1) if etp is None else int(etp)
+    if getattr(config, "add_bias_linear", False) and ep == 1 and etp == 1:
+        out.append(f"model.add_bias_linear=true with MoE experts (model.num_moe_experts={config.num_moe_experts}) at "
+                   "model.expert_model_parallel_size=1 and model.expert_tensor_parallel_size=1: Megatron-core's "
+                   "local experts (SequentialMLP, the experts without TransformerEngine) add the expert bias in "
+                   "place on a tensor autograd does not let them change (CPU only; set "
+                   "model.expert_model_parallel_size or model.expert_tensor_parallel_size > 1)")
+    dispatcher = getattr(config, "moe_token_dispatcher_type", None)
+    if dispatcher == "alltoall" and ep > 1:
+        out.append(f"model.moe_token_dispatcher_type='alltoall' with model.expert_model_parallel_size={ep}: its "
+                   "split sizes stay torch tensors on the CPU, which gloo's all_to_all_single does not take (CPU "
+                   "only; set model.moe_token_dispatcher_type=allgather)")
+    if dispatcher == "flex":
+        out.append("model.moe_token_dispatcher_type='flex' runs DeepEP/HybridEP CUDA kernels: not available on CPU "
+                   "(set model.moe_token_dispatcher_type=allgather or alltoall)")
     return out
