@@ -7,16 +7,9 @@ import torch
 
 def reference_attention(q, k, v, causal: bool, scale: float | None = None):
     """q [b, s, hq, d], k/v [b, s, hkv, d] -> [b, s, hq, d]; computed in float64 with repeated KV heads."""
-    q, k, v = q.double(), k.double(), v.double()
-    g = q.shape[2] // k.shape[2]
-    k = k.repeat_interleave(g, dim=2)
-    v = v.repeat_interleave(g, dim=2)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    scores = torch.einsum("bshd,bthd->bhst", q, k) * scale
-    if causal:
-        s = q.shape[1]
-        scores = scores.masked_fill(~torch.ones(s, s, dtype=torch.bool).tril(), float("-inf"))
-    return torch.einsum("bhst,bthd->bshd", torch.softmax(scores, -1), v)
+    s = q.shape[1]
+    allowed = torch.ones(s, s, dtype=torch.bool).tril() if causal else None
+    return reference_sink_attention(q, k, v, None, allowed, scale)
 
 
 def reference_forward_backward(q, k, v, dout, causal: bool, scale: float | None = None):

@@ -91,29 +91,27 @@ def packed_seq_layout(packed_seq_params: Any) -> Tuple[Tensor, Tensor]:
     return cu_q, cu_q if pad_q is None else pad_q
 
 
-def _cp_group(pg_collection: Any):
-    """The context-parallel process group: ``pg_collection.cp`` if given, else Megatron's global CP group."""
-    group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+def _process_group(pg_collection: Any, name: str, global_group: str):
+    """``pg_collection.<name>`` if given, else Megatron's global group ``parallel_state.<global_group>()`` (None when
+    model parallelism is not initialised)."""
+    group = getattr(pg_collection, name, None) if pg_collection is not None else None
     if group is not None:
         return group
     from megatron.core import parallel_state
 
     if parallel_state.model_parallel_is_initialized():
-        return parallel_state.get_context_parallel_group()
+        return getattr(parallel_state, global_group)()
     return None
+
+
+def _cp_group(pg_collection: Any):
+    """The context-parallel process group (``pg_collection.cp`` or Megatron's global CP group)."""
+    return _process_group(pg_collection, "cp", "get_context_parallel_group")
 
 
 def _tp_group(pg_collection: Any):
-    """The tensor-parallel process group: ``pg_collection.tp`` if given, else Megatron's global TP group (None when
-    model parallelism is not initialised)."""
-    group = getattr(pg_collection, "tp", None) if pg_collection is not None else None
-    if group is not None:
-        return group
-    from megatron.core import parallel_state
-
-    if parallel_state.model_parallel_is_initialized():
-        return parallel_state.get_tensor_model_parallel_group()
-    return None
+    """The tensor-parallel process group (``pg_collection.tp`` or Megatron's global TP group)."""
+    return _process_group(pg_collection, "tp", "get_tensor_model_parallel_group")
 
 
 class LongContextCoreAttention(MegatronModule):
