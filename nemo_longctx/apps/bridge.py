@@ -362,7 +362,7 @@ def run_rank(cfg: Any, bridge_overrides: List[str], options: Any, container: Any
     from nemo_longctx.integrations.bridge.memory import memory_of
     from nemo_longctx.integrations.bridge.preemption import SaveOnSignal, latched_signals
 
-    from nemo_longctx.shared import console
+    from nemo_longctx.shared import collector, console
 
     console.setup(console.level(), console.rank_from_env())  # again: the libraries are imported now
     output_dir = os.path.abspath(str(cfg.output_dir))
@@ -379,6 +379,7 @@ def run_rank(cfg: Any, bridge_overrides: List[str], options: Any, container: Any
     if saver is None:  # nothing to save: an interrupt ends the rank by its default action, without a traceback
         signal.signal(signal.SIGINT, signal.SIG_DFL)
     callbacks = long_context_callbacks(container) + [metrics.callback()] + drills
+    collector.resume()  # paused since the entry (shared/collector.py)
     try:
         pretrain(container, forward_step, callbacks=callbacks + ([saver.callback()] if saver else []))
     except SystemExit as e:  # Bridge's own stop (a signal, train.exit_interval, ...): sys.exit(0)
@@ -418,6 +419,9 @@ def external_rank(cfg: Any, bridge_overrides: List[str], options: Any, launch: A
 
 
 def main(argv: Optional[List[str]] = None) -> None:
+    from nemo_longctx.shared import collector
+
+    collector.pause()  # until training starts (or the launcher starts the ranks): shared/collector.py
     args = list(sys.argv[1:] if argv is None else argv)
     from nemo_longctx.shared import console
 

@@ -70,7 +70,7 @@ def train_rank(cfg: DictConfig, launch: Optional[Launch], options: Optional[Long
     from omegaconf import OmegaConf
 
     from nemo_longctx.integrations.nemo.app import fit
-    from nemo_longctx.shared import console
+    from nemo_longctx.shared import collector, console
 
     rank = launch.rank if launch is not None else 0
     level = str(OmegaConf.select(cfg, "log.level", default="info"))
@@ -96,6 +96,7 @@ def train_rank(cfg: DictConfig, launch: Optional[Launch], options: Optional[Long
         # rank at once, by the signal's default action: no KeyboardInterrupt traceback, no peer's "connection closed"
         # from a rank still unwinding (the launcher reports the stop)
         signal.signal(signal.SIGINT, signal.SIG_DFL)
+    collector.resume()  # paused since the entry (shared/collector.py)
     fit(built)
     saver = next((c for c in built.trainer.callbacks if type(c).__name__ == "SaveOnSignal"), None)
     code = PREEMPTED_EXIT if saver is not None and saver.preempted is not None else 0
@@ -237,6 +238,9 @@ def _rank0() -> bool:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
+    from nemo_longctx.shared import collector
+
+    collector.pause()  # until training starts (or the launcher starts the ranks): shared/collector.py
     from nemo_longctx.apps.help import maybe_print_help
 
     maybe_print_help("train", sys.argv[1:] if argv is None else argv)  # -h/--help: our groups and keys, exit 0

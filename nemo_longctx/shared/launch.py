@@ -121,6 +121,10 @@ def launch_local(nproc: int, argv: Sequence[str], threads_per_process: int, *, w
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from nemo_longctx.shared import collector
+
+    collector.resume()  # the app paused it at its entry: on again for the (long) wait on the ranks
+
     for k in [k for k in os.environ if k.startswith("SLURM_")]:
         os.environ.pop(k)  # a single-task Slurm allocation: the ranks are our processes, not Slurm's
     os.environ.update(OMP_NUM_THREADS=str(threads_per_process), NEMO_LONGCTX_SPAWNED="1", **(env or {}))
