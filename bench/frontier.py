@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from nemo_longctx.apps.plan import conf_dir, inputs_from_config  # noqa: E402
-from nemo_longctx.planner.search import GIB, plan  # noqa: E402
+from nemo_longctx.planner.search import plan  # noqa: E402
 
 STEP = 16384
 SETTINGS = [  # (label, model group, gpu preset, gpus[, host GiB per node when not plan.host_memory_gb's 1024])

@@ -46,7 +46,6 @@ ROWS = [
 
 
 def _worker(rank: int, world: int, seq: int, cp: int, reps: int, rows=None):
-    import torch
 
     from nemo_longctx.integrations.megatron import cpu_compat
 

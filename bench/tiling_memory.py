@@ -176,7 +176,7 @@ def main():
             if mode == "auto":
                 target = f"peak <= {bound / MIB:.0f} MiB (1.2 x one tile {one_tile / MIB:.0f} + x, out, dx, dW)"
                 met = "yes" if peak <= bound else "no"
-                target += f"; time <= 1.15 x off"
+                target += "; time <= 1.15 x off"
                 met += " / " + ("yes" if t <= 1.15 * base_t else "no")
             label = {"off": "off", "checkpoint": "off + checkpoint", "auto": "tiled (auto)"}[mode]
             print(

@@ -2,7 +2,7 @@
 
 Runs of the default job (tiny GQA Llama, ring CP=2, Adam + cosine LR, fp32, seq 1024), 6 steps, checkpoint every 2
 steps, validation every 2 steps:
-  * ``full``: uninterrupted;
+  * ``full``: uninterrupted (tests/default_job.py: trained once per session, shared with tests/test_preemption.py);
   * ``killed``: the same run with rank 1 SIGKILLed at step 5 (exit != 0; checkpoints of steps 2 and 4 on disk), then
     ``resumed`` with the same command (``checkpoint.resume=auto``): steps 5 and 6 equal ``full``'s (<= 1e-6 relative)
     -- model, optimizer, LR schedule and data position all come back;
@@ -26,12 +26,10 @@ from pathlib import Path
 import pytest
 
 from app_runner import leftover_processes, metrics_rows, run_app
+from default_job import COMMON, STEPS, uninterrupted
 
 BIN = Path(sys.executable).parent
 APP = [str(BIN / "nemo-longctx"), "train"]
-STEPS = 6
-COMMON = ["model.seq_length=1024", f"trainer.max_steps={STEPS}", "checkpoint.every_n_steps=2", "checkpoint.keep=3",
-          "trainer.val_check_interval=2", "trainer.limit_val_batches=2", "memory.track=false"]
 
 
 def _metrics(out_dir: Path):
@@ -57,8 +55,8 @@ def _ok(cmd, timeout=420):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("ckpt")
-    d = {name: base / name for name in ("full", "killed", "cp4", "back2", "ulysses", "tp2", "dp2", "none")}
-    _ok(APP + [f"output_dir={d['full']}", *COMMON])
+    d = {name: base / name for name in ("killed", "cp4", "back2", "ulysses", "tp2", "dp2", "none")}
+    d["full"] = uninterrupted(tmp_path_factory)  # shared with tests/test_preemption.py (tests/default_job.py)
     code, out = run_app(APP + [f"output_dir={d['killed']}", *COMMON, "run.fault=kill@5:1"], 420)
     assert code != 0 and "rank 1 killed by SIGKILL" in out, out[-3000:]
     assert leftover_processes() == []  # not even the killed rank's asynchronous checkpoint worker

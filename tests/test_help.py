@@ -119,3 +119,19 @@ def test_the_import_check_sees_a_framework_import():
     assert code == 0, err[-2000:]
     assert heavy == ["megatron", "torch"], heavy
     assert "import time:" not in err
+
+
+@pytest.mark.parametrize("flag", ["--version", "-V"])
+def test_version_names_ours_and_the_installed_stack_without_importing_it(flag):
+    from importlib import metadata
+
+    from nemo_longctx import __version__
+
+    code, out, err, heavy, _ = _help(flag)
+    assert code == 0 and not heavy, (code, heavy, err)
+    lines = out.splitlines()
+    assert lines[0] == f"nemo-longctx {__version__}" and lines[1].startswith("python 3."), out
+    assert f"torch {metadata.version('torch')}" in lines, out
+    assert f"megatron-core {metadata.version('megatron-core')}" in lines, out
+    assert lines[-1] == "NeMo 2 stack: tested", out  # this suite's stack (constraints/nemo.txt)
+    assert metadata.version("nemo-longctx") == __version__  # the package's metadata and the module agree

@@ -190,7 +190,7 @@ def test_documents_data_and_resume_from_own_checkpoint(world):
 
 
 def test_bad_inputs_fail_before_anything_runs(world, tmp_path):
-    base, tok = world["base"], world["tok"]
+    tok = world["tok"]
     not_hf = tmp_path / "not_hf"
     not_hf.mkdir()
     (not_hf / "README.md").write_text("no model here")

@@ -6,7 +6,6 @@ layer input: nothing per layer stays on the device, gradients unchanged."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint

@@ -365,7 +365,7 @@ def test_nemo_wing_modules_import_nemo_or_lightning():
     bad = [m for m in wing if m not in reaching and m not in NEMO_WING_WITHOUT_NEMO]
     lines = []
     for m in bad:
-        imps = sorted({i.target for i in IMPORTS if i.src == m and not _top(i.target) in STDLIB})
+        imps = sorted({i.target for i in IMPORTS if i.src == m and _top(i.target) not in STDLIB})
         lines.append(f"{MODULES[m].relative_to(ROOT)} ({m}) imports no NeMo/Lightning; its non-stdlib imports: {imps}")
     assert not bad, ("modules of integrations/nemo/ that import neither nemo nor lightning (itself or through the "
                      "wing) -- move them to shared/ or name them in NEMO_WING_WITHOUT_NEMO with the reason:\n  "

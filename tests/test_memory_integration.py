@@ -60,7 +60,6 @@ def _rel(a, b):
 
 
 def _parity_worker(rank: int, world: int):
-    import torch
 
     from nemo_longctx.integrations.megatron import cpu_compat
 

@@ -5,7 +5,6 @@ Sinkhorn routing under ring / Ulysses / hybrid CP = cp=none) is ``tests/test_moe
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from distributed import run_distributed

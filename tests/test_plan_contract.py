@@ -122,7 +122,7 @@ def _contract(rank, world):
                     res["bad"].append((ov, str(e)))
 
     # converse: what the app accepts is searched
-    from nemo_longctx.apps.plan import RECOMPUTE_GROUP, app_problems, search_space
+    from nemo_longctx.apps.plan import RECOMPUTE_GROUP, app_problems
     from nemo_longctx.planner.model_shapes import KNOWN_SHAPES
     from nemo_longctx.planner.search import RECOMPUTE, Hardware, candidate_configs
 

@@ -3,7 +3,8 @@
 The default job (tiny GQA Llama, 2 ranks, fp32, seq 1024), 6 steps. ``run.fault=SIGTERM@K:R`` / ``SIGUSR1@K:R``: rank R
 sends that signal to its launcher (its parent process) at the start of step K, as ``scancel``/``kill`` would, and
 trains on; the launcher (ours, or torchrun's agent) passes it to every rank. Runs:
-  * ``full``: uninterrupted, no checkpoints;
+  * ``full``: uninterrupted (the default job's shared run, tests/default_job.py: with checkpoints and validation every
+    2 steps, which leave the training losses bit-equal);
   * ``usr1``: cp=ulysses, local launcher, SIGUSR1 at step 4 -> checkpoint of step 4, exit 75; ``usr1_resumed``: the
     same command again;
   * ``torchrun``: ring under ``torchrun --standalone``, SIGTERM to torchrun at step 2 (its agent sends SIGTERM to the
@@ -27,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from app_runner import ROOT, leftover_processes, metrics_rows, run_app
+from default_job import uninterrupted
 
 # signal tests: every bound is measured from the signal, so they hold beside the rest of the suite (parallel part)
 
@@ -67,10 +69,9 @@ def _second_signal_run(cmd: list, timeout: float = 420) -> tuple:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("preempt")
-    d = {n: base / n for n in ("full", "usr1", "torchrun", "second")}
+    d = {n: base / n for n in ("usr1", "torchrun", "second")}
+    d["full"] = uninterrupted(tmp_path_factory)  # shared with tests/test_checkpoint_resume.py (tests/default_job.py)
     out = {}
-    code, out["full"] = run_app(APP + [f"output_dir={d['full']}", *COMMON])
-    assert code == 0, out["full"][-3000:]
     usr1 = APP + [f"output_dir={d['usr1']}", *SAVING, "cp=ulysses"]
     code, out["usr1"] = run_app(usr1 + ["run.fault=SIGUSR1@4:1"])
     out["usr1_code"], out["usr1_ckpts"], out["usr1_rows"] = code, _complete(d["usr1"]), _losses(d["usr1"])

@@ -23,7 +23,7 @@ from test_sequence_chunks import CASES, ToyLayer, _rel
 
 from nemo_longctx.attention.hybrid import make_cp_groups
 from nemo_longctx.attention.layouts import thd_zigzag_indices, zigzag_indices
-from nemo_longctx.memory.sequence_chunks import chunk_core_attention, sequence_chunked_checkpoint
+from nemo_longctx.memory.sequence_chunks import sequence_chunked_checkpoint
 
 S = 48  # global tokens: 24 per rank at CP=2 (halves of 12), 12 at CP=4 (halves of 6)
 DTYPES = {"fp64": (torch.float64, 1e-10), "fp32": (torch.float32, 1e-6)}

@@ -26,6 +26,7 @@ commands:
           e.g. nemo-longctx bridge-export checkpoint=/ckpt/run1 output=/models/llama-128k
 
 nemo-longctx train|plan|bridge --help: the command's config groups and keys; --hydra-help: Hydra's own help.
+nemo-longctx --version: this package's version and the installed stack's.
 """
 
 COMMANDS = {"train": "nemo_longctx.apps.train", "bridge": "nemo_longctx.apps.bridge", "plan": "nemo_longctx.apps.plan",
@@ -41,6 +42,11 @@ def main(argv=None) -> None:
     if len(argv) < 2 or argv[1] in ("-h", "--help", "help"):
         print(USAGE)
         sys.exit(0 if len(argv) >= 2 else 2)
+    if argv[1] in ("-V", "--version"):
+        from nemo_longctx.shared.versions import version_lines
+
+        print("\n".join(version_lines()))
+        sys.exit(0)
     command = argv[1]
     if command not in COMMANDS:
         print(f"nemo-longctx: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)

@@ -84,6 +84,29 @@ def problems(versions: Optional[Dict[str, Optional[str]]] = None) -> List[str]:
             f"(tested: {tested}; see the README's 'Supported NeMo versions')"]
 
 
+# what `nemo-longctx --version` lists beside our own version (distribution names; read from metadata, nothing imported)
+STACK = ("torch", "nemo-toolkit", "megatron-core", "nemo_run", "megatron-bridge", "transformer-engine",
+         "transformer-engine-cu13", "lightning", "hydra-core", "transformers")
+
+
+def version_lines() -> List[str]:
+    """``nemo-longctx --version``: our version, Python's, each installed package of the stack, and whether this
+    NeMo 2 / Megatron-core pair is a tested one (the Bridge stack has no NeMo: its line says so)."""
+    from nemo_longctx import __version__
+
+    lines = [f"nemo-longctx {__version__}", f"python {sys.version.split()[0]}"]
+    for dist in STACK:
+        try:
+            lines.append(f"{dist} {metadata.version(dist)}")
+        except metadata.PackageNotFoundError:
+            continue
+    v = installed()
+    if v.get("nemo") is not None:
+        p = problems(v)
+        lines.append("NeMo 2 stack: tested" if not p else f"NeMo 2 stack: {p[0]}")
+    return lines
+
+
 def main() -> int:
     v = installed()
     print("nemo_longctx versions: " + ", ".join(f"{PACKAGES[k]} {v[k]}" for k in PACKAGES))

@@ -106,7 +106,6 @@ def shard_packed_batch_for_cp(batch: Dict[str, Any], cp_size: int, cp_rank: int)
     from megatron.core.packed_seq_params import PackedSeqParams
 
     starts, lengths = packed_documents(batch)
-    tokens = batch.get("tokens")
     # a middle pipeline stage gets no token keys (all None): only the layout (PackedSeqParams) is built
     ref = next((batch[k] for k in TOKEN_KEYS if batch.get(k) is not None), None)
     if ref is not None and (ref.dim() != 2 or ref.shape[0] != 1):
