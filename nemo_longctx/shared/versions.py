@@ -92,9 +92,7 @@ STACK = ("torch", "nemo-toolkit", "megatron-core", "nemo_run", "megatron-bridge"
 def version_lines() -> List[str]:
     """``nemo-longctx --version``: our version, Python's, each installed package of the stack, and whether this
     NeMo 2 / Megatron-core pair is a tested one (the Bridge stack has no NeMo: its line says so)."""
-    from nemo_longctx import __version__
-
-    lines = [f"nemo-longctx {__version__}", f"python {sys.version.split()[0]}"]
+    lines = [f"nemo-longctx {metadata.version('nemo-longctx')}", f"python {sys.version.split()[0]}"]
     for dist in STACK:
         try:
             lines.append(f"{dist} {metadata.version(dist)}")
