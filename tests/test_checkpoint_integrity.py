@@ -5,12 +5,12 @@ Units: ``checkpoint_problem`` on a real checkpoint written by ``torch.distribute
 file cut short; one missing; ``.metadata`` missing or cut short), and on the NeMo 2 app's own checkpoints
 (Megatron-core's ``common.pt`` and ``metadata.json`` too).
 
-App (real processes, gloo, the default tiny job at seq 1024): ``full`` trains 5 steps with a checkpoint every step (all
-kept). ``damaged``: an output directory holding ``full``'s checkpoints of steps 1..3 -- a run of the same schedule
-that trained 3 steps with a checkpoint every step -- whose newest checkpoint (and its ``-last`` copy, as NeMo writes
-one at the end of a run) has one shard cut short. The same command with ``trainer.max_steps=5`` and the default
-``checkpoint.resume=auto`` names the damaged checkpoints it skips, resumes from step 2's, trains steps 3..5 and exits 0;
-their losses equal ``full``'s bit for bit (fp32). ``checkpoint.resume=<the damaged checkpoint>`` is refused in the
+App (real processes, gloo): ``full`` is the default job's shared uninterrupted run (tests/default_job.py: 6 steps, a
+checkpoint every 2 steps). ``damaged``: an output directory holding ``full``'s checkpoints of steps 2 and 4 -- a run of
+the same schedule that trained 4 steps -- whose newest checkpoint (and its ``-last`` copy, as NeMo writes one at the
+end of a run) has one shard cut short. The same command and the default ``checkpoint.resume=auto`` names the damaged
+checkpoints it skips, resumes from step 2's, trains steps 3..6 and exits 0; their losses equal ``full``'s bit for bit
+(fp32). ``checkpoint.resume=<the damaged checkpoint>`` is refused in the
 launching process (exit 2, the key, the path and the reason in one line, no traceback, no rank started).
 """
 
@@ -27,14 +27,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from app_runner import leftover_processes, metrics_rows, run_app
+from default_job import COMMON, STEPS, uninterrupted
 from nemo_longctx.shared.checkpoint_integrity import checkpoint_problem
 from nemo_longctx.shared.resume_checks import newest_intact
 
 BIN = Path(sys.executable).parent
 APP = [str(BIN / "nemo-longctx"), "train"]
-STEPS = 5
-COMMON = ["model.seq_length=1024", "checkpoint.every_n_steps=1", f"checkpoint.keep={STEPS}", "memory.track=false",
-          "log.tensorboard=false"]
+SAVED = (2, 4)  # the default job's checkpoints that ``_plant_damaged`` copies (it saves every 2 steps)
 
 
 # ------------------------------------------------------------------------------------------- torch DCP units
@@ -101,13 +100,13 @@ def _losses(out_dir: Path) -> dict:
 
 
 def _plant_damaged(full: Path, out_dir: Path) -> dict:
-    """``out_dir``/checkpoints as a run of ``full``'s schedule leaves it after 3 steps with a checkpoint every step
-    (``full``'s first three checkpoints, the newest also as NeMo's -last copy), then one shard of the newest and of
-    its -last copy cut to 1000 bytes. Returns the newest, its -last copy and {name: (shard, its size before)}."""
+    """``out_dir``/checkpoints as a run of ``full``'s schedule leaves it after 4 steps (``full``'s checkpoints of steps
+    2 and 4, the newest also as NeMo's -last copy), then one shard of the newest and of its -last copy cut to 1000
+    bytes. Returns the newest, its -last copy and {name: (shard, its size before)}."""
     (out_dir / "checkpoints").mkdir(parents=True)
-    for steps in (1, 2, 3):
+    for steps in SAVED:
         shutil.copytree(_ckpt(full, steps), out_dir / "checkpoints" / _ckpt(full, steps).name)
-    newest = out_dir / "checkpoints" / _ckpt(full, 3).name
+    newest = out_dir / "checkpoints" / _ckpt(full, SAVED[-1]).name
     newest_last = newest.with_name(newest.name + "-last")
     shutil.copytree(newest, newest_last)
     cut = {}
@@ -125,12 +124,9 @@ def _damaged(planted: dict, d: Path) -> str:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    base = tmp_path_factory.mktemp("integrity")
-    full, damaged = base / "full", base / "damaged"
-    code, out = run_app(APP + [f"output_dir={full}", f"trainer.max_steps={STEPS}", *COMMON], 420)
-    assert code == 0, out[-4000:]
+    full, damaged = uninterrupted(tmp_path_factory), tmp_path_factory.mktemp("integrity") / "damaged"
     planted = _plant_damaged(full, damaged)
-    code, resumed_out = run_app(APP + [f"output_dir={damaged}", f"trainer.max_steps={STEPS}", *COMMON], 420)
+    code, resumed_out = run_app(APP + [f"output_dir={damaged}", *COMMON], 420)
     return {"full": full, "damaged": damaged, "planted": planted, "resumed": (code, resumed_out),
             "leftovers": leftover_processes()}
 
@@ -149,17 +145,16 @@ def test_auto_resume_skips_a_damaged_checkpoint_naming_it_and_continues_the_same
     # after step 2, from its checkpoint (NeMo names it by its 0-based step)
     assert resumed_line.startswith("nemo-longctx: resumed at step 2 from ") and "/step=1-" in resumed_line, resumed_line
     full, resumed = _losses(runs["full"]), _losses(runs["damaged"])
-    assert sorted(full) == list(range(1, STEPS + 1)) and sorted(resumed) == [3, 4, 5], (full, resumed)
-    for step in (3, 4, 5):
+    assert sorted(full) == list(range(1, STEPS + 1)) and sorted(resumed) == [3, 4, 5, 6], (full, resumed)
+    for step in (3, 4, 5, 6):
         assert resumed[step] == full[step], (step, resumed[step], full[step])  # fp32: bit-equal
-    assert len({full[s] for s in (3, 4, 5)}) == 3  # not vacuous: the loss moves step to step
+    assert len({full[s] for s in (3, 4, 5, 6)}) == 4  # not vacuous: the loss moves step to step
 
 
 def test_explicit_resume_of_a_damaged_checkpoint_is_refused_before_any_rank(runs, tmp_path):
     planted = _plant_damaged(runs["full"], tmp_path / "planted")
     damaged, out_dir = planted["newest"], tmp_path / "explicit"
-    code, out = run_app(APP + [f"output_dir={out_dir}", f"trainer.max_steps={STEPS}", *COMMON,
-                               f"checkpoint.resume={damaged}"], 180)
+    code, out = run_app(APP + [f"output_dir={out_dir}", *COMMON, f"checkpoint.resume={damaged}"], 180)
     assert code == 2, out[-3000:]
     lines = [ln for ln in out.splitlines() if "checkpoint.resume=" in ln]
     assert len(lines) == 1, out[-3000:]
@@ -190,8 +185,8 @@ def test_checkpoint_problem_on_the_apps_checkpoints(runs, tmp_path):
     # each with its reason; step 2's chosen
     planted = _plant_damaged(runs["full"], tmp_path / "planted")
     ckpts = tmp_path / "planted" / "checkpoints"
-    unfinished = ckpts / _ckpt(runs["full"], 4).name
-    shutil.copytree(_ckpt(runs["full"], 4), unfinished)
+    unfinished = ckpts / _ckpt(runs["full"], STEPS).name  # newer than every planted one
+    shutil.copytree(_ckpt(runs["full"], STEPS), unfinished)
     Path(f"{unfinished}-unfinished").touch()
     assert newest_intact(str(ckpts)) == (_ckpt(tmp_path / "planted", 2), [
         (unfinished.name, "unfinished (its save was cut off)"),
