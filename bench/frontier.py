@@ -17,7 +17,8 @@ What is measured and what is modelled (nothing here has run on a GPU):
   * on CPU the saved-activation terms are calibrated against the tracker on Megatron's local spec (issue 13 part B,
     tests/test_planner_calibration.py) and every model-state option runnable on CPU trained with DDP's losses
     (tests/test_model_state.py), with the bytes Megatron holds equal to planner.model_state_bytes
-    (tests/test_planner_model_state_bytes.py: DDP, distributed optimizer, optimizer offload); Megatron-FSDP and the precision-aware optimizer have not run at all (CUDA only);
+    (tests/test_planner_model_state_bytes.py: DDP, distributed optimizer, optimizer offload); Megatron-FSDP and the
+    precision-aware optimizer have not run at all (CUDA only);
   * ALST (Arctic Long Sequence Training) and UPipe columns are their papers' measured maxima as cited in issue 13
     (H100 80 GB; different stacks: DeepSpeed ZeRO-3 + CPU offload / FSDP).
 """
@@ -123,7 +124,8 @@ def main(argv=None) -> int:
         rows.append({"model": label, "gpu": gpu.upper() + (f", {host_gb} GiB host" if host_gb else ""), "gpus": gpus,
                      "planner_max_seq": seq,
                      "chosen": ev.candidate.label() if ev else None,
-                     "gib_per_gpu": round(m.get("total", 0.0), 1), "host_gib_per_node": round(m.get("host_per_node", 0.0)),
+                     "gib_per_gpu": round(m.get("total", 0.0), 1),
+                     "host_gib_per_node": round(m.get("host_per_node", 0.0)),
                      "model_states_gib": round(m.get("weights", 0) + m.get("grads", 0) + m.get("optimizer", 0), 1),
                      "activations_gib": round(m.get("activations", 0) + m.get("transient", 0) + m.get("comm", 0), 1),
                      "alst": ALST.get(key), "upipe": UPIPE.get(key), "target": TARGETS.get(key)})
@@ -146,7 +148,8 @@ def main(argv=None) -> int:
             w for w, ok in (("device memory exceeded", v["fits_gpu"]), ("host memory exceeded", v["fits_host"]))
             if not ok)
         print(f"  {k}: {v['total_gib']} GiB/GPU, host {v['host_gib_per_node']} GiB/node ({verdict}; peak in the "
-              f"{v['peak_phase']} backward) {v['candidate']}: " + ", ".join(f"{t} {g}" for t, g in v["terms_gib"].items()))
+              f"{v['peak_phase']} backward) {v['candidate']}: "
+              + ", ".join(f"{t} {g}" for t, g in v["terms_gib"].items()))
     print(f"\n({time.time() - t0:.0f} s)")
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "limits": lim}, indent=1))

@@ -13,7 +13,8 @@ Search: lengths double from ``--start`` until a step fails, then bisect down to 
 "fits" when it completes: on CUDA, without an out-of-memory error (the real limit of the device); on CPU (the tiny
 form, for tests), when the activation tracker's peak of live bytes stays within ``--cap-mib`` (an emulated memory
 cap). Planner: the largest length whose ``predicted_peak_bytes`` (the larger of the head's and a layer's
-backward, calibrated on CPU against the tracker; ``local_cpu`` coefficients: the same local spec) fits the same budget: ``--cap-mib`` on
+backward, calibrated on CPU against the tracker; ``local_cpu`` coefficients: the same local spec) fits the same \
+budget: ``--cap-mib`` on
 CPU, on CUDA the free device memory after the weights and gradient buffers are allocated. The planner models only
 the longctx stack (Megatron's DotProductAttention is not in its search space).
 
@@ -351,8 +352,9 @@ def main(argv=None) -> int:
     budget = None
     for stack in a.stacks:
         t0 = time.perf_counter()
+        # the only reference: [model, rt]
         held = list(build(shape, stack, device=device, dtype=dtype, max_len=max_len, recompute=a.recompute,
-                          tile_tokens=tile_tokens, chunk_tokens=chunk_tokens, sequence_chunks=a.sequence_chunks))  # the only reference: [model, rt]
+                          tile_tokens=tile_tokens, chunk_tokens=chunk_tokens, sequence_chunks=a.sequence_chunks))
         if cuda:
             free, total = torch.cuda.mem_get_info(device)
             budget = float(free)

@@ -11,7 +11,8 @@ the options interleaved round by round) as a ratio to recompute=none offload=non
 
 Targets (issue 4): full + layer_input device-resident saved bytes <= 2% of none; full_keep_attn faster than full
 with the ring on, and its memory between selective and full.
-Selective recompute of layernorm runs nemo_longctx's norm recompute (integrations/megatron/norm_recompute_layer.py), which
+Selective recompute of layernorm runs nemo_longctx's norm recompute (integrations/megatron/norm_recompute_layer.py), \
+which
 works under the tracker's saved-tensor hooks.
 The machine is shared and noisy: compare rows of one run only.
 

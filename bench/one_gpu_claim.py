@@ -150,8 +150,8 @@ def main(argv=None) -> int:
                     help="lengths to check; 'max' = the longest length the planner finds for one GPU")
     ap.add_argument("--layers", type=int, default=1, help="real layers built (the rest is held model state)")
     ap.add_argument("--host-gib", type=float, default=1024.0,
-                    help="host memory per node the plan assumes (the plan app's default; only the built layers' offload "
-                         "and no optimizer state use this machine's host memory)")
+                    help="host memory per node the plan assumes (the plan app's default; only the built layers' "
+                         "offload and no optimizer state use this machine's host memory)")
     ap.add_argument("--cpu-small", action="store_true", help="CPU rehearsal: tiny shape, short lengths, no cap")
     ap.add_argument("--json", default=None)
     ap.add_argument("--time-budget-s", type=float, default=None,
@@ -177,14 +177,16 @@ def main(argv=None) -> int:
     if cuda:
         total = torch.cuda.get_device_properties(device).total_memory
         if gpu_gib * GIB > total:
-            print(f"one_gpu_claim: --gpu-gib {gpu_gib:g} is more than this GPU's {total / GIB:.1f} GiB", file=sys.stderr)
+            print(f"one_gpu_claim: --gpu-gib {gpu_gib:g} is more than this GPU's {total / GIB:.1f} GiB",
+                  file=sys.stderr)
             return 2
         torch.cuda.set_per_process_memory_fraction(gpu_gib * GIB / total, device)
     gran = GRANULARITY if cuda else 256
     seqs = []
     for s in a.seqs:
         if s == "max":
-            seqs.append(longest(shape, hw, coef, search, precision, 131072 if cuda else 1024, gran, 1 << 24 if cuda else 16384))
+            seqs.append(longest(shape, hw, coef, search, precision, 131072 if cuda else 1024, gran,
+                                1 << 24 if cuda else 16384))
         else:
             seqs.append(int(s) if cuda else min(int(s), 4096))
     where = (f"{torch.cuda.get_device_name(device)}, capped at {gpu_gib:g} GiB, torch {torch.__version__}" if cuda
@@ -218,8 +220,8 @@ def main(argv=None) -> int:
         step = (f"{r['measured_step_gib'] * scale:.2f} / {r['predicted_step_gib'] * scale:.2f}"
                 if "measured_step_gib" in r else f"- / {r['predicted_step_gib'] * scale:.2f}")
         ratio = f"{r['measured_over_predicted']:.3f}" if "measured_over_predicted" in r else "-"
-        print(f"| {seq} | `{r['plan']}` | {'yes' if r['fits'] else 'NO (OOM)'} | {r['planner_total_gib'] * scale:.1f} | "
-              f"{meas} | {step} | {ratio} | {r['step_s']:.1f} |", flush=True)
+        print(f"| {seq} | `{r['plan']}` | {'yes' if r['fits'] else 'NO (OOM)'} | "
+              f"{r['planner_total_gib'] * scale:.1f} | {meas} | {step} | {ratio} | {r['step_s']:.1f} |", flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps({"where": where, "model": shape.name, "rows": rows}, indent=1))
     return 0

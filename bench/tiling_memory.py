@@ -180,7 +180,8 @@ def main():
                 met += " / " + ("yes" if t <= 1.15 * base_t else "no")
             label = {"off": "off", "checkpoint": "off + checkpoint", "auto": "tiled (auto)"}[mode]
             print(
-                f"| MLP | {seq} | {label} | {n} | {peak / MIB:.0f} | {t:.2f} | {t / base_t - 1:+.0%} | {target} | {met} |"
+                f"| MLP | {seq} | {label} | {n} | {peak / MIB:.0f} | {t:.2f} | {t / base_t - 1:+.0%} | "
+                f"{target} | {met} |"
             )
         untiled = seq <= args.untiled_loss_max
         rows, chunks, grad_bytes = loss_rows(seq, args, untiled)

@@ -110,8 +110,9 @@ def main(argv=None):
             times[mode].append(time.perf_counter() - t0)
             losses[mode] = loss.item()
     base = min(times["off"])
-    print(f"training step fwd+bwd: seq {args.seq}, {args.layers} layers, hidden {args.hidden}, ffn {args.ffn} (SwiGLU), "
-          f"heads {args.heads}/{args.kv_heads}, vocab {args.vocab}, fp32, {args.threads} threads; best of {args.reps}")
+    print(f"training step fwd+bwd: seq {args.seq}, {args.layers} layers, hidden {args.hidden}, ffn {args.ffn} "
+          f"(SwiGLU), heads {args.heads}/{args.kv_heads}, vocab {args.vocab}, fp32, {args.threads} threads; "
+          f"best of {args.reps}")
     print("| mode | step s | overhead vs off | loss |")
     print("|---|---:|---:|---:|")
     for mode in MODES:

@@ -12,8 +12,8 @@ steps, validation every 2 steps:
     step-6 validation loss;
   * ``none``: cp=none on one process, 6 steps with validation: validation losses equal the ring's (reduced over CP).
 Marked ``slow`` (the full suite runs them, CI does not): ``back2``, ``tp2`` and the DP=2 resume (each run only when
-its test is selected). Plus: the checkpoint's NeMo context (io.json) restores our layer spec; TensorBoard event files hold the scalars;
-``checkpoint.keep`` prunes; bad checkpoint settings fail before anything starts.
+its test is selected). Plus: the checkpoint's NeMo context (io.json) restores our layer spec; TensorBoard event files
+hold the scalars; ``checkpoint.keep`` prunes; bad checkpoint settings fail before anything starts.
 """
 
 from __future__ import annotations

@@ -87,7 +87,8 @@ def _cases(group, world_size, rank):
                     loss.backward()
             cache.check_empty()
             st = tr.stats()
-            out[mode] = dict(losses=[l.detach() for l in losses], grads=[p.grad.clone() for p in model.parameters()] + [x.grad for x in xs],
+            out[mode] = dict(losses=[l.detach() for l in losses],
+                             grads=[p.grad.clone() for p in model.parameters()] + [x.grad for x in xs],
                              bytes=sent.bytes_sent, kept=kept, saved=st.activation_bytes_device,
                              host=st.activation_bytes_host, kept_offloaded=cache.bytes_offloaded,
                              live=len(offloader.live_groups()) if offloader is not None else 0)

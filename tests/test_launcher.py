@@ -190,7 +190,8 @@ def test_the_reason_is_the_first_failed_ranks_exception_and_consequences_are_lab
     footer = ("RuntimeError: Error(s) in loading state_dict: missing shard __1_0.distcp\n"
               "(1) Set ckpt_load_strictness=False to ignore\n"
               "(2) For more details see https://docs.nvidia.com/nemo-framework/user-guide/latest/knownissues.html")
-    assert _first_line({"message": footer}) == "RuntimeError: Error(s) in loading state_dict: missing shard __1_0.distcp"
+    assert (_first_line({"message": footer})
+            == "RuntimeError: Error(s) in loading state_dict: missing shard __1_0.distcp")
     tb = "Traceback (most recent call last):\n  File \"x.py\", line 1, in f\nValueError: bad value\nsome log line"
     assert _first_line(tb) == "ValueError: bad value"
     assert _first_line("") == "(no error recorded)"

@@ -1,8 +1,9 @@
 """Model-state options of the ``optim`` group, trained by the app on CPU (gloo) against plain DDP.
 
 Marked ``slow`` (the full suite runs them, CI does not; ``model_state_runs.SLOW_RUNS``): the fraction-0.5 offload
-variants and the fp32 distributed-optimizer pair. The runs of tests/model_state_runs.py (tiny GQA Llama with odd widths, cp=ring cp.size=2 on two gloo processes, so
-the distributed optimizer shards over the data-parallel-with-CP group of 2), 6 steps at seq 2048, Adam,
+variants and the fp32 distributed-optimizer pair. The runs of tests/model_state_runs.py (tiny GQA Llama with odd
+widths, cp=ring cp.size=2 on two gloo processes, so the distributed optimizer shards over the data-parallel-with-CP
+group of 2), 6 steps at seq 2048, Adam,
 ``trainer.precision=bf16-mixed`` unless noted (optimizer CPU offload needs 16-bit weights, see
 ``model_state_problems``). CPU offload and the precision-aware optimizer run once plain and once with
 ``recompute=full offload=layer_input``; the distributed optimizer and Megatron-FSDP with recompute/offload (their
@@ -23,8 +24,9 @@ recompute/offload:
     optim.main_grads_dtype=bf16              and their reduction over the 2 ranks are bf16. Each rank accumulates one
     (fraction 1.0; 0.5 with recompute/       micro-batch per step, so the error is the bf16 sum of 2 partial
     offload)                                 gradients and the clip norm taken from bf16 grads; measured 1.46e-5 vs
-                                             DDP (earlier shape: 1.0e-5, 9.6e-6 vs cpu_offload; fraction 0.5 with recompute/offload gives
-                                             the same losses), 1.3e-5 with 4 micro-batches accumulated in bf16
+                                             DDP (earlier shape: 1.0e-5, 9.6e-6 vs cpu_offload; fraction 0.5 with
+                                             recompute/offload gives the same losses), 1.3e-5 with 4 micro-batches
+                                             accumulated in bf16
                                              (trainer.global_batch_size=4, not in the test). Not vacuous: the losses
                                              differ from cpu_offload's (bf16 grads live), and the bound is 230x below
                                              the median step-to-step loss change (a lost or doubled update fails)

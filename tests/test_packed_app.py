@@ -1,7 +1,8 @@
 """``data.packing=documents`` through the train app (real NeMo objects, gloo on CPU): a tiny Mistral (sliding window
 24 on every layer) trains on rows of documents with per-document attention -- THD + SWA through our data module,
 data step, forward step and core attention -- with the same per-step losses at cp=none (1 process) and under ring
-CP=2 with sequence-chunked layers (the app spawns 2 processes). Two app runs, 3 SGD steps at seq 512, documents of 48..144 tokens."""
+CP=2 with sequence-chunked layers (the app spawns 2 processes). Two app runs, 3 SGD steps at seq 512, documents of
+48..144 tokens."""
 
 from __future__ import annotations
 

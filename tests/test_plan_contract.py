@@ -4,9 +4,9 @@ Sweep: llama3_8b, qwen3_32b, llama3_70b x GPU presets h100, h200 x 1, 8, 32 GPUs
 plan app's own search space from conf/plan.yaml). For every fitting row the plan app prints with ``plan.show=8``,
 its `nemo-longctx train` overrides are composed into the train config, checked with the app's one validation
 pass (``config_problems``) and dry-run (``dry_run``: the NeMo objects built and validated against the parallel
-layout, the strategy attached, every layer's core attention resolved to ours), all in one process. This machine has no CUDA and
-no TransformerEngine, so the app refuses the precision-aware optimizer's TE FusedAdam here (Megatron-FSDP trains on
-CPU: cpu_compat_fsdp.py); for those rows the
+layout, the strategy attached, every layer's core attention resolved to ours), all in one process. This machine has
+no CUDA and no TransformerEngine, so the app refuses the precision-aware optimizer's TE FusedAdam here (Megatron-FSDP
+trains on CPU: cpu_compat_fsdp.py); for those rows the
 only problems allowed are exactly the ones the planner's target (CUDA + TransformerEngine, the NGC image) does not
 have -- the same ``model_state_problems`` with its target arguments -- and the dry run uses the CPU-runnable
 stand-in (``optim.use_distributed_optimizer=true``, same layout and memory options).
@@ -113,7 +113,8 @@ def _contract(rank, world):
                     continue
                 res["cpu_only_refused"] += bool(env_only)
                 if env_only:  # the CPU-runnable stand-in: same layout, recompute, offload, tiling
-                    tc = compose([o for o in ov if not o.startswith("optim.")] + ["optim.use_distributed_optimizer=true"])
+                    tc = compose([o for o in ov if not o.startswith("optim.")]
+                                 + ["optim.use_distributed_optimizer=true"])
                 try:
                     summary = dry_run(tc)  # build + validate + every layer's core attention is ours
                     assert summary["world_size"] == n and summary["seq_length"] == seq, summary
@@ -166,8 +167,8 @@ def contract():
 def test_every_fitting_row_passes_the_apps_validation(contract):
     c = contract
     print(f"contract sweep: {c['plans']} plans ({c['fitting']} fitting candidates), {c['checked']} printed rows "
-          f"checked with config_problems and dry-run, {c['cpu_only_refused']} of them refused here only for CPU / no TE, "
-          f"{c['seconds']:.0f} s")
+          f"checked with config_problems and dry-run, {c['cpu_only_refused']} of them refused here only for CPU / "
+          f"no TE, {c['seconds']:.0f} s")
     assert c["plans"] == len(MODELS) * len(GPUS) * len(COUNTS) * len(SEQS)
     assert c["bad"] == [], c["bad"]
     assert c["checked"] == c["built"] > 100

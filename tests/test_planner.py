@@ -181,7 +181,8 @@ def test_target_command_prints_a_fitting_plan_with_overrides(tmp_path):
     assert re.search(r"cp=(ring|ulysses|hybrid) cp\.size=\d+", line), line
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10000
     text = sb.read_text()
-    assert "--container-image=\"$IMAGE\"" in text and "/bin/nemo-longctx\" train" in text and "#SBATCH --nodes=1" in text
+    assert ("--container-image=\"$IMAGE\"" in text and "/bin/nemo-longctx\" train" in text
+            and "#SBATCH --nodes=1" in text)
     assert "pip install --no-deps" in text and "#SBATCH --gpus-per-node=8" in text  # the plugin installed at job start
     assert subprocess.run(["bash", "-n", str(sb)]).returncode == 0
     if shutil.which("shellcheck"):

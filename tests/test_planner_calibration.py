@@ -277,9 +277,9 @@ def seq_chunk_measurements():
 
 
 def test_sequence_chunked_layers_peak_within_5_percent(seq_chunk_measurements):
-    """recompute.sequence_chunks (CP=1, and ring and Ulysses CP=2): saved bytes as predicted (up to the loss's few scalar bytes, the same for
-    every setting) and the tracker's peak within 5% of `predicted_peak_bytes`; the peak falls with the chunk count
-    (a layer's backward holds one chunk of it, plus K/V and their fp32 gradients)."""
+    """recompute.sequence_chunks (CP=1, and ring and Ulysses CP=2): saved bytes as predicted (up to the loss's few
+    scalar bytes, the same for every setting) and the tracker's peak within 5% of `predicted_peak_bytes`; the peak
+    falls with the chunk count (a layer's backward holds one chunk of it, plus K/V and their fp32 gradients)."""
     rows = []
     for r in seq_chunk_measurements:
         c, seq = r["cand"], r["seq"]

@@ -1,7 +1,8 @@
 """Wrong configs stop before launch (issue 22): every mistake a newcomer met, and one bad value of every declared key
-(generated from the option model and the app's declarations; every bad value of every key: tests/test_options.py), typed on the command line of ``nemo-longctx train``,
-ends in the launching process -- before any rank starts and before NeMo is imported -- with exit 2, no traceback and
-one block naming the key; and every plan the planner prints is one ``train`` accepts.
+(generated from the option model and the app's declarations; every bad value of every key: tests/test_options.py),
+typed on the command line of ``nemo-longctx train``, ends in the launching process -- before any rank starts and
+before NeMo is imported -- with exit 2, no traceback and one block naming the key; and every plan the planner prints
+is one ``train`` accepts.
 
 The generated command lines go through ``app.preflight`` in this process (the function ``train``'s ``main`` runs
 first: Hydra's compose API + every config-level rule); the newcomer's mistakes run through ``train.main`` (what the

@@ -20,7 +20,8 @@ def _cases(world_size):
         return [dict(name=f"gqa-causal-bf16-ring8-{heads}", heads=heads, causal=True, dtype=torch.bfloat16,
                      b=1, s=2 * 8 * 64, d=64) for heads in ("gqa", "mqa")]
     cases = []
-    sizes = [(1, 2 * world_size * 7, 32), (2, 2 * world_size * 8, 64), (2, 2 * world_size * 5, 32), (1, 2 * world_size * 16, 64)]
+    sizes = [(1, 2 * world_size * 7, 32), (2, 2 * world_size * 8, 64), (2, 2 * world_size * 5, 32),
+             (1, 2 * world_size * 16, 64)]
     for i, (heads, causal, dtype) in enumerate(
         itertools.product(HEADS, (True, False), (torch.float32, torch.bfloat16))
     ):
@@ -55,7 +56,8 @@ def _ring_worker(rank, world_size):
         ql, kl, vl = (shard(t).detach().clone().requires_grad_() for t in (q, k, v))
         if b > 1:
             # Megatron hands over [s, b, h, d] tensors: our [b, s, h, d] view of them is not contiguous
-            ql, kl, vl = (t.detach().transpose(0, 1).contiguous().transpose(0, 1).requires_grad_() for t in (ql, kl, vl))
+            ql, kl, vl = (t.detach().transpose(0, 1).contiguous().transpose(0, 1).requires_grad_()
+                          for t in (ql, kl, vl))
             assert not kl.is_contiguous()
         with count_bytes_sent() as fwd_bytes:
             out = ring_attention(ql, kl, vl, group, causal=causal, global_seq_len=s)

@@ -158,7 +158,8 @@ def _mismatched_group(rank, world):
 
 
 CP2 = [(c, n, dt) for c in sorted(CASES) for n in (2, 3, 8) for dt in DTYPES]
-CP4 = [(c, n, "fp64") for c in ("causal_gqa", "full_gqa", "causal_window") for n in (2, 3)] + [("causal_mqa", 3, "fp32")]
+CP4 = ([(c, n, "fp64") for c in ("causal_gqa", "full_gqa", "causal_window") for n in (2, 3)]
+       + [("causal_mqa", 3, "fp32")])
 
 
 @pytest.mark.parametrize("algorithm,world,cases", [("ring", 2, CP2), ("ring", 4, CP4), ("ulysses", 2, CP2),

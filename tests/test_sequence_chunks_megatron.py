@@ -5,8 +5,8 @@ CP=2 and hybrid 2x2: a 3-layer Llama-like GPTModel (local spec, our
 core attention, GQA) built for each setting with the parameters of one initial model, 3 SGD steps on fixed data, in
 float64 and float32. Compared with ``recompute=full`` (Megatron's own checkpoint of each layer): per-step loss and
 every gradient, fp64 <= 1e-10, fp32 <= 1e-6 relative. Settings: 2, 3 (uneven) and 4 chunks, with layer-input offload,
-with the block method, two layers per checkpoint, a sliding window (Mistral's ``window_size``), and the tracker's activation peak (chunked below
-full). Model-level refusals name the field.
+with the block method, two layers per checkpoint, a sliding window (Mistral's ``window_size``), and the tracker's
+activation peak (chunked below full). Model-level refusals name the field.
 """
 
 from __future__ import annotations
@@ -270,7 +270,8 @@ def _app_losses(tmp_path, name, extra):
 
     out_dir = tmp_path / name
     code, out = run_app([str(Path(sys.executable).parent / "nemo-longctx"), "train", f"output_dir={out_dir}",
-                         "cp.size=2", "recompute=full", "offload=layer_input", "tiling.loss_chunks=2", "memory.track_peak=true",
+                         "cp.size=2", "recompute=full", "offload=layer_input", "tiling.loss_chunks=2",
+                         "memory.track_peak=true",
                          "trainer.max_steps=3", "model.seq_length=2048", "run.timeout_s=240", *extra], 300)
     assert code == 0, out[-4000:]
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]

@@ -85,7 +85,8 @@ def _cases(world):
         ("ring", 1, "mixed", True, f64, (4, 2), 24, 16), ("ring", 1, "single", True, f32, (4, 4), 16, 16),
         ("ring", 1, "single_exact", False, f32, (4, 2), 16, 16), ("ring", 1, "tiny", True, f32, (2, 1), 8, 8),
         ("ulysses", world, "mixed", True, f32, (8, 2), 16, 16), ("ulysses", world, "mixed", False, f64, (4, 4), 16, 8),
-        ("ulysses", world, "single", True, f32, (4, 1), 16, 16), ("ulysses", world, "tiny", True, f32, (world, 1), 8, 8),
+        ("ulysses", world, "single", True, f32, (4, 1), 16, 16),
+        ("ulysses", world, "tiny", True, f32, (world, 1), 8, 8),
     ]
     if world == 4:
         spec += [("hybrid", 2, "mixed", True, f32, (4, 2), 16, 16), ("hybrid", 2, "mixed", False, f64, (4, 2), 16, 24),

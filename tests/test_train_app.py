@@ -156,7 +156,8 @@ def test_dry_run_llama3_8b_container_config_uses_our_attention_everywhere(config
 
 def test_recipe_model_config_is_extended(config_cases):
     name, modules, layers = config_cases["recipe"]
-    assert name == "Llama3Config8B" and modules == ["LongContextCoreAttention"] * layers == ["LongContextCoreAttention"] * 32
+    assert (name == "Llama3Config8B"
+            and modules == ["LongContextCoreAttention"] * layers == ["LongContextCoreAttention"] * 32)
 
 
 def test_bad_configs_fail_before_step_zero_naming_the_field(config_cases):

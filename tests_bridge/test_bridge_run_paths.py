@@ -1,6 +1,6 @@
 """``nemo-longctx bridge`` probes where it writes before launch, as the NeMo 2 app does
-(``nemo_longctx.shared.path_checks``): ``output_dir`` that is a file, and a ``checkpoint.save`` that cannot be created when the run saves, each exit 2 with
-one line naming the key, no traceback, no rank started."""
+(``nemo_longctx.shared.path_checks``): ``output_dir`` that is a file, and a ``checkpoint.save`` that cannot be created
+when the run saves, each exit 2 with one line naming the key, no traceback, no rank started."""
 
 from __future__ import annotations
 

@@ -77,7 +77,8 @@ srun --ntasks=2 --kill-on-bad-exit=1 {shlex.join(argv)}
 
     t0 = time.perf_counter()
     local = subprocess.run([sys.executable, "-m", "nemo_longctx.apps.bridge", *DEMO,
-                            f"output_dir={tmp_path / 'local'}"], env=_no_slurm_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
+                            f"output_dir={tmp_path / 'local'}"], env=_no_slurm_env(), capture_output=True, text=True,
+                           timeout=300, cwd=ROOT)
     local_s = time.perf_counter() - t0
     assert local.returncode == 0 and "world 2" in local.stdout, (local.stdout + local.stderr)[-4000:]
     ref, got = _rows(tmp_path / "local"), _rows(out)

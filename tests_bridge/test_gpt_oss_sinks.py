@@ -185,7 +185,8 @@ def _job(rank: int, world: int):
     res["buffers_equal"] = [n for n, _ in ours.named_buffers()] == [n for n, _ in mp.named_buffers()]
     prefix = "decoder.layers.0.self_attention.core_attention."
     sd_ours = ours.decoder.layers[0].self_attention.core_attention.sharded_state_dict(prefix, (), None)
-    sd_meg = attn.sharded_state_dict(prefix, (), {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)})
+    sd_meg = attn.sharded_state_dict(prefix, (),
+                                     {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)})
     res["sharded"] = [(k, type(v).__name__, v.key, tuple(v.global_shape), v.axis_fragmentations,
                        str(v.data.dtype), v.replica_id) for sd in (sd_ours, sd_meg) for k, v in sd.items()]
     res["state_dict_keys_equal"] = ours.state_dict().keys() == mp.state_dict().keys()

@@ -11,7 +11,8 @@ USAGE = """usage: nemo-longctx <command> [hydra overrides]
 
 commands:
   train   NeMo 2 pre-training with context parallelism (default: tiny Llama, CP=2 ring, 2 CPU processes)
-          e.g. nemo-longctx train model=llama3_8b cp=ring cp.size=8 trainer.devices=8 model.seq_length=131072 run.dry_run=true
+          e.g. nemo-longctx train model=llama3_8b cp=ring cp.size=8 trainer.devices=8 \
+model.seq_length=131072 run.dry_run=true
           (run.dry_run=true builds and validates the configuration without training; drop it to train)
   bridge  Megatron-Bridge pre-training with context parallelism (Python 3.12 stack; default: the CPU demo)
           e.g. nemo-longctx bridge recipe=llama3_8b_pretrain_config cp=ring cp.size=8 train.train_iters=100

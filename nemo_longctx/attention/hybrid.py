@@ -94,7 +94,8 @@ def hybrid_attention(
     """Exact attention, Ulysses over ``ulysses_group`` x ring over ``ring_group`` (groups from ``make_cp_groups``).
 
     q [b, s_local, hq, d], k [b, s_local, hkv, d], v [b, s_local, hkv, dv] (dv may differ from d: MLA),
-    zigzag-sharded over the whole CP group (U*R ranks) -> [b, s_local, hq, dv]. Needs hq % U == 0 and ``head_chunks`` dividing hq / U; KV heads are replicated only
+    zigzag-sharded over the whole CP group (U*R ranks) -> [b, s_local, hq, dv]. Needs hq % U == 0 and ``head_chunks``
+    dividing hq / U; KV heads are replicated only
     as far as U needs (the ring is GQA-native). ``regather_in_backward`` as in ``ulysses_attention``.
     ``cu_seqlens`` / ``cu_seqlens_padded``: a packed sequence (per-document zigzag over all U*R ranks, see ``thd``);
     after the all-to-all each rank holds, per document, the zigzag shard of its ring rank over R ranks, and the

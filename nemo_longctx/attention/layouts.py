@@ -41,7 +41,8 @@ def zigzag_indices(seq_len: int, cp_size: int, cp_rank: int, device: Optional[to
     c = seq_len // (2 * cp_size)
     first, second = zigzag_chunk_ids(cp_size, cp_rank)
     return torch.cat(
-        [torch.arange(first * c, (first + 1) * c, device=device), torch.arange(second * c, (second + 1) * c, device=device)]
+        [torch.arange(first * c, (first + 1) * c, device=device),
+         torch.arange(second * c, (second + 1) * c, device=device)]
     )
 
 

@@ -4,8 +4,8 @@ API (TE/Megatron naming): ``cu_seqlens`` -- cumulative *real* document lengths `
 ``cu_seqlens_padded`` -- cumulative padded lengths, the layout (default: ``cu_seqlens``). Both are integer
 tensors (int32 as Megatron passes them) or lists, global and the same on every rank. Document i occupies global
 positions ``[cu_seqlens_padded[i], cu_seqlens_padded[i+1])``; its first ``L_i`` positions are real tokens, the rest
-padding. Every padded length is a multiple of 2*cp (any length at cp = 1); rank r holds chunks r and 2*cp-1-r of every document, in
-document order (``layouts.thd_zigzag_indices``), on ``[1, s_local, h, d]`` tensors.
+padding. Every padded length is a multiple of 2*cp (any length at cp = 1); rank r holds chunks r and 2*cp-1-r of
+every document, in document order (``layouts.thd_zigzag_indices``), on ``[1, s_local, h, d]`` tensors.
 
 Semantics: a real query attends to the real keys of its own document (causally or not); padding never acts as a
 key; padding queries get output 0 (lse -inf) and their gradients are 0.

@@ -392,7 +392,8 @@ class _UlyssesAttention(torch.autograd.Function):
                 else:
                     ql, kl, vl, ol, lse = saved[5 * t: 5 * t + 5]
                     _to_heads([(dout, q_of)], [dout_l], send, recv, group, natural)
-                dql, dkl, dvl = _inner_backward(dout_l, ql, kl, vl, ol, lse, ring_group, causal, scale, kernel, thd, window)
+                dql, dkl, dvl = _inner_backward(dout_l, ql, kl, vl, ol, lse, ring_group, causal, scale, kernel, thd,
+                                                window)
                 if dsinks is not None:  # (ol, lse) are the sink-including rows of this rank's heads
                     heads = plan.q_heads(ctx.rank, t)
                     dsinks[heads] += sinks_grad(dout_l, ol, lse, sinks[heads])

@@ -65,7 +65,9 @@ class KeptAttentionCache:
 
     def __init__(self, max_entries_per_key: int = 64) -> None:
         if not isinstance(max_entries_per_key, int) or max_entries_per_key < 1:
-            raise ValueError(f"KeptAttentionCache: max_entries_per_key must be an int >= 1, got {max_entries_per_key!r}")
+            raise ValueError(
+                f"KeptAttentionCache: max_entries_per_key must be an int >= 1, got {max_entries_per_key!r}"
+            )
         self.max_entries_per_key = max_entries_per_key
         self._fifos: Dict[Hashable, Deque[_Entry]] = {}
         self.bytes_held = 0  # kept out + lse, on the device or offloaded

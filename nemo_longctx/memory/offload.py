@@ -54,7 +54,8 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from .host_pool import HostPool
-from .tracker import foreign_saved_tensor_hooks, in_backward, is_leaf_param, report_saved_on_device, report_saved_on_host
+from .tracker import (foreign_saved_tensor_hooks, in_backward, is_leaf_param, report_saved_on_device,
+                      report_saved_on_host)
 
 Tensor = torch.Tensor
 

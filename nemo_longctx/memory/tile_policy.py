@@ -50,7 +50,8 @@ def resolve_tiles(policy: TilePolicy, tokens: int, tile_tokens: int, name: str =
 
 
 def tile_bounds(tokens: int, tiles: int) -> list:
-    """``[(start, length), ...]`` of ``tiles`` contiguous tiles covering ``tokens`` (first tiles one longer if ragged)."""
+    """``[(start, length), ...]`` of ``tiles`` contiguous tiles covering ``tokens`` (first tiles one longer if
+    ragged)."""
     base, extra = divmod(tokens, tiles)
     bounds, start = [], 0
     for i in range(tiles):

@@ -4,7 +4,8 @@
 shorter when ragged) and runs ``fn`` on each tile without autograd, writing the results into one output tensor.
 Only ``x`` is saved. In backward each tile is recomputed with autograd and differentiated at once with
 ``torch.autograd.grad`` w.r.t. the tile input and the parameters; parameter gradients are summed over tiles (in
-fp32 for fp16/bf16 parameters, like an untiled matmul's accumulation) and returned once, so gradient-accumulator hooks (Megatron DDP, FSDP) fire once per step, as for an untiled MLP.
+fp32 for fp16/bf16 parameters, like an untiled matmul's accumulation) and returned once, so gradient-accumulator
+hooks (Megatron DDP, FSDP) fire once per step, as for an untiled MLP.
 
 ``fn`` must act on each token independently (an MLP does; attention does not). It returns either a tensor with
 the tile's sequence length along ``seq_dim`` or Megatron's ``(output, output_bias)`` pair, where ``output_bias``
@@ -67,7 +68,8 @@ class _TiledMLPFunction(torch.autograd.Function):
                 if tile_out.dim() != x.dim() or tile_out.shape[seq_dim] != length:
                     raise ValueError(
                         f"tiled_mlp: fn must keep the sequence dim {seq_dim} (tile of {length} tokens gave output "
-                        f"shape {tuple(tile_out.shape)} for input shape {tuple(x.narrow(seq_dim, start, length).shape)})"
+                        f"shape {tuple(tile_out.shape)} for input shape "
+                        f"{tuple(x.narrow(seq_dim, start, length).shape)})"
                     )
                 if out is None:
                     shape = list(tile_out.shape)

@@ -83,7 +83,8 @@ def parse_fault(spec: str) -> Tuple[str, int, int]:
 
 
 def _on_signal_and_saving(checkpoint: object) -> Tuple[object, bool]:
-    """(``checkpoint.on_signal``, whether ``checkpoint.every_n_steps > 0``) of the config's checkpoint group (or None)."""
+    """(``checkpoint.on_signal``, whether ``checkpoint.every_n_steps > 0``) of the config's checkpoint group (or
+    None)."""
     get = getattr(checkpoint, "get", None)
     if get is None:
         return None, False

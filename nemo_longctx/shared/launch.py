@@ -85,7 +85,8 @@ def detect_external_launch() -> Optional[Launch]:
             RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(ntasks), LOCAL_WORLD_SIZE=str(local_ws),
             GROUP_RANK=env.get("SLURM_NODEID", "0"),
         )
-        env.setdefault("MASTER_ADDR", _first_host(_slurm("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST", default="127.0.0.1")))
+        env.setdefault("MASTER_ADDR", _first_host(_slurm("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST",
+                                                         default="127.0.0.1")))
         env.setdefault("MASTER_PORT", str(15000 + job % 20000))
         return Launch("slurm", rank, local_rank, ntasks, local_ws)
     return None
@@ -278,9 +279,9 @@ def _children(pid: int) -> list:
 class _Reaper:
     """``python -m nemo_longctx.shared.reaper``: a process that outlives the launcher by a moment to SIGKILL every
     process still carrying this run's token (``RUN_TOKEN_VAR``, set in this process's environment, so every rank and
-    every process a rank starts inherits it). It waits for EOF on a pipe whose write end only the launcher holds: the kernel
-    closes it however the launcher ends. ``release()`` (the launcher's normal end) closes it now and waits for the
-    sweep."""
+    every process a rank starts inherits it). It waits for EOF on a pipe whose write end only the launcher holds: the
+    kernel closes it however the launcher ends. ``release()`` (the launcher's normal end) closes it now and waits for
+    the sweep."""
 
     def __init__(self) -> None:
         import subprocess

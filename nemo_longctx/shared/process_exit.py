@@ -6,7 +6,8 @@ the 4.3 s between the last statement and the process's end. Every rank of every 
 launcher waits for the slowest. ``exit_process(code)`` does what a normal exit does that can matter to the run --
 runs the threading-atexit callbacks and waits for non-daemon threads (an async checkpoint writer, say), runs the
 atexit handlers (logging's flush and close, Lightning's and NeMo's own), flushes stdout/stderr -- then ends the
-process with ``os._exit(code)``, skipping only the teardown of module globals. Used by the apps' ranks (and their single-process runs) after their work is done.
+process with ``os._exit(code)``, skipping only the teardown of module globals. Used by the apps' ranks (and their
+single-process runs) after their work is done.
 """
 
 from __future__ import annotations

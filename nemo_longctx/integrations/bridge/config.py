@@ -3,9 +3,9 @@ validation of any option: ``nemo_longctx.options`` checks them, ``integrations/m
 
 ``enable_long_context(cfg, options)``  checks the options against the container (ConfigError naming every problem)
                                        and writes them onto it: the provider's CP size and a layer spec with our core
-                                       attention (``LongContextSpec``; ``cp_comm_type`` aligned with cp.algorithm), the memory
-                                       options (``integrations.bridge.memory``: Megatron's recompute fields, the
-                                       tiled MLP spec, a pre-wrap hook wiring offload / kept attention / chunked
+                                       attention (``LongContextSpec``; ``cp_comm_type`` aligned with cp.algorithm),
+                                       the memory options (``integrations.bridge.memory``: Megatron's recompute fields,
+                                       the tiled MLP spec, a pre-wrap hook wiring offload / kept attention / chunked
                                        loss into the built model), and the model-state options on Bridge's own
                                        ``OptimizerConfig`` / ``DistributedDataParallelConfig``;
 ``long_context_callbacks(cfg)``        the Bridge callbacks of those options (per-step activation memory, the

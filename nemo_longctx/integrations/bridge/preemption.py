@@ -17,8 +17,9 @@ and ends with ``sys.exit(0)``. The same keys as the NeMo 2 app map onto it:
 What is added after Bridge's save: the save is timed (from the end of the step to Bridge's ``on_checkpoint_save``,
 which fires on every rank after the tracker file is written and every rank passed a barrier; there one more
 all-gather of Bridge's flag, per save, tells every rank alike that this was the signal's save), the rank ignores
-further signals from then on, rank 0 prints ``signals.preempted_line`` and the rank exits with ``signals.PREEMPTED_EXIT`` instead of
-Bridge's 0 -- unless the signal's save was the last step's (the run is finished: exit 0).
+further signals from then on, rank 0 prints ``signals.preempted_line`` and the rank exits with
+``signals.PREEMPTED_EXIT`` instead of Bridge's 0 -- unless the signal's save was the last step's (the run is
+finished: exit 0).
 """
 
 from __future__ import annotations

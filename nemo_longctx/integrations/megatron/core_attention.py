@@ -8,8 +8,8 @@ k_channels=None, v_channels=None)`` and called as ``forward(query [sq, b, hq, dk
 [sq, b, hq*dv]`` (heads are per tensor-parallel partition, GQA heads not expanded, RoPE applied, the sequence
 zigzag-sharded over the CP group). ``k_channels``/``v_channels`` are the query/key and value head dims that
 Megatron's MLA (``MultiLatentAttention``: q_head_dim = qk_head_dim + qk_pos_emb_head_dim, v_head_dim) passes;
-both default to ``config.kv_channels``. K and V then travel between CP ranks at their own sizes. Layout conversion to the attention
-layer's ``[b, s, h, d]`` is a transpose view (no copy when b == 1).
+both default to ``config.kv_channels``. K and V then travel between CP ranks at their own sizes. Layout conversion to
+the attention layer's ``[b, s, h, d]`` is a transpose view (no copy when b == 1).
 
 Packed documents (THD): Megatron's ``PackedSeqParams`` (qkv_format 'thd'; ``cu_seqlens_q`` = cumulative real
 document lengths, ``cu_seqlens_q_padded`` = the layout, every document padded to a multiple of 2*cp and
@@ -144,7 +144,9 @@ class LongContextCoreAttention(MegatronModule):
         self.algorithm_kwargs = dict(cp_algorithm_kwargs or {})
 
         if attention_type != "self":
-            raise ValueError(f"nemo_longctx core attention supports self-attention only, got attention_type={attention_type!r}")
+            raise ValueError(
+                f"nemo_longctx core attention supports self-attention only, got attention_type={attention_type!r}"
+            )
         self.attn_mask_type = self._check_mask_type(attn_mask_type)
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout and dropout > 0:

@@ -84,7 +84,8 @@ def grad_reduce_in_fp32(opts: ModelStateOptions) -> bool:
     return opts.main_grads_dtype == "fp32"
 
 
-# the DistributedDataParallelConfig fields that switch Megatron-FSDP on (ZeRO-3), as NeMo's and Bridge's recipes set them
+# the DistributedDataParallelConfig fields that switch Megatron-FSDP on (ZeRO-3), as NeMo's and Bridge's recipes set
+# them
 MEGATRON_FSDP_DDP_FIELDS = {"use_distributed_optimizer": True, "use_megatron_fsdp": True,
                             "data_parallel_sharding_strategy": "optim_grads_params"}
 

@@ -44,7 +44,8 @@ def layer_specs_of(spec: Any) -> Iterable[ModuleSpec]:
     layer_specs = getattr(spec, "layer_specs", None)
     if layer_specs is not None:  # TransformerBlockSubmodules
         return list(layer_specs)
-    raise ValueError(f"expected a Megatron layer ModuleSpec or a block spec with layer_specs, got {type(spec).__name__}")
+    raise ValueError("expected a Megatron layer ModuleSpec or a block spec with layer_specs, "
+                     f"got {type(spec).__name__}")
 
 
 def resolve_layer_spec(base: Any, config: Any, vp_stage: Optional[int] = None) -> Any:

@@ -455,7 +455,8 @@ def build_checkpointing(cfg: DictConfig, tensorboard: bool = True) -> tuple:
             verbose=False,
         )
     tb = TensorBoardLogger(save_dir=out, name="tensorboard", version="") if tensorboard else None
-    log = nl.NeMoLogger(explicit_log_dir=os.path.join(out, "logs"), ckpt=ckpt, tensorboard=tb, update_logger_directory=False)
+    log = nl.NeMoLogger(explicit_log_dir=os.path.join(out, "logs"), ckpt=ckpt, tensorboard=tb,
+                        update_logger_directory=False)
     mode = str(c.get("resume", "auto"))
     resume = None
     if mode == "auto":
