@@ -12,7 +12,7 @@
 # nemo.lightning, Megatron-core, TE, CUDA torch). Default 26.04, the last container with NeMo 2 (NeMo 2.7.3, the
 # version the tests run; it pairs it with Megatron-core 0.17.0). The build prints the installed NeMo / Megatron-core /
 # NeMo-Run versions and checks them against the tested stacks (python -m nemo_longctx.shared.versions): a warning for an
-# untested pair, an error with STRICT_VERSIONS=1. The README's "Supported NeMo versions" says what is tested how.
+# untested pair, an error with STRICT_VERSIONS=1. docs/how-to/nemo-versions.md says what is tested how.
 # FRONTEND=bridge (`nemo-longctx bridge`): a Megatron-Bridge-era container (no NeMo 2). 26.08 ships Megatron-Bridge
 # 0.6.0 / Megatron-core 0.19.0 / TE 2.17.1 on Python 3.12: the NVIDIA build closest to the `[bridge]` extra's pins
 # (constraints/bridge.txt: Bridge 0.6.2, Megatron-core 0.19.2, TE 2.20.2); override BRIDGE_IMAGE for another tag.

@@ -5,7 +5,7 @@ forward + backward of the block alone; peak bytes come from ``nemo_longctx.memor
 (live bytes allocated inside the region; inputs and the upstream gradient pre-exist and are not counted).
 Step time: the best of ``--reps`` timed runs after one run under the tracker (which doubles as warm-up).
 
-    .venv/bin/python bench/tiling_memory.py                 # the README table (8K and 32K)
+    .venv/bin/python bench/tiling_memory.py                 # the docs/benchmarks.md table (8K and 32K)
     .venv/bin/python bench/tiling_memory.py --sweep         # tile/chunk sizes (how the defaults were chosen)
 
 Targets (issue 5): MLP peak <= 1.2 x one tile's untiled fwd+bwd peak + the saved input (+ the full output, the

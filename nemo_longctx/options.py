@@ -861,7 +861,7 @@ class LongContextOptions:
 
     @classmethod
     def options(cls) -> Tuple[Option, ...]:
-        """Every key of the option model (the README table and the generated config tests read this)."""
+        """Every key of the option model (the reference tables of docs/ and the generated config tests read this)."""
         return (CPOptions.OPTIONS + MemoryOptions.RECOMPUTE_OPTIONS + MemoryOptions.OFFLOAD_OPTIONS
                 + TilingOptions.OPTIONS + OptimOptions.OPTIONS + MetricsOptions.OPTIONS)
 
@@ -947,7 +947,8 @@ class LongContextOptions:
 
 
 def options_table(options: Optional[Sequence[Option]] = None) -> str:
-    """A Markdown table of ``options`` (default: every key of the option model), for the README."""
+    """A Markdown table of ``options`` (default: every key of the option model), for docs/reference/options.md
+    (``scripts/gen_reference.py``)."""
     rows = ["| key | value | default | meaning |", "|---|---|---|---|"]
     for o in (LongContextOptions.options() if options is None else options):
         default = "null" if o.default is None else (str(o.default).lower() if isinstance(o.default, bool)

@@ -8,7 +8,7 @@ with Megatron's ``aux_loss`` switched on (the recipe's coefficient 0.9) ring CP=
 they differ from the runs without it (the auxiliary gradient is in them).
 
 The hub is replaced by Hugging Face's offline cache holding GPT-OSS-20B's config.json (no weights are read).
-What the CPU stack cannot build, and how each is handled (README, "GPT-OSS"):
+What the CPU stack cannot build, and how each is handled (docs/how-to/models.md, "GPT-OSS"):
 - TransformerEngine layers (``transformer_impl="transformer_engine"``, grouped-GEMM experts, fused permutation and
   bias activation): the CPU settings (``integrations/bridge/cpu_compat.cpu_settings``) build Megatron's local block
   spec with the fusions off, and ``model.moe_grouped_gemm=false`` is given explicitly (the local spec's experts are
@@ -19,7 +19,7 @@ What the CPU stack cannot build, and how each is handled (README, "GPT-OSS"):
   dispatcher (cp=none then runs 2 data-parallel ranks, the CP runs 2 CP ranks; global batch 2 in both).
 Control: the ring run with our attention called without the sinks (``tests_bridge/no_sinks``) misses cp=none's losses.
 
-Not smoke: 7 app runs of 2 ranks (measured in the README)."""
+Not smoke: 7 app runs of 2 ranks (measured in docs/benchmarks.md)."""
 
 from __future__ import annotations
 

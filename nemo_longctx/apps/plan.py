@@ -422,7 +422,7 @@ def write_sbatch(path: str, p: Plan, ev: Evaluation, model: str, container_image
 #SBATCH --signal=B:USR1@{grace}
 # Preemption: USR1 (Slurm, {grace} s before the time limit; or scancel --signal=USR1 --batch) and TERM go to srun, which
 # signals every rank; with checkpoints on ({saving}) the ranks save their step and exit 75, and the
-# job requeues itself to resume from it (README "Preemption and requeue").
+# job requeues itself to resume from it (docs/how-to/preemption.md).
 set -euo pipefail
 
 IMAGE=${{IMAGE-{image}}}

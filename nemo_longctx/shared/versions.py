@@ -81,7 +81,7 @@ def problems(versions: Optional[Dict[str, Optional[str]]] = None) -> List[str]:
               else "")
     tested = "; ".join(f"nemo-toolkit {n} + megatron-core {m}: {how}" for (n, m), how in TESTED.items())
     return [f"nemo-toolkit {v['nemo']} + megatron-core {v['megatron_core']}{where} is not a tested stack{partly} "
-            f"(tested: {tested}; see the README's 'Supported NeMo versions')"]
+            f"(tested: {tested}; see docs/how-to/nemo-versions.md)"]
 
 
 # what `nemo-longctx --version` lists beside our own version (distribution names; read from metadata, nothing imported)

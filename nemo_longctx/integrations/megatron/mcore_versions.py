@@ -1,6 +1,6 @@
 """Megatron-core APIs that differ between the versions the NeMo 2 containers ship (0.14 .. 0.17), one function per
 API, named after it. Everything else in ``integrations/`` calls Megatron-core directly; a difference found by the
-version matrix (README, "Supported NeMo versions") gets its function here, never an ``if version`` at the call site.
+version matrix (docs/how-to/nemo-versions.md) gets its function here, never an ``if version`` at the call site.
 """
 
 from __future__ import annotations

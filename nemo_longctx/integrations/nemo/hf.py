@@ -12,12 +12,12 @@
                                  naming the field. Llama-3.1 RoPE scaling fields on a plain ``LlamaConfig`` turn it into
                                  NeMo's ``Llama31Config`` (whose ``configure_model`` applies the scaling).
 
-What NeMo's importers do not do (handled here, see the README): ``HFLlamaImporter`` reads only ``factor`` of a
-``rope_scaling: {rope_type: llama3}`` and keeps NeMo's defaults for ``low_freq_factor``/``high_freq_factor``/
-``original_max_position_embeddings`` -> the imported context is corrected from the HF config; other RoPE scalings
-(YaRN, linear, dynamic) and Qwen2's ``rope_scaling``/sliding window are ignored by the importers -> refused; a
-config.json written by transformers >= 5 (``rope_parameters``) whose RoPE this venv's transformers 4.x would read
-differently (its default base, no scaling) -> refused.
+What NeMo's importers do not do (handled here, see docs/how-to/extend-pretrained.md): ``HFLlamaImporter`` reads only
+``factor`` of a ``rope_scaling: {rope_type: llama3}`` and keeps NeMo's defaults for ``low_freq_factor``/
+``high_freq_factor``/``original_max_position_embeddings`` -> the imported context is corrected from the HF config; other
+RoPE scalings (YaRN, linear, dynamic) and Qwen2's ``rope_scaling``/sliding window are ignored by the importers ->
+refused; a config.json written by transformers >= 5 (``rope_parameters``) whose RoPE this venv's transformers 4.x would
+read differently (its default base, no scaling) -> refused.
 """
 
 from __future__ import annotations
