@@ -120,7 +120,8 @@ def test_no_commit_hashes():
     if subprocess.run(["git", "rev-parse", "--git-dir"], cwd=ROOT, capture_output=True).returncode != 0:
         pytest.skip("not a git checkout: commits cannot be looked up")
     sources = dict(texts())
-    sources.update({f"nemo-longctx {c} --help": help_text(*((c,) if c else ())) for c in ("", "train", "plan", "bridge")})
+    sources.update({f"nemo-longctx {c} --help": help_text(*((c,) if c else ()))
+                    for c in ("", "train", "plan", "bridge")})
     where = {}
     for name, text in sources.items():
         for word in HEX.findall(text):
