@@ -595,8 +595,9 @@ exit "$rc"
     return text
 
 
-def plot_memory(path: str, p: Plan, ev: Evaluation, model: str) -> None:
-    """PNG: predicted per-GPU memory (stacked by component) vs sequence length for the chosen candidate."""
+def plot_memory(path: str, p: Plan, ev: Evaluation, model: str) -> Tuple[float, float, float]:
+    """PNG: predicted per-GPU memory (stacked by component) vs sequence length for the chosen candidate, with the GPU
+    memory limit as a labelled line below the top of the axes. Returns (y low, y high, the tallest stack), GiB."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -625,7 +626,9 @@ def plot_memory(path: str, p: Plan, ev: Evaluation, model: str) -> None:
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
+    low, high = ax.get_ylim()
     plt.close(fig)
+    return float(low), float(high), float(tallest)
 
 
 # ------------------------------------------------------------------------------------------------- app
