@@ -31,6 +31,19 @@ def run_app(cmd: Sequence[str], timeout: float = 400) -> Tuple[int, str]:
 
 
 
+def printed_command(stdout: str, start: str = "nemo-longctx train ") -> str:
+    """The command ``nemo-longctx plan`` printed, on one line: the first line starting with ``start`` and its
+    `` \\`` continuation lines, joined as a shell joins them."""
+    lines = stdout.splitlines()
+    i = next(n for n, line in enumerate(lines) if line.startswith(start))
+    parts = [lines[i]]
+    while parts[-1].endswith(" \\"):
+        parts[-1] = parts[-1][:-2]
+        i += 1
+        parts.append(lines[i].strip())
+    return " ".join(parts)
+
+
 # the frameworks a launching process must not import before it refuses a config or prints help (each costs seconds)
 HEAVY = ("nemo", "megatron", "lightning", "pytorch_lightning", "transformers")
 

@@ -4,10 +4,13 @@
     python -m nemo_longctx.apps.plan model=llama3_70b plan.seq_length=1048576 plan.gpus=64 plan.json=true
 
 Composes conf/plan.yaml (the same `model` group as `nemo-longctx train`, plus the `plan` group for GPU presets),
-evaluates every candidate with nemo_longctx.planner.search, prints a table (fitting candidates by relative cost,
-then the closest misses), and the cheapest fitting one as ready `nemo-longctx train` overrides.
-`plan.write_sbatch=PATH` writes an sbatch script for it, `plan.plot=PATH` a PNG of predicted per-GPU memory vs
-sequence length, `plan.json=true` prints JSON only. Exit status 2 (with what is missing) when nothing fits.
+evaluates every candidate with nemo_longctx.planner.search and prints the cheapest fitting one: its layout, memory,
+what limits it, its caveats and the `nemo-longctx train` command that runs it, in 100 columns (``format_summary``).
+`plan.show=N` (N > 0) prints instead the full table of the N best candidates (fitting ones by relative cost, then
+the closest misses) with every memory column and its legend (``format_report``, ``format_legend``), and the command on
+one line. `plan.write_command=PATH` writes the one-line command to a file, `plan.write_sbatch=PATH` an sbatch script
+for it, `plan.plot=PATH` a PNG of predicted per-GPU memory vs sequence length, `plan.json=true` prints JSON only.
+Exit status 2 (with what is missing) when nothing fits.
 Nothing here imports NeMo or Megatron: planning takes a second.
 """
 
@@ -17,8 +20,11 @@ import functools
 import itertools
 import json
 import os
+import re
 import shlex
 import sys
+import textwrap
+import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -62,6 +68,21 @@ def train_precision(precision: Precision) -> str:
     return "bf16-mixed" if precision.activation_bytes == 2 else "32"
 
 
+# The train app's CPU-only model-state checks live in its Megatron validation module, whose import brings in torch
+# (through nemo_longctx.attention). torch.cuda imports `pynvml`, and the deprecated `pynvml` package warns about itself
+# on import: a note for whoever installed the environment, not for someone reading a plan. Only the CPU target needs
+# these checks (the GPU target's plan imports no torch); that one warning is ignored where the import happens.
+PYNVML_DEPRECATED = r"The pynvml package is deprecated"
+
+
+def _model_state_cpu_problems():
+    """``validation.model_state_cpu_problems``, imported without pynvml's deprecation warning."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=PYNVML_DEPRECATED, category=FutureWarning)
+        from nemo_longctx.integrations.megatron.validation import model_state_cpu_problems
+    return model_state_cpu_problems
+
+
 @functools.lru_cache(maxsize=None)
 def app_problems(cp_algorithm: str, recompute: str, offload: str, ms: ModelState,
                  precision: str = "bf16-mixed", target: str = "gpu", checkpointing: bool = False) -> tuple:
@@ -73,9 +94,7 @@ def app_problems(cp_algorithm: str, recompute: str, offload: str, ms: ModelState
     opts = option_model(cp_algorithm, recompute, offload, ms)
     out = opts.problems(Context(precision=precision, cuda=gpu, te=gpu, checkpointing=checkpointing))
     if not gpu:
-        from nemo_longctx.integrations.megatron.validation import model_state_cpu_problems
-
-        out += model_state_cpu_problems(opts.optim.state, force=True, checkpointing=checkpointing)
+        out += _model_state_cpu_problems()(opts.optim.state, force=True, checkpointing=checkpointing)
     return tuple(out)
 
 
@@ -315,9 +334,8 @@ def limited_by(p: Plan) -> List[str]:
         return ["limited by: nothing fits; " + ("; ".join(parts) if parts else "no valid parallel layout")]
     out = ["limited by: " + ("; ".join(parts) if parts else
                              f"nothing searched is cheaper (cost {chosen.cost:.3f}: compute and communication)")]
-    m = chosen.memory
-    out.append(f"  chosen row: {m.total / GIB:.1f} of {gpu} at the peak {PEAK_PHASES[m.peak_phase]} "
-               f"({_largest_part(chosen)}), {m.host_per_node / GIB:.0f} of {host}")
+    device, host_use = chosen_usage(p)
+    out.append(f"  chosen row: {device}, {host_use}")
     return out
 
 
@@ -327,7 +345,6 @@ def caveats(ev: Evaluation, precision: str, target: str = "gpu", frontend: str =
     checkpoint saving (CPU target); and what is not yet run on GPUs here."""
     from dataclasses import replace as _replace
 
-    from nemo_longctx.integrations.megatron.validation import model_state_cpu_problems
     from nemo_longctx.options import Context as _Context
     from nemo_longctx.shared.app_keys import NEMO_KEYS
 
@@ -343,6 +360,7 @@ def caveats(ev: Evaluation, precision: str, target: str = "gpu", frontend: str =
         out += [f"without TransformerEngine: {m}" for m in opts.problems(_replace(base, te=False))
                 if m not in have]
     else:
+        model_state_cpu_problems = _model_state_cpu_problems()
         plain = set(model_state_cpu_problems(opts.optim.state, force=True))
         out += [f"checkpoint saving ({ckpt} > 0): {m}" for m in model_state_cpu_problems(
                     opts.optim.state, force=True, checkpointing=True, checkpoint_key=ckpt) if m not in plain]
@@ -352,10 +370,101 @@ def caveats(ev: Evaluation, precision: str, target: str = "gpu", frontend: str =
     return out
 
 
-def format_caveats(items: List[str]) -> str:
+def format_caveats(items: List[str], width: Optional[int] = None) -> str:
+    """The caveats block: one ``  - `` item each (``width``: each wrapped to that many columns)."""
+    none = "caveats: none (the train app's checks with checkpoint saving and without TransformerEngine pass)"
+    if width is None:
+        return none if not items else "caveats:\n" + "\n".join(f"  - {c}" for c in items)
     if not items:
-        return "caveats: none (the train app's checks with checkpoint saving and without TransformerEngine pass)"
-    return "caveats:\n" + "\n".join(f"  - {c}" for c in items)
+        return "\n".join(wrap(none, width=width))
+    return "\n".join(["caveats:"] + [line for c in items for line in wrap(c, first="  - ", indent="    ",
+                                                                          width=width)])
+
+
+# ------------------------------------------------------------------------------------------------- the short view
+WIDTH = 100  # columns of the default view (plan.show=0)
+
+
+def wrap(text: str, indent: str = "  ", first: str = "", width: int = WIDTH) -> List[str]:
+    """``text`` in lines of at most ``width`` columns (``first`` before the first line, ``indent`` before the others);
+    words are never split (a single word longer than the width keeps its line)."""
+    return textwrap.wrap(text, width, initial_indent=first, subsequent_indent=indent, break_long_words=False,
+                         break_on_hyphens=False) or [first.rstrip()]
+
+
+def command_line(command: str, args: List[str]) -> str:
+    """The command on one line, each argument shell-quoted (what ``plan.write_command`` writes)."""
+    return " ".join([command] + [shlex.quote(a) for a in args])
+
+
+def _group(arg: str) -> str:
+    return re.split(r"[.=]", arg, maxsplit=1)[0]
+
+
+def wrapped_command(command: str, args: List[str], width: int = WIDTH, indent: str = "  ") -> List[str]:
+    """The command as lines a shell can paste (each but the last ends in `` \\``): the arguments of one option group
+    (``model``, ``trainer``, ``cp``, ``optim``, ...) share a line, a new group starts a new line, and no line is wider
+    than ``width`` unless one argument is. Joined again they are ``command_line(command, args)``."""
+    lines: List[str] = []
+    cur = command
+    for n, (_, items) in enumerate(itertools.groupby(args, key=_group)):
+        for k, arg in enumerate(items):
+            word = shlex.quote(arg)
+            if (n > 0 and k == 0) or len(cur) + 1 + len(word) + 2 > width:
+                lines.append(cur)
+                cur = indent + word
+            else:
+                cur += " " + word
+    lines.append(cur)
+    return [line + " \\" for line in lines[:-1]] + lines[-1:]
+
+
+def chosen_usage(p: Plan) -> Tuple[str, str]:
+    """(device, host): the chosen row's memory against the limits, as the short view and ``limited_by`` say it."""
+    hw, m = p.hardware, p.chosen.memory
+    return (f"{m.total / GIB:.1f} of {hw.gpu_memory_gb:g} GiB per GPU at the peak {PEAK_PHASES[m.peak_phase]} "
+            f"({_largest_part(p.chosen)})", f"{m.host_per_node / GIB:.0f} of {hw.host_memory_gb:g} GiB host per node")
+
+
+def format_summary(p: Plan, model: str, command: Optional[Tuple[str, List[str]]], caveat_items: List[str],
+                   checkpoint_line: str, missing: Optional[str] = None) -> str:
+    """The default view (``plan.show=0``), no line wider than ``WIDTH``: the model and hardware, the chosen layout
+    (its train options in short form), its memory per GPU and host per node, what limits it, its caveats, the
+    checkpoint estimate and the command that runs it, wrapped so that a shell can paste it. Nothing fitting: what is
+    over budget and what is missing."""
+    hw, s = p.hardware, p.shape
+    fitting = sum(1 for e in p.evaluations if e.fits)
+    out = wrap(f"{model}: {s.num_layers} layers, hidden {s.hidden_size}, ffn {s.ffn_hidden_size}, heads "
+               f"{s.num_attention_heads}/{s.num_query_groups} kv, vocab {s.vocab_size}, "
+               f"{s.parameters() / 1e9:.2f}B parameters")
+    out += wrap(f"seq_length {p.seq_length} on {hw.gpus} x {hw.gpu_memory_gb:g} GiB GPUs ({hw.nodes} "
+                f"node{'s' if hw.nodes > 1 else ''} x {hw.gpus_on_a_node}, host {hw.host_memory_gb:g} GiB/node): "
+                f"{fitting} of {len(p.evaluations)} candidates fit")
+    out.append("")
+    limited = limited_by(p)[0]
+    if p.chosen is not None:
+        device, host = chosen_usage(p)
+        out += wrap(p.chosen.candidate.label(), first="chosen: ")
+        out += wrap(device, first="  ", indent="    ")
+        out += wrap(f"{host}; relative cost {p.chosen.cost:.3f} (step time / ideal compute)", first="  ",
+                    indent="    ")
+        out += wrap(limited)
+        out += format_caveats(caveat_items, width=WIDTH).splitlines()
+        out += wrap(checkpoint_line)
+        if command is not None:
+            out.append("")
+            out += wrapped_command(*command)
+        out.append("")
+        out += wrap("more: plan.show=N (full table, N rows + legend), plan.write_command=FILE (one line), "
+                    "plan.json=true", indent="")
+    else:
+        out += wrap(limited)
+        out += wrap(checkpoint_line)
+        out.append("")
+        out += wrap(f"no fitting plan: {missing}")
+        out.append("")
+        out += wrap("more: plan.show=N (full table of the N closest rows + legend), plan.json=true", indent="")
+    return "\n".join(out)
 
 
 def source_checkout() -> str:
@@ -486,8 +595,9 @@ exit "$rc"
     return text
 
 
-def plot_memory(path: str, p: Plan, ev: Evaluation, model: str) -> None:
-    """PNG: predicted per-GPU memory (stacked by component) vs sequence length for the chosen candidate."""
+def plot_memory(path: str, p: Plan, ev: Evaluation, model: str) -> Tuple[float, float, float]:
+    """PNG: predicted per-GPU memory (stacked by component) vs sequence length for the chosen candidate, with the GPU
+    memory limit as a labelled line below the top of the axes. Returns (y low, y high, the tallest stack), GiB."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -498,20 +608,27 @@ def plot_memory(path: str, p: Plan, ev: Evaluation, model: str) -> None:
     seqs = sorted({max(step, (int(p.seq_length * 2.0 ** e) // step) * step) for e in range(-6, 3)})
     curve = memory_curve(p.shape, seqs, p.hardware, c, p.precision, None)
     parts = ["weights", "grads", "optimizer", "activations", "transient", "comm", "reserve"]
-    fig, ax = plt.subplots(figsize=(8, 5))
+    limit = p.hardware.gpu_memory_gb
+    tallest = max(sum(row[k] for k in parts) for row in curve)
+    fig, ax = plt.subplots(figsize=(9, 5))
     ax.stackplot(seqs, *[[row[k] for row in curve] for k in parts], labels=parts, alpha=0.85)
-    ax.axhline(p.hardware.gpu_memory_gb, color="red", linestyle="--",
-               label=f"GPU limit {p.hardware.gpu_memory_gb:g} GiB")
+    ax.axhline(limit, color="red", linestyle="--", linewidth=1.5, label=f"GPU limit {limit:g} GiB", zorder=5)
     ax.axvline(p.seq_length, color="black", linestyle=":", label=f"planned {p.seq_length}")
     ax.set_xscale("log", base=2)
+    ax.set_xlim(seqs[0], seqs[-1])
+    ax.set_ylim(0, 1.1 * max(limit, tallest))  # headroom: the limit line is inside the axes, not on their edge
+    ax.annotate(f"GPU limit {limit:g} GiB", xy=(0.01, limit), xycoords=("axes fraction", "data"),
+                xytext=(0, 3), textcoords="offset points", color="red", fontsize=8, va="bottom", zorder=6)
     ax.set_xlabel("sequence length (tokens)")
     ax.set_ylabel("predicted memory per GPU (GiB)")
     ax.set_title(f"{model}: {c.label()}", fontsize=9)
-    ax.legend(fontsize=7, loc="upper left")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)  # beside the axes
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
+    low, high = ax.get_ylim()
     plt.close(fig)
+    return float(low), float(high), float(tallest)
 
 
 # ------------------------------------------------------------------------------------------------- app
@@ -548,22 +665,36 @@ def run(cfg: Any, out=sys.stdout) -> int:
         d["candidates"] = d["candidates"][: int(_get(cfg.plan, "json_candidates", 50))]
         print(json.dumps(d, indent=1), file=out)
     else:
-        print(format_report(p, name, int(_get(cfg.plan, "show", 20))), file=out)
-        if chosen:
-            print(f"\nchosen: {chosen.candidate.label()}  ({chosen.memory.total / GIB:.1f} GiB per GPU, "
-                  f"{chosen.memory.host_per_node / GIB:.0f} GiB host per node, relative cost {chosen.cost:.3f})",
-                  file=out)
-            command, args = frontend_overrides(cfg, p, chosen, name)
-            print(command + " " + " ".join(shlex.quote(o) for o in args), file=out, flush=True)
-        print("\n" + format_legend(), file=out)
-        print("\n".join(limited_by(p)), file=out)
-        if chosen:
-            print(format_caveats(caveats(chosen, train_precision(p.precision), str(_get(cfg.plan, "target", "gpu")),
-                                         str(_get(cfg.plan, "frontend", "nemo")))), file=out, flush=True)
-        print(checkpoint_estimate(shape, precision, write_gb_s)["line"], file=out, flush=True)
+        show = int(_get(cfg.plan, "show", 0))
+        command = frontend_overrides(cfg, p, chosen, name) if chosen else None
+        items = caveats(chosen, train_precision(p.precision), str(_get(cfg.plan, "target", "gpu")),
+                        str(_get(cfg.plan, "frontend", "nemo"))) if chosen else []
+        ckpt_line = checkpoint_estimate(shape, precision, write_gb_s)["line"]
+        if show == 0:  # the short view, 100 columns
+            print(format_summary(p, name, command, items, ckpt_line, missing), file=out, flush=True)
+        else:  # the full table of `show` rows, the one-line command, the legend
+            print(format_report(p, name, show), file=out)
+            if chosen:
+                print(f"\nchosen: {chosen.candidate.label()}  ({chosen.memory.total / GIB:.1f} GiB per GPU, "
+                      f"{chosen.memory.host_per_node / GIB:.0f} GiB host per node, relative cost {chosen.cost:.3f})",
+                      file=out)
+                print(command_line(*command), file=out, flush=True)
+            print("\n" + format_legend(), file=out)
+            print("\n".join(limited_by(p)), file=out)
+            if chosen:
+                print(format_caveats(items), file=out, flush=True)
+            print(ckpt_line, file=out, flush=True)
     if chosen is None:
-        print(f"\nno fitting plan: {missing}", file=sys.stderr if bool(_get(cfg.plan, "json", False)) else out)
+        if bool(_get(cfg.plan, "json", False)):
+            print(f"\nno fitting plan: {missing}", file=sys.stderr)
+        elif int(_get(cfg.plan, "show", 0)) > 0:  # (the short view says it itself)
+            print(f"\nno fitting plan: {missing}", file=out)
         return 2
+    write_command = _get(cfg.plan, "write_command", None)
+    if write_command:
+        Path(str(write_command)).parent.mkdir(parents=True, exist_ok=True)
+        Path(str(write_command)).write_text(command_line(*frontend_overrides(cfg, p, chosen, name)) + "\n")
+        print(f"wrote {write_command}", file=sys.stderr)
     sbatch = _get(cfg.plan, "write_sbatch", None)
     if sbatch:
         frontend = str(_get(cfg.plan, "frontend", "nemo"))

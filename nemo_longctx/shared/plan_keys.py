@@ -86,11 +86,15 @@ PLAN_OPTIONS: Tuple[Option, ...] = (
            "(the save-time estimate against run.signal_grace_s)", above=0),
     Option("plan.cost_tolerance", "number", 0.01, "fitting rows within this relative cost of the cheapest count as "
            "equal: least memory wins", low=0),
-    Option("plan.show", "int", 20, "table rows (fitting candidates first, then the closest misses)", low=0),
+    Option("plan.show", "int", 0, "0: the chosen plan and its command in 100 columns; N > 0: the full table of the N "
+           "best candidates (fitting ones first, then the closest misses), every memory column, and its legend",
+           low=0),
     Option("plan.frontend", "choice", "nemo", "print `nemo-longctx train` (nemo) or `nemo-longctx bridge` (bridge) "
            "arguments", choices=("nemo", "bridge")),
-    Option("plan.json", "bool", False, "print machine-readable JSON instead of the table"),
+    Option("plan.json", "bool", False, "print machine-readable JSON instead of the report"),
     Option("plan.json_candidates", "int", 50, "candidates in the JSON output", low=0),
+    Option("plan.write_command", "str", None, "path: write the chosen plan's command on one line (for scripts)",
+           nullable=True),
     Option("plan.write_sbatch", "str", None, "path: write an sbatch script (pyxis, NGC container) for the chosen "
            "plan", nullable=True),
     Option("plan.plot", "str", None, "path: PNG of predicted per-GPU memory vs sequence length", nullable=True),
