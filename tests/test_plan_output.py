@@ -163,6 +163,21 @@ def test_bad_plan_values_are_named_all_at_once():
         assert want in err, (want, err)
 
 
+def test_output_files_that_cannot_be_written_are_named_before_planning(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    r = _plan(f"plan.write_command={blocker}/cmd.txt", f"plan.write_sbatch={tmp_path}", "plan.plot=/proc/no/mem.png")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr and r.stdout == "", r.stdout + r.stderr
+    for want in (f"plan.write_command={blocker}/cmd.txt: its directory {blocker}: is a file, not a directory",
+                 f"plan.write_sbatch={tmp_path}: is a directory, not a file",
+                 "plan.plot=/proc/no/mem.png: its directory /proc/no: cannot be created in /proc"):
+        assert want in r.stderr, (want, r.stderr)
+    ok = tmp_path / "new" / "cmd.txt"  # a directory that does not exist yet is made
+    r = _plan(f"plan.write_command={ok}")
+    assert r.returncode == 0 and ok.read_text().startswith("nemo-longctx train "), r.stdout + r.stderr
+
+
 def test_plan_key_problems_accept_the_shipped_configs():
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra

@@ -642,7 +642,31 @@ def key_problems(cfg: Any) -> List[str]:
             plan_node = OmegaConf.to_container(cfg.plan, resolve=True)
     except Exception as e:  # an interpolation that does not resolve
         return [f"plan: {e}"]
-    return plan_key_problems(plan_node)
+    problems = plan_key_problems(plan_node)
+    return problems or output_path_problems(plan_node)
+
+
+OUTPUT_KEYS = ("write_command", "write_sbatch", "plot")  # the plan.* keys naming a file the app writes
+
+
+def output_path_problems(plan_node: Dict[str, Any]) -> List[str]:
+    """A file ``plan.write_command`` / ``write_sbatch`` / ``plot`` cannot be written to (a directory, or a directory
+    that cannot be made or written in), each naming its key: found before planning, not as a traceback after it."""
+    from nemo_longctx.shared.path_checks import writable_dir_problem
+
+    out = []
+    for key in OUTPUT_KEYS:
+        value = plan_node.get(key)
+        if not value:
+            continue
+        path = Path(os.path.abspath(os.path.expanduser(str(value))))
+        if path.is_dir():
+            out.append(f"plan.{key}={value}: is a directory, not a file")
+            continue
+        why = writable_dir_problem("directory", str(path.parent))
+        if why:
+            out.append(f"plan.{key}={value}: its {why.replace('=', ' ', 1)}")
+    return out
 
 
 def run(cfg: Any, out=sys.stdout) -> int:
@@ -653,23 +677,23 @@ def run(cfg: Any, out=sys.stdout) -> int:
     p = make_plan(shape, seq, hw, precision, coef, cost, float(_get(cfg.plan, "cost_tolerance", 0.01)), **search)
     chosen = p.chosen
     missing = None if chosen else what_is_missing(p, coef, cost)
-    if bool(_get(cfg.plan, "json", False)):
+    as_json, show = bool(_get(cfg.plan, "json", False)), int(_get(cfg.plan, "show", 0))
+    command = frontend_overrides(cfg, p, chosen, name) if chosen else None  # (train or bridge command, its arguments)
+    items = caveats(chosen, train_precision(p.precision), str(_get(cfg.plan, "target", "gpu")),
+                    str(_get(cfg.plan, "frontend", "nemo"))) if chosen else None
+    estimate = checkpoint_estimate(shape, precision, write_gb_s)
+    if as_json:
         d = p.to_dict()
         d["model_name"] = name
-        d["overrides"] = frontend_overrides(cfg, p, chosen, name)[1] if chosen else None
+        d["overrides"] = command[1] if command else None
         d["missing"] = missing
         d["limited_by"] = limited_by(p)
-        d["caveats"] = caveats(chosen, train_precision(p.precision), str(_get(cfg.plan, "target", "gpu")),
-                               str(_get(cfg.plan, "frontend", "nemo"))) if chosen else None
-        d["checkpoint"] = checkpoint_estimate(shape, precision, write_gb_s)
+        d["caveats"] = items
+        d["checkpoint"] = estimate
         d["candidates"] = d["candidates"][: int(_get(cfg.plan, "json_candidates", 50))]
         print(json.dumps(d, indent=1), file=out)
     else:
-        show = int(_get(cfg.plan, "show", 0))
-        command = frontend_overrides(cfg, p, chosen, name) if chosen else None
-        items = caveats(chosen, train_precision(p.precision), str(_get(cfg.plan, "target", "gpu")),
-                        str(_get(cfg.plan, "frontend", "nemo"))) if chosen else []
-        ckpt_line = checkpoint_estimate(shape, precision, write_gb_s)["line"]
+        items, ckpt_line = items or [], estimate["line"]
         if show == 0:  # the short view, 100 columns
             print(format_summary(p, name, command, items, ckpt_line, missing), file=out, flush=True)
         else:  # the full table of `show` rows, the one-line command, the legend
@@ -685,15 +709,15 @@ def run(cfg: Any, out=sys.stdout) -> int:
                 print(format_caveats(items), file=out, flush=True)
             print(ckpt_line, file=out, flush=True)
     if chosen is None:
-        if bool(_get(cfg.plan, "json", False)):
+        if as_json:
             print(f"\nno fitting plan: {missing}", file=sys.stderr)
-        elif int(_get(cfg.plan, "show", 0)) > 0:  # (the short view says it itself)
+        elif show > 0:  # (the short view says it itself)
             print(f"\nno fitting plan: {missing}", file=out)
         return 2
     write_command = _get(cfg.plan, "write_command", None)
     if write_command:
         Path(str(write_command)).parent.mkdir(parents=True, exist_ok=True)
-        Path(str(write_command)).write_text(command_line(*frontend_overrides(cfg, p, chosen, name)) + "\n")
+        Path(str(write_command)).write_text(command_line(*command) + "\n")
         print(f"wrote {write_command}", file=sys.stderr)
     sbatch = _get(cfg.plan, "write_sbatch", None)
     if sbatch:
