@@ -18,8 +18,6 @@ appears in both is the README's (each distinct command runs once per test sessio
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import shlex
 import subprocess
@@ -27,9 +25,8 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
-from filelock import FileLock
-
 from app_runner import dry_runs_in_one_process
+from run_cache import session_dir, shared_result
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -128,17 +125,16 @@ def _train_run(args: Sequence[str], out: Path) -> List[str]:
 def train_dry_runs(tmp_path_factory) -> Dict[Tuple[str, ...], Tuple[int, str]]:
     """{train args: (exit code, error)} for every runnable train command of the README and the manual, dry-run in one
     process the first time any pytest-xdist worker of the session asks (a file lock in the session's shared folder)."""
-    base = Path(tmp_path_factory.getbasetemp())
-    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "doc_examples"
-    shared.mkdir(parents=True, exist_ok=True)
-    done = shared / "train_dry_runs.json"
-    with FileLock(str(shared / "train_dry_runs.lock")):
-        if not done.exists():
-            trains = [args for app, args, _ in readme_commands()[0] + docs_commands()[0] if app == "train"]
-            runs = [_train_run(args, shared / f"run{n}") for n, args in enumerate(trains)]
-            results = dry_runs_in_one_process(runs, shared) if runs else []
-            done.write_text(json.dumps([[args, code, err] for args, (_, code, err, _) in zip(trains, results)]))
-        record = json.loads(done.read_text())
+    shared = session_dir(tmp_path_factory) / "doc_examples"
+
+    def dry_run_all() -> list:
+        shared.mkdir(parents=True, exist_ok=True)
+        trains = [args for app, args, _ in readme_commands()[0] + docs_commands()[0] if app == "train"]
+        runs = [_train_run(args, shared / f"run{n}") for n, args in enumerate(trains)]
+        results = dry_runs_in_one_process(runs, shared) if runs else []
+        return [[args, code, err] for args, (_, code, err, _) in zip(trains, results)]
+
+    record = shared_result("doc_examples_train_dry_runs", dry_run_all, tmp_path_factory)
     return {tuple(args): (code, err) for args, code, err in record}
 
 
