@@ -31,24 +31,14 @@ def markdown_text(table: str) -> str:
     return "`".join(p if i % 2 else p.replace("<", "&lt;").replace(">", "&gt;") for i, p in enumerate(parts))
 
 
-def _options() -> str:
-    from nemo_longctx.options import options_table
-
-    return markdown_text(options_table())
-
-
-def _app_options() -> str:
+def _table(table: str = "") -> str:
+    """The option model's table (``table``: ``APP_OPTIONS`` or ``PLAN_OPTIONS``, else the long-context options)."""
     from nemo_longctx.options import options_table
     from nemo_longctx.shared.app_keys import APP_OPTIONS
-
-    return markdown_text(options_table(APP_OPTIONS))
-
-
-def _plan_options() -> str:
-    from nemo_longctx.options import options_table
     from nemo_longctx.shared.plan_keys import PLAN_OPTIONS
 
-    return markdown_text(options_table(PLAN_OPTIONS))
+    tables = {"APP_OPTIONS": APP_OPTIONS, "PLAN_OPTIONS": PLAN_OPTIONS}
+    return markdown_text(options_table(tables[table]) if table else options_table())
 
 
 def cli_help(*args: str) -> str:
@@ -66,9 +56,9 @@ def _fenced(text: str) -> str:
 
 
 BLOCKS: Dict[str, Callable[[], str]] = {
-    "options": _options,
-    "app-options": _app_options,
-    "plan-options": _plan_options,
+    "options": _table,
+    "app-options": lambda: _table("APP_OPTIONS"),
+    "plan-options": lambda: _table("PLAN_OPTIONS"),
     "cli-usage": lambda: _fenced(cli_help("--help")),
     "cli-train": lambda: _fenced(cli_help("train", "--help")),
     "cli-plan": lambda: _fenced(cli_help("plan", "--help")),

@@ -18,6 +18,8 @@ appears in both is the README's (each distinct command runs once per test sessio
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import re
 import shlex
 import subprocess
@@ -34,6 +36,15 @@ MARKER = re.compile(r"<!--\s*readme-test:\s*skip\b(.*?)-->")
 FILE_KEYS = ("init_from", "checkpoint.resume", "data.paths", "data.packed_train", "data.packed_val", "data.tokenizer")
 
 Command = Tuple[str, Tuple[str, ...]]  # (app, args)
+
+
+@functools.lru_cache(maxsize=None)
+def gen_reference():
+    """``scripts/gen_reference.py`` as a module (it is a script, not part of the package)."""
+    spec = importlib.util.spec_from_file_location("gen_reference", ROOT / "scripts" / "gen_reference.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def doc_pages() -> List[Path]:

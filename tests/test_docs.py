@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from doc_examples import check_plan_commands, check_train_commands, doc_pages, docs_commands, listing
+from doc_examples import check_plan_commands, check_train_commands, doc_pages, docs_commands, gen_reference, listing
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -54,18 +54,10 @@ def texts():
 
 
 @functools.lru_cache(maxsize=None)
-def _gen_reference():
-    spec = importlib.util.spec_from_file_location("gen_reference", ROOT / "scripts" / "gen_reference.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@functools.lru_cache(maxsize=None)
 def help_text(*args: str) -> str:
     """``nemo-longctx ARGS --help`` as this checkout prints it (``python -m nemo_longctx.apps.cli``: no framework
     import)."""
-    return _gen_reference().cli_help(*args, "--help")
+    return gen_reference().cli_help(*args, "--help")
 
 
 def forbidden_hits(name: str, text: str):
@@ -96,7 +88,7 @@ def test_docs_build_strict(tmp_path):
 
 
 def test_reference_pages_are_current():
-    stale = _gen_reference().stale()
+    stale = gen_reference().stale()
     assert not stale, "stale generated reference blocks, run: python scripts/gen_reference.py\n  " + "\n  ".join(stale)
 
 
