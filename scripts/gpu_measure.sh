@@ -5,9 +5,10 @@
 #   ring     bench/ring_decomposition.py: the ring's per-rank kernel schedule vs one whole-sequence call (16K, 64K)
 #   claim    bench/one_gpu_claim.py: the planner's one-GPU plan for Llama-3.1-8B at 1M tokens and at the longest length
 #            it finds, a real layer of it run with the other layers' model state held, under an 80 GiB cap
-#   ab       bench/attention_ab.py: a ~1.2B Llama trained 20 steps with Megatron's attention and with ours, same
-#            seed/data/optimizer: losses side by side, tokens/s, MFU
-#   app      `nemo-longctx train`: the NeMo 2 app on the GPU (the ~1.2B Llama shape, bf16, 20 steps at 8K tokens);
+#   ab       bench/attention_ab.py: a ~1.5B Llama trained 20 steps at 2K tokens with Megatron's attention and with ours,
+#            same seed/data/optimizer: losses side by side, tokens/s, MFU (Megatron's local attention keeps the
+#            [heads, s, s] scores, so 8K does not fit a 141 GiB GPU)
+#   app      `nemo-longctx train`: the NeMo 2 app on the GPU (the ~1.5B Llama shape, bf16, 20 steps at 8K tokens);
 #            needs NeMo 2 importable (the NGC container, or the carried wheels: scripts/gpu_wheels.sh)
 #   calib    bench/max_seqlen.py --peak-breakdown: what is live at the CUDA peak, by site, with the planner's
 #            prediction (the rows tests/test_planner_calibration.py checks the local_gpu coefficients against)
@@ -17,6 +18,8 @@
 #   scripts/gpu_measure.sh ring claim         # some sections (calib runs only when named, or with --cpu-small)
 #   scripts/gpu_measure.sh --cpu-small        # the CPU rehearsal: every section in its small CPU form (CI runs it)
 #   GPU_MEASURE_OUT=/tmp/m scripts/gpu_measure.sh
+#   GPU_MEASURE_TAR=/some/dir/results.tgz scripts/gpu_measure.sh   # also one archive of the results folder (for a
+#                                             # machine that hands back only a few files)
 #
 # Megatron-core (claim, ab, calib) and NeMo 2 (app) are imported from the environment, else from wheels in .gpu/
 # installed into a private folder (--no-deps; the device image has torch, lightning and transformers but neither).
@@ -35,7 +38,7 @@ for arg in "$@"; do
     *) echo "gpu_measure.sh: unknown argument '$arg' (sections: ring claim ab app calib; --cpu-small)" >&2; exit 2 ;;
   esac
 done
-# the default set fits one 10-minute device call (limits 60 + 220 + 80 + 150 s, plus ~20 s of installs); calib by name
+# the default set fits one 10-minute device call (limits 60 + 220 + 80 + 150 s, plus ~70 s of installs); calib by name
 if [ ${#sections[@]} -eq 0 ]; then
   sections=(ring claim ab app)
   [ "$CPU_SMALL" = 1 ] && sections+=(calib)
@@ -147,5 +150,8 @@ stamp "done"
   for s in "${sections[@]}"; do echo "| $s | ${result[$s]:-not run} |"; done
 } | tee "$OUT/summary.md"
 echo "== gpu_measure: results in $OUT"
+if [ -n "${GPU_MEASURE_TAR:-}" ]; then
+  tar czf "$GPU_MEASURE_TAR" -C "$(dirname "$OUT")" "$(basename "$OUT")" && echo "== gpu_measure: archive $GPU_MEASURE_TAR"
+fi
 for s in "${sections[@]}"; do [ "${result[$s]:-}" = passed ] || exit 1; done
 exit 0
