@@ -37,7 +37,8 @@ import max_seqlen  # noqa: E402  (_init_parallel: one-rank process group and Meg
 
 from nemo_longctx.planner.model_shapes import ModelShape, shape_from_config  # noqa: E402
 
-# ~1.5B parameters (untied embeddings): Llama-3.2-1B's layer shape (16 layers, hidden 2048, 32/8 heads, ffn 8192) and Llama 3's vocabulary
+# ~1.5B parameters (untied embeddings): Llama-3.2-1B's layer shape (16 layers, hidden 2048, 32/8 heads, ffn 8192)
+# and Llama 3's vocabulary
 LLAMA_1B = ModelShape("llama_1b", num_layers=16, hidden_size=2048, ffn_hidden_size=8192, num_attention_heads=32,
                       num_query_groups=8, vocab_size=128256)
 TINY = ModelShape("tiny", num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
