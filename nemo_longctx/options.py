@@ -757,35 +757,47 @@ class ModelStateOptions:
 class OptimOptions:
     """The ``optim`` group: learning-rate schedule and optimizer hyper-parameters, and the model-state layout."""
 
-    lr: Any = 3.0e-3
-    min_lr: Any = 3.0e-4
-    warmup_steps: Any = 3
-    weight_decay: Any = 0.0
-    clip_grad: Any = 1.0
-    adam_beta2: Any = 0.95
+    lr: Any = None
+    min_lr: Any = None
+    warmup_steps: Any = None
+    weight_decay: Any = None
+    clip_grad: Any = None
+    adam_beta1: Any = None
+    adam_beta2: Any = None
+    adam_eps: Any = None
     state: ModelStateOptions = field(default_factory=ModelStateOptions)
     given: Tuple[str, ...] = field(default=(), compare=False, repr=False)
 
     OPTIONS: ClassVar[Tuple[Option, ...]] = (
-        Option("optim.lr", "number", 3.0e-3, "peak learning rate (cosine schedule)", above=0.0),
-        Option("optim.min_lr", "number", 3.0e-4, "learning rate at the end of the schedule", low=0.0),
-        Option("optim.warmup_steps", "int", 3, "linear warm-up steps", low=0),
-        Option("optim.weight_decay", "number", 0.0, "decoupled weight decay", low=0.0),
-        Option("optim.clip_grad", "number", 1.0, "gradient-norm clipping (0 = off)", low=0.0),
-        Option("optim.adam_beta2", "number", 0.95, "Adam beta2", above=0.0, high=1.0),
+        Option("optim.lr", "number", None, "peak learning rate (cosine schedule; null: the recipe's)", above=0.0,
+               nullable=True),
+        Option("optim.min_lr", "number", None, "learning rate at the end of the schedule (null: the recipe's)",
+               low=0.0, nullable=True),
+        Option("optim.warmup_steps", "int", None, "linear warm-up steps (null: the recipe's)", low=0, nullable=True),
+        Option("optim.weight_decay", "number", None, "decoupled weight decay (null: the recipe's)", low=0.0,
+               nullable=True),
+        Option("optim.clip_grad", "number", None, "gradient-norm clipping (0 = off; null: the recipe's)", low=0.0,
+               nullable=True),
+        Option("optim.adam_beta1", "number", None, "Adam beta1 (null: the recipe's)", low=0.0, high=1.0,
+               nullable=True),
+        Option("optim.adam_beta2", "number", None, "Adam beta2 (null: the recipe's)", above=0.0, high=1.0,
+               nullable=True),
+        Option("optim.adam_eps", "number", None, "Adam epsilon (null: the recipe's)", above=0.0, nullable=True),
     ) + ModelStateOptions.OPTIONS
+    SCHEDULE: ClassVar[int] = 8  # the first SCHEDULE options are the schedule's and the optimizer's hyper-parameters
 
     @classmethod
     def from_dict(cls, d: Optional[Mapping[str, Any]]) -> "OptimOptions":
         d = dict(d or {})
         state = {f.name for f in fields(ModelStateOptions)}
-        kw = {k: _plain(v) for k, v in d.items() if k in {o.name for o in cls.OPTIONS[:6]}}
+        kw = {k: _plain(v) for k, v in d.items() if k in {o.name for o in cls.OPTIONS[:cls.SCHEDULE]}}
         return cls(**kw, state=ModelStateOptions(**{k: _plain(v) for k, v in d.items() if k in state}),
                    given=tuple(d))
 
     def problems(self, ctx: Optional[Context] = None) -> List[str]:
         p = unknown_keys("optim", {k: 0 for k in self.given}, [o.name for o in self.OPTIONS])
-        p += option_problems(self.OPTIONS[:6], {o.name: getattr(self, o.name) for o in self.OPTIONS[:6]})
+        sched = self.OPTIONS[:self.SCHEDULE]
+        p += option_problems(sched, {o.name: getattr(self, o.name) for o in sched})
         return p + self.state.problems(ctx)
 
 

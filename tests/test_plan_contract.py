@@ -52,6 +52,7 @@ class Composer:
         from hydra import compose
         from omegaconf import OmegaConf
 
+        overrides = list(overrides) + ([] if any(o.startswith("data=") for o in overrides) else ["data=synthetic"])
         groups = tuple(o for o in overrides if "." not in o.split("=", 1)[0])
         values = [o for o in overrides if "." in o.split("=", 1)[0]]
         if groups not in self._base:

@@ -32,7 +32,8 @@ OUR_EXACT_KEYS = ("checkpoint.on_signal",)
 # the optim group's schedule keys: on this front end Bridge's own optimizer/scheduler keys rule
 BRIDGE_OWNS = {"optim.lr": "optimizer.lr", "optim.min_lr": "optimizer.min_lr",
                "optim.warmup_steps": "scheduler.lr_warmup_iters", "optim.weight_decay": "optimizer.weight_decay",
-               "optim.clip_grad": "optimizer.clip_grad", "optim.adam_beta2": "optimizer.adam_beta2"}
+               "optim.clip_grad": "optimizer.clip_grad", "optim.adam_beta1": "optimizer.adam_beta1",
+               "optim.adam_beta2": "optimizer.adam_beta2", "optim.adam_eps": "optimizer.adam_eps"}
 
 
 def recipe_flag(argv: List[str]) -> List[str]:

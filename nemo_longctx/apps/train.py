@@ -28,6 +28,7 @@ from nemo_longctx.shared.signals import PREEMPTED_EXIT, signals_of
 
 from nemo_longctx.integrations.nemo.app import (  # noqa: F401  (re-exported: the app's public helpers)
     Built,
+    apply_recipe,
     ConfigError,
     build,
     config_hash,
@@ -40,7 +41,7 @@ from nemo_longctx.integrations.nemo.app import (  # noqa: F401  (re-exported: th
     save_time_warning,
     world_size_of,
 )
-from nemo_longctx.shared.app_keys import save_on_signal
+from nemo_longctx.shared.app_keys import save_on_signal, saves_checkpoints
 from nemo_longctx.shared.launch import (
     CONFIG_ERROR_EXIT,
     Launch,
@@ -115,8 +116,8 @@ def _print_summary(cfg: DictConfig, code: int, since: Optional[float] = None, ra
     from nemo_longctx.shared import console
 
     metrics = os.path.join(str(cfg.output_dir), "metrics.jsonl")
-    every = int(cfg.get("checkpoint", {}).get("every_n_steps", 0) or 0)
-    paths = [("metrics", metrics), ("checkpoints", checkpoint_dir(cfg) if every > 0 else None),
+    saving = saves_checkpoints(cfg.get("checkpoint"))
+    paths = [("metrics", metrics), ("checkpoints", checkpoint_dir(cfg) if saving else None),
              ("rank logs", rank_logs)]
     lines = console.summary_lines(code, console.read_metrics(metrics, since=since), console.since_launch(),
                                   max_steps=int(cfg.trainer.max_steps), paths=paths)
@@ -175,12 +176,13 @@ def _adapt_to_cpu() -> None:
 
 def run(cfg: DictConfig) -> int:
     _refuse_multirun()
+    launch = detect_external_launch()
+    apply_recipe(cfg, world_size=world_size_of(cfg, launch))  # the recipe's values in the keys left null
     options = options_of(cfg)  # the run's option model: built once, handed to every step below
     # every config-level problem at once, before any process starts and before NeMo is imported (seconds)
     raise_problems(config_problems(cfg, options))
     from nemo_longctx.integrations.nemo import documents, pretrained
 
-    launch = detect_external_launch()
     world = world_size_of(cfg, launch)
     rank = launch.rank if launch is not None else 0
     pretrained.prepare(cfg, rank=rank)  # init_from=<HF dir>: imported once, in a subprocess

@@ -25,24 +25,29 @@ APP_OPTIONS = (
            choices=("auto", "cpu", "gpu")),
     Option("trainer.devices", "int", 2, "processes per node", low=1),
     Option("trainer.num_nodes", "int", 1, "nodes", low=1),
-    Option("trainer.max_steps", "int", 30, "optimizer steps", low=1),
-    Option("trainer.precision", "choice", "32", "32 | bf16-mixed | 16-mixed", choices=PRECISIONS),
-    Option("trainer.micro_batch_size", "int", 1, "sequences per micro batch", low=1),
-    Option("trainer.global_batch_size", "int", None, "null: micro_batch_size x data-parallel size", low=1,
+    Option("trainer.max_steps", "int", None, "optimizer steps (null: the recipe's)", low=1, nullable=True),
+    Option("trainer.precision", "choice", None, "32 | bf16-mixed | 16-mixed (null: the recipe's)", choices=PRECISIONS,
            nullable=True),
+    Option("trainer.micro_batch_size", "int", 1, "sequences per micro batch", low=1),
+    Option("trainer.global_batch_size", "int", None, "sequences per optimizer step (null: the recipe's tokens per "
+           "step / model.seq_length; the demo: micro_batch_size x data-parallel size)", low=1, nullable=True),
     Option("trainer.strategy.tensor_model_parallel_size", "int", 1, "tensor-parallel size", low=1),
     Option("trainer.strategy.pipeline_model_parallel_size", "int", 1, "pipeline-parallel size", low=1),
     Option("trainer.strategy.sequence_parallel", "bool", False, "Megatron sequence parallelism (with TP)"),
     Option("trainer.val_check_interval", "int", None, "validate every N training steps (null: no validation)",
            low=1, nullable=True),
     Option("trainer.limit_val_batches", "int", 2, "validation batches per validation run", low=1),
-    Option("checkpoint.every_n_steps", "int", 0, "save every N steps and at the end (0 = never save)", low=0),
+    Option("checkpoint.every_n_steps", "int", None, "save every N steps and at the end (0 = not by steps; null: "
+           "the recipe's)", low=0, nullable=True),
+    Option("checkpoint.every_minutes", "number", None, "save every N minutes of training and at the end (0 = not by "
+           "time; null: the recipe's)", low=0, nullable=True),
     Option("checkpoint.dir", "str", None, "null: <output_dir>/checkpoints", nullable=True),
     Option("checkpoint.resume", "str", "auto", "auto | never | a checkpoint directory"),
     Option("checkpoint.keep", "int", 2, "most recent checkpoints kept", low=1),
-    Option("checkpoint.async_save", "bool", False, "NeMo's asynchronous save (GPU runs)"),
+    Option("checkpoint.async_save", "bool", None, "NeMo's asynchronous save (GPU runs; null: the recipe's)",
+           nullable=True),
     Option("checkpoint.on_signal", "bool", None, "on the first of run.signals: save this step's checkpoint and stop "
-           "(exit 75); null: when checkpoint.every_n_steps > 0", nullable=True),
+           "(exit 75); null: when the run saves checkpoints", nullable=True),
     Option("launcher.backend", "choice", "auto", "auto (nccl with CUDA, gloo without) | gloo | nccl",
            choices=("auto", "gloo", "nccl")),
     Option("launcher.threads_per_process", "int", None, "null: CPU cores / local processes", low=1, nullable=True),
@@ -60,11 +65,29 @@ APP_OPTIONS = (
            choices=SIGNAL_NAMES),
     Option("run.signal_grace_s", "number", DEFAULT_GRACE_S, "seconds the ranks get to save and stop after a signal "
            "before the local launcher stops them", above=0),
+    Option("recipe", "str", "auto", "where the keys left null take their values (precision, optimizer, schedule, "
+           "steps, tokens per step, checkpoint interval): auto (the tiny demo models: demo; others: the NVIDIA NeMo "
+           "recipe of the model's architecture) | demo | a NeMo recipe name (nemo.collections.llm.recipes.<name>)"),
     Option("output_dir", "str", "outputs/train", "run directory (metrics, logs, checkpoints)"),
     Option("init_from", "str", None, "a pretrained checkpoint (NeMo or Hugging Face directory) to start from",
            nullable=True),
     Option("seed", "int", 1234, "random seed", low=0),
 )
+
+# The training settings a recipe gives: the keys above left null (the YAML defaults) take the recipe's value
+# (integrations/nemo/training_recipe.py). These are the CPU demo's (recipe=demo: the tiny models), chosen to learn
+# the synthetic data in a few steps on a CPU; a real model takes NVIDIA's NeMo recipe for it instead.
+DEMO_SETTINGS = {
+    "trainer.precision": "32", "trainer.max_steps": 30, "trainer.global_batch_size": None,
+    "optim.lr": 3.0e-3, "optim.min_lr": 3.0e-4, "optim.warmup_steps": 3, "optim.weight_decay": 0.0,
+    "optim.clip_grad": 1.0, "optim.adam_beta1": 0.9, "optim.adam_beta2": 0.95, "optim.adam_eps": 1.0e-8,
+    "checkpoint.every_n_steps": 0, "checkpoint.every_minutes": 0, "checkpoint.async_save": False,
+}
+
+
+def is_demo_model(model_choice: object) -> bool:
+    """The CPU demo's tiny models (``conf/model/tiny_*.yaml``): what ``recipe=auto`` gives the demo's settings."""
+    return isinstance(model_choice, str) and model_choice.startswith("tiny_")
 
 
 FAULT_KINDS = ("raise", "kill", "hang", "abort", "SIGTERM", "SIGUSR1", "SIGINT")
@@ -82,19 +105,24 @@ def parse_fault(spec: str) -> Tuple[str, int, int]:
     return kind, step, rank
 
 
-def _on_signal_and_saving(checkpoint: object) -> Tuple[object, bool]:
-    """(``checkpoint.on_signal``, whether ``checkpoint.every_n_steps > 0``) of the config's checkpoint group (or
-    None)."""
+def saves_checkpoints(checkpoint: object) -> bool:
+    """Whether the config's checkpoint group (or None) saves: ``every_n_steps > 0`` or ``every_minutes > 0``."""
     get = getattr(checkpoint, "get", None)
     if get is None:
-        return None, False
-    every = get("every_n_steps", 0)
-    return get("on_signal", None), isinstance(every, int) and every > 0
+        return False
+    steps, minutes = get("every_n_steps", 0), get("every_minutes", 0)
+    return (isinstance(steps, int) and steps > 0) or (isinstance(minutes, (int, float)) and minutes > 0)
+
+
+def _on_signal_and_saving(checkpoint: object) -> Tuple[object, bool]:
+    """(``checkpoint.on_signal``, ``saves_checkpoints``) of the config's checkpoint group (or None)."""
+    get = getattr(checkpoint, "get", None)
+    return (None if get is None else get("on_signal", None)), saves_checkpoints(checkpoint)
 
 
 def save_on_signal(checkpoint: object) -> bool:
     """Whether the run saves and stops on a signal: ``checkpoint.on_signal``, by default whenever it saves
-    checkpoints (``checkpoint.every_n_steps > 0``); ``checkpoint`` is the config's checkpoint group (or None)."""
+    checkpoints (``saves_checkpoints``); ``checkpoint`` is the config's checkpoint group (or None)."""
     on, saving = _on_signal_and_saving(checkpoint)
     return bool(on) if on is not None else saving
 
@@ -103,7 +131,8 @@ def on_signal_problems(checkpoint: object) -> list:
     """``checkpoint.on_signal=true`` without checkpoints to save is refused."""
     on, saving = _on_signal_and_saving(checkpoint)
     if on is True and not saving:
-        return ["checkpoint.on_signal=true needs checkpoint.every_n_steps > 0: the run saves no checkpoints"]
+        return ["checkpoint.on_signal=true needs checkpoint.every_n_steps or checkpoint.every_minutes > 0: the run "
+                "saves no checkpoints"]
     return []
 
 
@@ -118,7 +147,7 @@ RECIPE_KEYS = {"seq_length": "model.config.seq_length", "tp": "trainer.strategy.
 GROUP_CHOICES = {"cp.algorithm": "cp", "recompute.name": "recompute", "offload.name": "offload"}
 # keys the recipe itself owns (its schedule and logging) or that only the app has
 APP_ONLY = ("optim.lr", "optim.min_lr", "optim.warmup_steps", "optim.weight_decay", "optim.clip_grad",
-            "optim.adam_beta2", "log.", "run.")
+            "optim.adam_beta1", "optim.adam_beta2", "optim.adam_eps", "log.", "run.")
 
 
 def argument_name(key: str) -> str:

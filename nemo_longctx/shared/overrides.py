@@ -16,6 +16,10 @@ import re
 from pathlib import Path
 from typing import Any, List, Optional, Sequence, Tuple
 
+from omegaconf import open_dict
+
+from nemo_longctx.shared.app_keys import is_demo_model
+
 CONFIG_MODULE = "nemo_longctx.conf"
 
 
@@ -58,6 +62,14 @@ def quote_path_values(args: Sequence[str]) -> List[str]:
     return out
 
 
+def demo_recipe_of_choice(cfg: Any, choices: Any) -> None:
+    """``recipe=auto`` with one of the CPU demo's tiny models (``model=tiny_*``) and no ``init_from`` is the demo's
+    recipe: decided from the group choice, which only the composition knows (``cfg.recipe`` set in place)."""
+    if cfg.get("recipe") == "auto" and is_demo_model(choices.get("model")) and cfg.get("init_from") is None:
+        with open_dict(cfg):
+            cfg.recipe = "demo"
+
+
 def compose(config_name: str, args: Sequence[str], hydra_config: bool = False) -> Tuple[Any, List[str]]:
     """(config or None, problems) of ``config_name`` composed with ``args`` by Hydra's compose API;
     ``hydra_config``: keep Hydra's own node (``cfg.hydra.runtime.choices``: the group choices)."""
@@ -83,7 +95,12 @@ def compose(config_name: str, args: Sequence[str], hydra_config: bool = False) -
         else:
             init = initialize_config_module(config_module=CONFIG_MODULE, version_base=None)
         with init:
-            return hydra_compose(config_name, overrides=overrides, return_hydra_config=hydra_config), []
+            cfg = hydra_compose(config_name, overrides=overrides, return_hydra_config=True)
+        demo_recipe_of_choice(cfg, cfg.hydra.runtime.choices)
+        if not hydra_config:
+            with open_dict(cfg):
+                del cfg["hydra"]
+        return cfg, []
     except (HydraException, OmegaConfBaseException) as e:
         return None, [_compose_problem(e, config_name, list(args))]
     finally:

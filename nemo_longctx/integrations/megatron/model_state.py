@@ -71,11 +71,12 @@ def optimizer_fields(opts: ModelStateOptions) -> Dict[str, Any]:
 
 
 def optimizer_config(opts: ModelStateOptions, lr: float, weight_decay: float, clip_grad: float, adam_beta2: float,
-                     precision: str) -> Any:
-    """Megatron's ``OptimizerConfig`` for ``opts``."""
+                     precision: str, adam_beta1: float = 0.9, adam_eps: float = 1e-8) -> Any:
+    """Megatron's ``OptimizerConfig`` for ``opts`` (Adam's beta1 and epsilon default to Megatron's)."""
     from megatron.core.optimizer import OptimizerConfig
 
-    return OptimizerConfig(lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, adam_beta2=adam_beta2,
+    return OptimizerConfig(lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, adam_beta1=adam_beta1,
+                           adam_beta2=adam_beta2, adam_eps=adam_eps,
                            bf16=precision.startswith("bf16"), fp16=precision.startswith("16"), **optimizer_fields(opts))
 
 

@@ -38,6 +38,7 @@ from nemo_longctx.shared.app_keys import (
     on_signal_problems,
     parse_fault,
     save_on_signal,
+    saves_checkpoints,
 )
 from nemo_longctx.shared.launch import Launch
 from nemo_longctx.shared.signals import signals_of
@@ -56,7 +57,6 @@ def context_of(cfg: DictConfig, world_size: Optional[int] = None) -> Context:
     With ``init_from`` the sequence length is the checkpoint's unless the command line sets ``model.seq_length``
     (unknown here otherwise: checked against the model config where it is built, ``build``)."""
     s = cfg.trainer.strategy
-    every = (cfg.get("checkpoint") or {}).get("every_n_steps", 0)
     seq = cfg.model.get("seq_length")
     if init_from_of(cfg) is not None:
         from nemo_longctx.integrations.nemo.pretrained import command_line_model_overrides
@@ -64,7 +64,7 @@ def context_of(cfg: DictConfig, world_size: Optional[int] = None) -> Context:
         seq = command_line_model_overrides(cfg)[0].get("seq_length")
     return Context(seq_length=seq, tp=s.tensor_model_parallel_size, pp=s.pipeline_model_parallel_size,
                    world_size=world_size, sequence_parallel=s.sequence_parallel,
-                   precision=str(cfg.trainer.precision), checkpointing=isinstance(every, int) and every > 0,
+                   precision=str(cfg.trainer.precision), checkpointing=saves_checkpoints(cfg.get("checkpoint")),
                    keys=NEMO_KEYS)
 
 
@@ -193,8 +193,7 @@ def run_path_problems(cfg: DictConfig) -> List[str]:
 
     problems = [m for m in [writable_dir_problem("output_dir", str(cfg.output_dir))] if m]
     node = cfg.get("checkpoint") or {}
-    every = node.get("every_n_steps")
-    if problems or not isinstance(every, int) or every <= 0:  # (a bad every_n_steps is app_key_problems')
+    if problems or not saves_checkpoints(node):  # (a bad interval is app_key_problems')
         return problems
     directory, key = checkpoint_dir(cfg), "checkpoint.dir" if node.get("dir") else "output_dir"
     if node.get("dir") and (m := writable_dir_problem("checkpoint.dir", directory)):
@@ -202,8 +201,8 @@ def run_path_problems(cfg: DictConfig) -> List[str]:
     from nemo_longctx.planner.search import checkpoint_bytes
 
     shape, _ = planner_shape(cfg)
-    if shape is None:  # a model the planner cannot size (init_from: sized by its checkpoint)
-        return problems
+    if shape is None or cfg.run.get("dry_run"):  # a model the planner cannot size (init_from: sized by its
+        return problems  # checkpoint); a dry run (often on a login node) reports the size in its summary instead
     size = checkpoint_bytes(shape, planner_precision(cfg))
     keep = node.get("keep") if isinstance(node.get("keep"), int) and node.get("keep") > 0 else 1
     need = size * keep - tree_bytes(directory)
@@ -239,6 +238,12 @@ def config_problems(cfg: DictConfig, options: Optional[LongContextOptions] = Non
     from nemo_longctx.integrations.nemo.data_checks import data_problems
     from nemo_longctx.shared.launch import detect_external_launch
 
+    if recipe_pending(cfg):  # (a config composed without the app: the recipe's values first, as the app does)
+        try:
+            apply_recipe(cfg, choices)
+        except ConfigError as e:
+            return e.problems
+        options = None
     options = options or options_of(cfg)
     problems = app_key_problems(cfg)
     if not problems:
@@ -262,15 +267,44 @@ def config_problems(cfg: DictConfig, options: Optional[LongContextOptions] = Non
 
 
 def preflight(args: List[str], config_name: str = "train", target_cuda: Optional[bool] = None) -> List[str]:
-    """What ``nemo-longctx train <args>`` would refuse before loading NeMo: the command line composed by Hydra's
-    compose API (a malformed override, an unknown group choice or key) and every config-level problem. The app runs
-    it in the launching process; tests call it in-process for many command lines."""
+    """What ``nemo-longctx train <args>`` would refuse before building anything: the command line composed by Hydra's
+    compose API (a malformed override, an unknown group choice or key), the recipe's settings filled in
+    (``training_recipe.resolve``: a real model's recipe is read from NeMo) and every config-level problem. The app
+    runs it in the launching process; tests call it in-process for many command lines."""
     from nemo_longctx.shared.overrides import compose
 
     cfg, problems = compose(config_name, args, hydra_config=True)
     if problems or cfg is None:  # None: a Hydra flag it does not model (the run's own checks still apply)
         return problems
-    return config_problems(cfg, options_of(cfg), choices=dict(cfg.hydra.runtime.choices), target_cuda=target_cuda)
+    choices = dict(cfg.hydra.runtime.choices)
+    try:
+        apply_recipe(cfg, choices)
+    except ConfigError as e:
+        return e.problems
+    return config_problems(cfg, options_of(cfg), choices=choices, target_cuda=target_cuda)
+
+
+def recipe_pending(cfg: DictConfig) -> bool:
+    """Whether a train config still has keys its recipe fills (``apply_recipe``)."""
+    from nemo_longctx.shared.app_keys import DEMO_SETTINGS
+
+    return "recipe" in cfg and (cfg.recipe == "auto" or str(OmegaConf.select(cfg, "data.kind")) == "auto" or any(
+        OmegaConf.select(cfg, k) is None for k in DEMO_SETTINGS if k != "trainer.global_batch_size"))
+
+
+def apply_recipe(cfg: DictConfig, choices: Optional[Dict[str, Any]] = None, world_size: Optional[int] = None
+                 ) -> Dict[str, Any]:
+    """The recipe's values in the keys ``cfg`` leaves null (``training_recipe.resolve``), for the model group chosen
+    (``choices``; default: this Hydra run's). Only train configs have a recipe; others are returned unchanged."""
+    from nemo_longctx.integrations.nemo import training_recipe
+
+    if "recipe" not in cfg or not recipe_pending(cfg):
+        return {}
+    if choices is None:
+        from hydra.core.hydra_config import HydraConfig
+
+        choices = dict(HydraConfig.get().runtime.choices) if HydraConfig.initialized() else {}
+    return training_recipe.resolve(cfg, training_recipe.model_choice(choices), world_size)
 
 
 def save_time_warning(cfg: DictConfig) -> Optional[str]:
@@ -423,7 +457,8 @@ def build_optimizer(cfg: DictConfig, options: LongContextOptions, precision: str
 
     o = options.optim
     opt_config = optimizer_config(o.state, lr=float(o.lr), weight_decay=float(o.weight_decay),
-                                  clip_grad=float(o.clip_grad), adam_beta2=float(o.adam_beta2), precision=precision)
+                                  clip_grad=float(o.clip_grad), adam_beta1=float(o.adam_beta1),
+                                  adam_beta2=float(o.adam_beta2), adam_eps=float(o.adam_eps), precision=precision)
     assert isinstance(opt_config, OptimizerConfig)
     sched = CosineAnnealingScheduler(
         max_steps=int(cfg.trainer.max_steps), warmup_steps=int(o.warmup_steps), constant_steps=0, min_lr=float(o.min_lr)
@@ -444,12 +479,17 @@ def build_checkpointing(cfg: DictConfig, tensorboard: bool = True) -> tuple:
 
     out = os.path.abspath(str(cfg.output_dir))
     c = cfg.get("checkpoint") or OmegaConf.create({"every_n_steps": 0, "resume": "never"})
-    every = int(c.get("every_n_steps", 0))
+    every = int(c.get("every_n_steps") or 0)
+    minutes = float(c.get("every_minutes") or 0)
     ckpt = None
-    if every > 0:
+    if every > 0 or minutes > 0:
+        from datetime import timedelta
+
+        interval = ({"every_n_train_steps": every} if every > 0 else
+                    {"train_time_interval": timedelta(minutes=minutes)})
         ckpt = nl.ModelCheckpoint(
             dirpath=os.path.abspath(checkpoint_dir(cfg)), filename="{step}-{consumed_samples}",
-            every_n_train_steps=every, save_top_k=int(c.get("keep", 2)), monitor="step", mode="max",
+            **interval, save_top_k=int(c.get("keep", 2)), monitor="step", mode="max",
             save_last=True, save_on_train_epoch_end=False, save_optim_on_train_end=True,  # resumable at the end too
             always_save_context=True, save_context_on_train_end=True,
             verbose=False,
@@ -545,6 +585,9 @@ def build(cfg: DictConfig, launch: Optional[Launch] = None, extra_callbacks: Opt
     from nemo_longctx.integrations.nemo.sequence_tiling import SequenceTiling
     from nemo_longctx.integrations.nemo.strategy import LongContextStrategy, strategy_kwargs
 
+    if recipe_pending(cfg):  # (a config composed without the app: the recipe's values first, as the app does)
+        apply_recipe(cfg, world_size=world_size_of(cfg, launch))
+        options = None
     options = options or options_of(cfg)
     problems = [] if checked else config_problems(cfg, options)
     raise_problems(problems)  # the model checks below assume valid options
@@ -575,7 +618,7 @@ def build(cfg: DictConfig, launch: Optional[Launch] = None, extra_callbacks: Opt
         cp_algorithm_kwargs=cp.attention_kwargs, collective_timeout_s=cfg.launcher.get("timeout_s"),
         process_group_backend=None if backend == "auto" else backend,
         ckpt_load_strictness=None, **state_kwargs,
-        ckpt_async_save=bool((cfg.get("checkpoint") or {}).get("async_save", False)),
+        ckpt_async_save=bool((cfg.get("checkpoint") or {}).get("async_save") or False),
     )
     strategy.validated_config = model_config  # checked above: connect() does not check it again
 
@@ -702,6 +745,38 @@ def predicted_memory(cfg: DictConfig, options: LongContextOptions, seq_length: i
             f"{coef} coefficients)")
 
 
+def checkpoint_summary(cfg: DictConfig) -> str:
+    """The dry run's checkpoint line: interval, where, how many kept, the size of one, asynchronous or not, resume."""
+    c = cfg.get("checkpoint") or {}
+    resume = f"resume={c.get('resume')}"
+    if not saves_checkpoints(c):
+        return f"none (a requeued or restarted run starts over), {resume}"
+    every = (f"every {c.get('every_n_steps')} steps" if (c.get("every_n_steps") or 0) > 0
+             else f"every {c.get('every_minutes'):g} minutes of training")
+    size = ""
+    shape, _ = planner_shape(cfg)
+    if shape is not None:
+        from nemo_longctx.planner.search import checkpoint_bytes
+
+        size = f", {checkpoint_bytes(shape, planner_precision(cfg)) / 1e9:.1f} GB each"
+    mode = "asynchronous" if c.get("async_save") else "synchronous"
+    return (f"{every} and at the end -> {checkpoint_dir(cfg)} (keep {c.get('keep')}{size}; {mode}), {resume}, save "
+            f"on a signal: {'yes' if save_on_signal(c) else 'no'}")
+
+
+def data_summary(cfg: DictConfig) -> str:
+    """The dry run's data line: the kind and what it reads."""
+    d = cfg.data
+    kind = str(d.kind)
+    if kind == "synthetic":
+        return "synthetic (random tokens)" + (", packed documents" if packed_data(cfg) else "")
+    paths = OmegaConf.select(cfg, "data.paths", default=None) or OmegaConf.select(cfg, "data.packed_train",
+                                                                                 default=None)
+    tokenizer = OmegaConf.select(cfg, "data.tokenizer", default=None)
+    return (f"{kind}: {OmegaConf.to_container(paths) if OmegaConf.is_config(paths) else paths}, tokenizer "
+            f"{tokenizer or 'of init_from'}" + (", packed documents" if packed_data(cfg) else ""))
+
+
 def dry_run(cfg: DictConfig, options: Optional[LongContextOptions] = None) -> Dict[str, Any]:
     """Build + validate the real NeMo objects, resolve every layer's core_attention from the layer/block spec,
     print a summary; no process group, no training. Returns the summary dict."""
@@ -720,7 +795,6 @@ def dry_run(cfg: DictConfig, options: Optional[LongContextOptions] = None) -> Di
     if len(modules) != config.num_layers or not all(m is LongContextCoreAttention for m in modules):
         raise RuntimeError(f"core_attention does not resolve to LongContextCoreAttention in every layer: {modules}")
     p = parallel_sizes(cfg)
-    c = cfg.get("checkpoint") or {}
     summary = {
         "model": type(config).__name__,
         "num_layers": config.num_layers,
@@ -738,19 +812,21 @@ def dry_run(cfg: DictConfig, options: Optional[LongContextOptions] = None) -> Di
         "core_attention": f"{len(modules)}/{config.num_layers} layers {LongContextCoreAttention.__name__}",
         "strategy": type(built.strategy).__name__,
         "trainer": f"{type(built.trainer).__name__}(devices={cfg.trainer.devices}, num_nodes={cfg.trainer.num_nodes})",
-        "data": type(built.data).__name__,
+        "recipe": (f"{cfg.recipe} (NVIDIA NeMo's recipe: its values fill the keys left null)"
+                   if cfg.get("recipe") not in (None, "demo") else "demo (the CPU demo's settings)"),
         "precision": str(cfg.trainer.precision),
         "optimizer": (f"{cfg.optim.optimizer} lr {cfg.optim.lr:g} -> min {cfg.optim.min_lr:g} (cosine), warm-up "
                       f"{cfg.optim.warmup_steps} steps, weight decay {cfg.optim.weight_decay:g}, clip "
-                      f"{cfg.optim.clip_grad:g}"),
+                      f"{cfg.optim.clip_grad:g}, betas ({cfg.optim.adam_beta1:g}, {cfg.optim.adam_beta2:g}), eps "
+                      f"{cfg.optim.adam_eps:g}"),
         "steps": f"{cfg.trainer.max_steps} x {built.global_batch_size * config.seq_length:,} tokens per step",
         "init_from": (f"{init_from_of(cfg)} ({type(built.model).__name__}, weights restored by NeMo's RestoreConfig)"
                       if init_from_of(cfg) else "none (random initialisation)"),
         "memory": options.memory.describe(),
         "model_state": options.optim.state.describe(),
         "tiling": options.tiling.describe(config.seq_length, p["cp"], p["tp"], bool(config.sequence_parallel)),
-        "checkpoint": (f"every {c.get('every_n_steps')} steps -> {checkpoint_dir(cfg)} (keep {c.get('keep')}), "
-                       f"resume={c.get('resume')}") if c.get("every_n_steps") else f"none, resume={c.get('resume')}",
+        "checkpoint": checkpoint_summary(cfg),
+        "data": data_summary(cfg),
         "predicted_memory": predicted_memory(cfg, options, config.seq_length, p, built.world_size),
         "config_hash": config_hash(cfg)[:16],
     }
