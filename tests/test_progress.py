@@ -24,15 +24,18 @@ class _Terminal(io.StringIO):
 
 def test_plain_lines_every_tenth_and_every_interval():
     out = io.StringIO()
-    with progress.Progress("work", total=1000, unit="items", stream=out, every_s=3600) as p:
+    with progress.Progress("work", total=1000, unit="items", stream=out, every_s=3600, quiet_s=0) as p:
         for _ in range(20):
             p.update(50, files=1)
     lines = out.getvalue().splitlines()
     assert [re.match(r"nemo-longctx: work: (\d+)% of 1,000 items, ", ln).group(1) for ln in lines] == \
         [str(10 * k) for k in range(1, 10)], lines  # each further tenth; the end is the caller's to say
     assert "\r" not in out.getvalue() and ", 2 files," in lines[0] and "eta " in lines[0], lines
+    quiet = io.StringIO()  # nothing in the first seconds
+    progress.Progress("work", total=1000, stream=quiet, every_s=0).update(500)
+    assert quiet.getvalue() == ""
     out = io.StringIO()
-    p = progress.Progress("work", total=None, unit="B", stream=out, every_s=0)
+    p = progress.Progress("work", total=None, unit="B", stream=out, every_s=0, quiet_s=0)
     p.update(3 * 1024 ** 2)
     assert re.fullmatch(r"nemo-longctx: work: 3\.0 MiB after 0s, [0-9.]+ [KMG]iB/s\n", out.getvalue()), out.getvalue()
 
@@ -92,6 +95,7 @@ def test_documents_preparation_prints_progress_in_a_batch_log(tmp_path, capsys, 
                             "data": {"kind": "documents", "paths": [str(tmp_path / "docs.jsonl")], "text_key": "text",
                                      "tokenizer": str(tok), "cache_dir": None, "split": "100,0,0"}})
     monkeypatch.setattr(progress, "EVERY_S", 3600.0)  # the every-tenth lines only (a test machine may be slow)
+    monkeypatch.setattr(progress, "QUIET_S", 0.0)  # (a small input: done within the first seconds)
     out = documents.prepare(cfg)
     err = capsys.readouterr()
     lines = [ln for ln in err.err.splitlines() if "tokenizing" in ln]

@@ -2,7 +2,7 @@
 export), and of the ranks that wait for them.
 
 Everything goes to stderr. On a terminal (stderr is a tty) a tqdm bar; in a batch log a plain line every
-``every_s`` seconds (30) or each further tenth of the total, whichever comes first:
+``every_s`` seconds (30) or each further tenth of the total, whichever comes first (none in the first 5 s):
 
     nemo-longctx: data=documents: tokenizing: 45% of 12.3 GiB, 120,400 documents, 310,112,000 tokens,
     52,310 tokens/s, eta 3m10s
@@ -31,6 +31,7 @@ from nemo_longctx.shared.path_checks import tree_bytes
 PREFIX = "nemo-longctx: "
 EVERY_S = 30.0          # a plain line at least this often ...
 EVERY_FRACTION = 0.1    # ... or each time another tenth of the total is done
+QUIET_S = 5.0           # no plain line in the first seconds (a small input is done before it would matter)
 REMIND_S = 300.0        # a waiting rank's reminder
 
 
@@ -52,12 +53,14 @@ def _tqdm() -> Any:
 class Progress:
     """One preparation's progress (see the module docstring). ``unit``: "B" shows the amounts as bytes;
     ``rate_of``: the count whose rate the plain line shows (default: the total's unit); ``stream``: where it goes
-    (default ``sys.stderr``); ``tty``: force the bar (True) or the plain lines (False)."""
+    (default ``sys.stderr``); ``tty``: force the bar (True) or the plain lines (False); ``every_s``,
+    ``every_fraction``, ``quiet_s``: the plain lines' spacing (defaults: the module's constants)."""
 
     def __init__(self, what: str, total: Optional[float] = None, unit: str = "", *, rate_of: Optional[str] = None,
                  stream: Optional[TextIO] = None, tty: Optional[bool] = None, every_s: Optional[float] = None,
-                 every_fraction: Optional[float] = None) -> None:
+                 every_fraction: Optional[float] = None, quiet_s: Optional[float] = None) -> None:
         self.what, self.total, self.unit, self.rate_of = what, total, unit, rate_of
+        self.quiet_s = QUIET_S if quiet_s is None else float(quiet_s)
         self.stream = stream if stream is not None else sys.stderr
         self.every_s = EVERY_S if every_s is None else float(every_s)
         self.every_fraction = EVERY_FRACTION if every_fraction is None else float(every_fraction)
@@ -86,7 +89,8 @@ class Progress:
                 self._bar.set_postfix({k: f"{v:,}" for k, v in self.counts.items()}, refresh=False)
                 self._last_postfix = now
             return
-        if now - self._last_line >= self.every_s or self._tenth() > self._last_tenth:
+        if now - self._t0 >= self.quiet_s and (now - self._last_line >= self.every_s or
+                                               self._tenth() > self._last_tenth):
             self._line(now)
 
     def _tenth(self) -> int:
@@ -145,7 +149,7 @@ def watch_directory(what: str, path: str, *, stream: Optional[TextIO] = None, tt
                     every_s: Optional[float] = None) -> Iterator[Progress]:
     """While the block runs: the bytes written under ``path`` (polled by a daemon thread: every second for the bar,
     every ``every_s`` for the plain lines)."""
-    progress = Progress(what, None, "B", stream=stream, tty=tty, every_s=every_s)
+    progress = Progress(what, None, "B", stream=stream, tty=tty, every_s=every_s, quiet_s=every_s)
     stop = threading.Event()
     poll = 1.0 if progress._bar is not None else min(5.0, progress.every_s)
 
