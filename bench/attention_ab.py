@@ -5,8 +5,9 @@ Two Megatron-core GPTModels of one Llama shape are built from Megatron's local l
 nemo_longctx's core attention in every layer (``long_context_layer_spec``, CP size 1). Core attention has no
 parameters, so both start from the same weights (checked). Each trains ``--steps`` steps of AdamW on the same batches
 (random token ids from a fixed seed); the per-step losses are printed side by side with their relative difference,
-and tokens/s and model FLOPs utilisation (6 x parameters + 6 x layers x hidden x sequence per token, causal
-attention counted once) for each, against the device's bf16 dense peak when it is known.
+and tokens/s and model FLOPs utilisation for each (``nemo_longctx.planner.flops``: 6 x parameters + 6 x layers x
+query width x sequence per token, causal attention counted once), against the device's bf16 dense peak when it is
+known.
 
     python bench/attention_ab.py                        # CUDA: a ~1.5B Llama shape, bf16 autocast, seq 2048, 20 steps
     python bench/attention_ab.py --seq 4096 --steps 30
@@ -35,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import max_seqlen  # noqa: E402  (_init_parallel: one-rank process group and Megatron's parallel state)
 
+from nemo_longctx.planner.flops import flops_per_token, peak_flops  # noqa: E402
 from nemo_longctx.planner.model_shapes import ModelShape, shape_from_config  # noqa: E402
 
 # ~1.5B parameters (untied embeddings): Llama-3.2-1B's layer shape (16 layers, hidden 2048, 32/8 heads, ffn 8192)
@@ -43,16 +45,15 @@ LLAMA_1B = ModelShape("llama_1b", num_layers=16, hidden_size=2048, ffn_hidden_si
                       num_query_groups=8, vocab_size=128256)
 TINY = ModelShape("tiny", num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
                   vocab_size=256)
-# bf16 dense peak TFLOP/s (NVIDIA's data sheets, without sparsity), by device-name substring
-PEAK_TFLOPS = {"H200": 989.0, "H100 SXM": 989.0, "H100 80GB HBM3": 989.0, "H100 PCIe": 756.0, "H100 NVL": 835.0,
-               "A100": 312.0, "B200": 2250.0, "GH200": 989.0}
 
 
 def peak_tflops(device) -> float | None:
+    """The device's bf16 dense peak (the package's table, ``planner.flops.PEAK_TFLOPS_16BIT``); None on a CPU or an
+    unknown GPU."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+    peak = peak_flops(torch.cuda.get_device_name(device), "bf16-mixed")
+    return None if peak is None else peak / 1e12
 
 
 def build(shape: ModelShape, ours: bool, device, seq: int, seed: int):
@@ -82,12 +83,6 @@ def build(shape: ModelShape, ours: bool, device, seq: int, seed: int):
     return model.to(device)
 
 
-def flops_per_token(shape: ModelShape, params: int, seq: int) -> float:
-    """Model FLOPs per trained token: 6 per parameter (forward + backward) + causal attention's scores and values
-    (4 x s x h per layer forward, halved by the mask, x 3 with the backward)."""
-    return 6.0 * params + 6.0 * shape.num_layers * shape.hidden_size * seq
-
-
 def summarize_app(run_dir: Path, device) -> int:
     """One line for a `nemo-longctx train` run: steps, first/last loss, median tokens/s, model TFLOP/s, MFU (the
     model's shape from the config Hydra wrote into the run's output_dir)."""
@@ -100,7 +95,7 @@ def summarize_app(run_dir: Path, device) -> int:
     m = yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text())["model"]
     shape = shape_from_config(m, name="app")
     tps = statistics.median(r["tokens_per_s"] for r in (rows[1:] or rows))
-    tflops = tps * flops_per_token(shape, shape.parameters(), int(m["seq_length"])) / 1e12
+    tflops = tps * flops_per_token(shape, int(m["seq_length"])) / 1e12
     peak = peak_tflops(device)
     print(f"app: {shape.parameters() / 1e9:.3f}B parameters, seq {m['seq_length']}, {len(rows)} steps, loss "
           f"{rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f}, {tps:,.0f} tokens/s (median after the first step), "
@@ -196,7 +191,7 @@ def main(argv=None) -> int:
     print("|---:|---:|---:|---:|")
     for i, (x, y, r) in enumerate(zip(lm, lo, rel), 1):
         print(f"| {i} | {x:.6f} | {y:.6f} | {r:.2e} |")
-    fpt, peak = flops_per_token(shape, params, seq), peak_tflops(device)
+    fpt, peak = flops_per_token(shape, seq, parameters=params), peak_tflops(device)
     print()
     print("| attention | tokens/s (median step, after the first) | model TFLOP/s | MFU |")
     print("|---|---:|---:|---:|")

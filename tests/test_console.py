@@ -53,6 +53,13 @@ def test_the_default_console_is_short_and_ends_with_a_summary(runs):
     assert [int(s) for s, _, _ in steps] == [1, 2, 3, 4, 5] and {m for _, m, _ in steps} == {"5"}, out
     train = [r for r in rows if "loss" in r]
     assert [r["step"] for r in train] == [1, 2, 3, 4, 5], rows
+    # an ETA from the second step on (the first step is left out of it), shown while steps remain; no MFU on a CPU
+    etas = [bool(re.search(r" \| eta \d+s", ln)) for ln in out.splitlines() if STEP_LINE.match(ln)]
+    assert etas == [False, True, True, True, False], out
+    assert ["eta_s" in r for r in train] == [False, True, True, True, True] and train[-1]["eta_s"] == 0, rows
+    assert "mfu" not in out and not any("mfu" in r for r in train), out
+    # auto-resume found nothing: said in our words (NeMo's own message is filtered)
+    assert f"nemo-longctx: no checkpoint in {runs['dir'] / 'checkpoints'}: starting at step 0" in out, out
     summary = _summary(out)
     assert f"final loss {train[-1]['loss']:.5f}" in summary, summary
     assert float(steps[-1][2]) == pytest.approx(train[-1]["loss"], abs=1e-5)
@@ -110,6 +117,71 @@ def test_noise_patterns():
                 "You called `self.log('global_step', ...)` in your `training_step` but the value needs to be floating"):
         assert console.is_noise(msg), msg
     assert not console.is_noise("the loss is NaN at step 3")
+
+
+def test_eta_and_durations():
+    assert console.eta_seconds([], 10) is None
+    assert console.eta_seconds([2.0, 100.0, 3.0], 10) == 30.0  # the median: a checkpoint save does not swing it
+    assert console.eta_seconds([2.0, 4.0], 5) == 15.0 and console.eta_seconds([2.0], 0) == 0.0
+    assert [console.human_duration(s) for s in (0, 42.9, 185, 3600 * 3 + 12 * 60 + 59, 86400 * 2 + 3600 * 4 + 1)] == \
+        ["0s", "42s", "3m05s", "3h12m", "2d04h"]
+
+
+def test_model_flops_and_mfu_of_a_known_shape():
+    from nemo_longctx.planner import flops
+    from nemo_longctx.planner.model_shapes import KNOWN_SHAPES
+
+    llama = KNOWN_SHAPES["llama3_8b"]
+    assert llama.parameters() == 8_030_261_248  # Llama 3 8B
+    fpt = 6 * 8_030_261_248 + 6 * 32 * 4096 * 8192  # + causal attention: 6 x layers x (heads x head dim) x seq
+    assert flops.flops_per_token(llama, 8192) == fpt
+    config = type("Config", (), dict(num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32,
+                                     num_query_groups=8, kv_channels=128, vocab_size=128256, gated_linear_unit=True,
+                                     share_embeddings_and_output_weights=False, seq_length=8192))
+    assert flops.model_flops_per_token(config) == fpt
+    assert flops.model_flops_per_token(type("MoE", (config,), {"num_moe_experts": 8})) is None  # not this formula
+    assert flops.model_flops_per_token(type("NoVocab", (config,), {"vocab_size": None})) is None
+    # the dense bf16/fp16 peak of a named GPU; none on a CPU, an unknown GPU, or at fp32
+    assert flops.peak_flops("NVIDIA H100 80GB HBM3", "bf16-mixed") == 989e12
+    assert flops.peak_flops("NVIDIA H100 PCIe", "16-mixed") == 756e12
+    assert flops.peak_flops("NVIDIA GH200 480GB", "bf16-mixed") == 989e12
+    assert flops.peak_flops("NVIDIA A100-SXM4-80GB", "bf16-mixed") == 312e12
+    for name, precision in ((None, "bf16-mixed"), ("NVIDIA GeForce RTX 4090", "bf16-mixed"),
+                            ("NVIDIA H100 80GB HBM3", "32-true"), ("NVIDIA H100 80GB HBM3", "32")):
+        assert flops.peak_flops(name, precision) is None, (name, precision)
+    # 8 H100s training 80,000 tokens/s
+    assert flops.mfu(fpt, 80_000, 989e12, 8) == pytest.approx(fpt * 80_000 / (8 * 989e12))
+    assert flops.mfu(fpt, 80_000, 989e12, 8) == pytest.approx(0.5523, abs=1e-4)
+    assert flops.mfu(fpt, 80_000, None, 8) is None and flops.mfu(None, 80_000, 989e12, 8) is None
+    assert flops.mfu(fpt, float("inf"), 989e12, 8) is None
+
+
+def test_step_line_shows_eta_and_mfu_when_known():
+    row = {"step": 5, "loss": 12.097021, "tokens_per_s": 37287.4, "step_time_s": 0.2197, "elapsed_s": 1.93}
+    assert console.step_line(row, 20) == \
+        "step 5/20 | loss 12.09702 | tokens/s 37287 | step 0.22 s | elapsed 1.9 s"
+    row.update(eta_s=11523.0, mfu=0.3851)
+    assert console.step_line(row, 20, "activations 1.0 MiB") == ("step 5/20 | loss 12.09702 | tokens/s 37287 | step "
+                                                                 "0.22 s | elapsed 1.9 s | eta 3h12m | mfu 38.5% | "
+                                                                 "activations 1.0 MiB")
+    assert " eta " not in console.step_line(dict(row, step=20, eta_s=0.0), 20)  # the last step: nothing left
+
+
+def test_resume_lines():
+    from types import SimpleNamespace
+
+    from nemo_longctx.integrations.nemo.app import resume_line
+
+    ckpt = "/out/checkpoints/step=3-consumed_samples=4.0-last/weights"  # NeMo names it by the step index logged
+    assert resume_line(ckpt, "/out/checkpoints") == \
+        f"resuming from {ckpt}: 4 steps done, training continues at step 5"
+    assert resume_line("/ckpt/mine", None) == "resuming from /ckpt/mine"
+    assert resume_line(None, "/out/checkpoints") == "no checkpoint in /out/checkpoints: starting at step 0"
+    assert resume_line(None, "/out/checkpoints", skipped_damaged=True) == \
+        "no intact checkpoint in /out/checkpoints: starting at step 0"
+    assert resume_line(None, "/c", restore=SimpleNamespace(path="/out/pretrained")) == \
+        "no checkpoint in /c: starting at step 0 from the weights of /out/pretrained"
+    assert resume_line(None, None) is None  # checkpoint.resume=never: nothing was looked for
 
 
 def _rows():

@@ -14,7 +14,7 @@ Layers, arrows only pointing down (an import may go to the same or a lower rank;
     planner       nemo_longctx.planner.*                 (plain Python: the standard library, nemo_longctx.options
                                                           and nemo_longctx.shared.signals, for DEFAULT_GRACE_S)
     shared        nemo_longctx.shared.*                  (what both front ends share: the standard library, torch
-                                                          (lazily today), Hydra/OmegaConf (overrides),
+                                                          (lazily today), Hydra/OmegaConf (overrides), tqdm,
                                                           nemo_longctx.options and other shared modules; never NeMo,
                                                           Lightning, Megatron, Bridge, NeMo-Run or transformers)
     leaves        nemo_longctx (``__init__``), nemo_longctx.options (the option model, standard library only),
@@ -76,7 +76,7 @@ LAZY_OPTIONAL_KERNELS = {
 PLAIN_TORCH_THIRD_PARTY = ("torch",)
 
 # shared/ (rule 3): the third-party packages it may import, and the package's modules besides shared.*
-SHARED_THIRD_PARTY = ("torch", "hydra", "omegaconf")
+SHARED_THIRD_PARTY = ("torch", "hydra", "omegaconf", "tqdm")  # tqdm: progress bars, imported lazily
 SHARED_OWN = (f"{PKG}.options",)
 # planner/ (plain Python): the package's modules it may import besides planner.*; no third-party package at all
 PLANNER_OWN = (f"{PKG}.options", f"{PKG}.shared.signals")

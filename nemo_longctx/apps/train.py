@@ -39,6 +39,7 @@ from nemo_longctx.integrations.nemo.app import (  # noqa: F401  (re-exported: th
     parallel_sizes,
     raise_problems,
     save_time_warning,
+    te_available,
     world_size_of,
 )
 from nemo_longctx.shared.app_keys import save_on_signal, saves_checkpoints
@@ -85,6 +86,11 @@ def train_rank(cfg: DictConfig, launch: Optional[Launch], options: Optional[Long
         warning = save_time_warning(cfg)
         if warning:
             print(warning, flush=True)
+        if torch.cuda.is_available() and not te_available():
+            # (the libraries' own "Transformer Engine and Apex are not installed" is filtered: noise on a CPU build)
+            print("nemo-longctx: TransformerEngine is not installed: the layers, the optimizer and gradient clipping "
+                  "run without its fused kernels (slower on a GPU): install nemo-longctx[te] or use NVIDIA's NeMo "
+                  "container", flush=True)
         print(
             f"nemo-longctx train: {type(built.model_config).__name__} {built.model_config.num_layers} layers, "
             f"seq {built.model_config.seq_length}, config {config_hash(cfg)[:12]}, "
@@ -185,11 +191,12 @@ def run(cfg: DictConfig) -> int:
 
     world = world_size_of(cfg, launch)
     rank = launch.rank if launch is not None else 0
-    pretrained.prepare(cfg, rank=rank)  # init_from=<HF dir>: imported once, in a subprocess
+    local_rank = launch.local_rank if launch is not None else None
+    pretrained.prepare(cfg, rank=rank, local_rank=local_rank)  # init_from=<HF dir>: imported once, in a subprocess
     spawns = launch is None and world > 1 and not cfg.run.dry_run
     if not spawns or str(cfg.data.get("kind")) == "documents":
         _adapt_to_cpu()  # what imports Megatron/NeMo below; a launching process otherwise imports neither
-    documents.prepare(cfg, rank=rank)  # data=documents: tokenize once
+    documents.prepare(cfg, rank=rank, local_rank=local_rank)  # data=documents: tokenize once
     if cfg.run.dry_run:
         dry_run(cfg, options)
         return 0

@@ -13,6 +13,8 @@ rank, and one summary at the end. ``log.level=debug`` (``--verbose``): everythin
 * ``take_verbose(argv)``: ``--verbose`` -> ``++log.level=debug`` (every rank re-runs the command line: it gets it too).
 * ``summary_lines(...)``: the final summary, read from the run's ``metrics.jsonl`` (the launching process does not
   train): steps, final loss, mean tokens/s, peak memory, wall time from launch, where the outputs went.
+* ``step_line(row, max_steps)``: a step's console line; ``eta_seconds(intervals, remaining)``,
+  ``human_duration(s)``: its ``eta``.
 * ``archive_metrics(output_dir)``: before a fresh run, the previous ``metrics.jsonl`` moves to
   ``<output_dir>/runs/run_<N>/metrics.jsonl`` (never deleted).
 """
@@ -259,6 +261,41 @@ def summarize(rows: Iterable[dict]) -> Dict[str, Any]:
         "peak_bytes": max(peaks) if peaks else None,
         "val_loss": _number(val[-1]["val_loss"]) if val else None,
     }
+
+
+def eta_seconds(intervals: Sequence[float], remaining_steps: int) -> Optional[float]:
+    """Seconds left: ``remaining_steps`` x the median of the recent step ``intervals`` (a median: a validation run or
+    a checkpoint save between two steps does not swing it); None without intervals."""
+    times = sorted(float(t) for t in intervals if _number(t) is not None and t >= 0)
+    if not times:
+        return None
+    mid = len(times) // 2
+    median = times[mid] if len(times) % 2 else (times[mid - 1] + times[mid]) / 2
+    return max(0, int(remaining_steps)) * median
+
+
+def human_duration(seconds: float) -> str:
+    """``42s``, ``3m05s``, ``3h12m``, ``2d04h`` (rounded down to the unit shown last)."""
+    s = max(0, int(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def step_line(rec: dict, max_steps: int, extra: Optional[str] = None) -> str:
+    """The console line of one step's metrics row: ``eta`` only while steps remain and it is known, ``mfu`` only
+    when known."""
+    line = (f"step {rec['step']}/{max_steps} | loss {rec['loss']:.5f} | tokens/s {rec['tokens_per_s']:.0f} | "
+            f"step {rec['step_time_s']:.2f} s | elapsed {rec['elapsed_s']:.1f} s")
+    if rec.get("eta_s") is not None and rec["step"] < max_steps:
+        line += f" | eta {human_duration(rec['eta_s'])}"
+    if rec.get("mfu") is not None:
+        line += f" | mfu {100 * rec['mfu']:.1f}%"
+    return line + (f" | {extra}" if extra else "")
 
 
 def human_bytes(n: float) -> str:

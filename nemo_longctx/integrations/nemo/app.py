@@ -40,6 +40,7 @@ from nemo_longctx.shared.app_keys import (
     save_on_signal,
     saves_checkpoints,
 )
+from nemo_longctx.shared.console import rank_from_env
 from nemo_longctx.shared.launch import Launch
 from nemo_longctx.shared.signals import signals_of
 
@@ -526,6 +527,25 @@ def newest_complete_checkpoint(directory: str) -> tuple:
     return newest_intact(directory, ModelCheckpoint.is_checkpoint_unfinished)
 
 
+def resume_line(path: Any, searched: Any, skipped_damaged: bool = False, restore: Any = None) -> Optional[str]:
+    """What auto-resume (``searched``: the directory it looked in, None when it did not look) or
+    ``checkpoint.resume=<path>`` decided, in one line: ``resuming from <checkpoint>: N steps done, training continues
+    at step N+1`` or ``no checkpoint in <dir>: starting at step 0`` (from init_from's weights when ``restore``, NeMo's
+    RestoreConfig, is set). NeMo names a checkpoint by the step index logged during its last step (``step=3`` holds 4
+    finished steps)."""
+    import re
+
+    if path:
+        steps = re.findall(r"step=(\d+)", str(path))
+        done = int(steps[-1]) + 1 if steps else None
+        return f"resuming from {path}" + (f": {done} steps done, training continues at step {done + 1}"
+                                          if done is not None else "")
+    if not searched:
+        return None
+    start = "starting at step 0" + (f" from the weights of {restore.path}" if getattr(restore, "path", None) else "")
+    return f"no {'intact ' if skipped_damaged else ''}checkpoint in {searched}: {start}"
+
+
 def _auto_resume_class() -> type:
     """``nl.AutoResume`` that also works when this run saves no checkpoints (``checkpoint.every_n_steps=0``): NeMo's
     ``setup`` records the restored path on ``trainer.checkpoint_callback``, which is then absent."""
@@ -539,12 +559,20 @@ def _auto_resume_class() -> type:
             if not self.resume_from_directory or not os.path.isdir(str(self.resume_from_directory)):
                 return super()._find_trainer_ckpt_path()
             path, skipped = newest_complete_checkpoint(str(self.resume_from_directory))
-            if skipped and int(os.environ.get("RANK", "0")) == 0:
+            self._skipped_damaged = any(why.startswith("damaged") for _, why in skipped)
+            if skipped and rank_from_env() == 0:
                 for name, why in skipped:
                     print(f"nemo-longctx: auto-resume skips {name}: {why}", flush=True)
-                if path is None and any(why.startswith("damaged") for _, why in skipped):
-                    print(f"nemo-longctx: auto-resume found no intact checkpoint in {self.resume_from_directory}: "
-                          "training starts at step 1", flush=True)
+            return path
+
+        def get_trainer_ckpt_path(self, model: Any = None) -> Any:
+            """The checkpoint this run resumes from, said on rank 0 (NeMo's own message is filtered as noise)."""
+            path = super().get_trainer_ckpt_path(model)
+            if rank_from_env() == 0:
+                line = resume_line(path, self.resume_from_directory if self.resume_if_exists else None,
+                                   getattr(self, "_skipped_damaged", False), self.restore_config)
+                if line:
+                    print(f"nemo-longctx: {line}", flush=True)
             return path
 
         def setup(self, trainer: Any, model: Any = None) -> None:

@@ -1,10 +1,13 @@
 """Lightning callbacks of the Hydra app.
 
 ``StepMetrics``: after every optimizer step, on the one rank that owns the reduced loss (last pipeline stage, TP
-rank 0, data+context-parallel rank 0), prints ``step N/M | loss L | tokens/s T | elapsed E s`` and appends one JSON
-object per step to ``<output_dir>/metrics.jsonl``: step, loss (NeMo's MaskedTokenLossReduction: token-weighted
-mean over the global batch, all-reduced over the data- and context-parallel ranks), tokens_per_s (global tokens of
-the step / step wall time), step_time_s, elapsed_s, tokens (global tokens of the step), cp_size, world_size, plus
+rank 0, data+context-parallel rank 0), prints ``step N/M | loss L | tokens/s T | step S s | elapsed E s | eta 3h12m |
+mfu 38.5%`` and appends one JSON object per step to ``<output_dir>/metrics.jsonl``: step, loss (NeMo's
+MaskedTokenLossReduction: token-weighted mean over the global batch, all-reduced over the data- and context-parallel
+ranks), tokens_per_s (global tokens of the step / step wall time), step_time_s, elapsed_s, tokens (global tokens of
+the step), cp_size, world_size, eta_s (remaining steps x the median wall time between the last ``ETA_WINDOW`` step
+ends of this process: from its second step on), mfu (model FLOPs per token x tokens/s / the dense peak of every
+device, ``planner.flops``: only on a named GPU at bf16/fp16 and for a dense model the formula describes), plus
 what ``extra.metrics()`` returns (the app passes ``ActivationMemoryMetrics``: activation_bytes_device,
 activation_bytes_host, peak_bytes of this rank), with ``extra.summary()`` appended to the printed line. The same
 scalars go to the trainer's loggers as ``train/<key>`` (TensorBoard). After each validation run a row
@@ -18,12 +21,14 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections import deque
 from typing import Any, Optional
 
 import lightning.pytorch as pl
 
+from nemo_longctx.planner.flops import mfu, model_flops_per_token, peak_flops
 from nemo_longctx.shared.app_keys import FAULT_KINDS, parse_fault
-from nemo_longctx.shared.console import archive_metrics
+from nemo_longctx.shared.console import archive_metrics, eta_seconds, step_line
 from nemo_longctx.shared.launch import inject_fault
 import torch
 
@@ -38,7 +43,18 @@ def _is_metrics_rank() -> bool:
     )
 
 
+def device_peak_flops(trainer: Any) -> Optional[float]:
+    """The dense peak FLOP/s of this rank's device at the trainer's precision (``planner.flops.peak_flops``); None on
+    a CPU, an unknown GPU or an fp32 run."""
+    device = getattr(trainer.strategy, "root_device", None)
+    if device is None or device.type != "cuda":
+        return None
+    return peak_flops(torch.cuda.get_device_name(device), str(trainer.precision))
+
+
 class StepMetrics(pl.Callback):
+    ETA_WINDOW = 20  # step-end intervals the ETA's median is taken over
+
     def __init__(self, output_dir: str, tokens_per_step: int, print_every: int = 1, extra: Any = None) -> None:
         self.output_dir = output_dir
         self.extra = extra  # object with metrics() -> dict (merged into each record) and summary() -> str (printed)
@@ -48,6 +64,10 @@ class StepMetrics(pl.Callback):
         self._t0: Optional[float] = None
         self._step_start = 0.0
         self._active = False
+        self._last_end: Optional[float] = None  # the previous step's end (this process): the ETA's intervals
+        self._intervals: deque = deque(maxlen=self.ETA_WINDOW)
+        self._flops_per_token: Optional[float] = None
+        self._peak: Optional[float] = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
         self._active = _is_metrics_rank()
@@ -63,6 +83,8 @@ class StepMetrics(pl.Callback):
                 print(f"nemo-longctx: resumed at step {step}" + (f" from {source}" if source else "")
                       + f": {self.path} keeps the rows up to step {step}", flush=True)
             self._keep_rows_up_to(step)
+            self._flops_per_token = model_flops_per_token(getattr(pl_module, "config", None))
+            self._peak = device_peak_flops(trainer)
         self._t0 = time.perf_counter()
 
     def _keep_rows_up_to(self, step: int) -> None:
@@ -111,6 +133,15 @@ class StepMetrics(pl.Callback):
             "cp_size": ps.get_context_parallel_world_size(),
             "world_size": torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1,
         }
+        if self._last_end is not None:  # the first step of this process (start-up, warm-up) is left out
+            self._intervals.append(now - self._last_end)
+        self._last_end = now
+        eta = eta_seconds(self._intervals, int(trainer.max_steps) - rec["step"])
+        if eta is not None:
+            rec["eta_s"] = eta
+        utilisation = mfu(self._flops_per_token, rec["tokens_per_s"], self._peak, rec["world_size"])
+        if utilisation is not None:
+            rec["mfu"] = utilisation
         if self.extra is not None:
             rec.update(self.extra.metrics())
         with open(self.path, "a") as f:
@@ -118,12 +149,8 @@ class StepMetrics(pl.Callback):
         self._log(trainer, {f"train/{k}": v for k, v in rec.items() if k not in ("step", "cp_size", "world_size")},
                   rec["step"])
         if rec["step"] % self.print_every == 0 or rec["step"] == trainer.max_steps:
-            print(
-                f"step {rec['step']}/{trainer.max_steps} | loss {loss:.5f} | tokens/s {rec['tokens_per_s']:.0f} | "
-                f"step {dt:.2f} s | elapsed {rec['elapsed_s']:.1f} s"
-                + (f" | {self.extra.summary()}" if self.extra is not None else ""),
-                flush=True,
-            )
+            print(step_line(rec, int(trainer.max_steps), self.extra.summary() if self.extra is not None else None),
+                  flush=True)
 
 
 def _unwrapped_named_parameters(pl_module: Any) -> dict:

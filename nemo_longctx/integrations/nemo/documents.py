@@ -26,6 +26,7 @@ from typing import Iterator, List, Optional, Tuple
 from omegaconf import DictConfig, OmegaConf
 
 from nemo_longctx.options import raise_problems
+from nemo_longctx.shared.progress import Progress, wait_for
 
 PREFIX_NAME = "documents_text_document"
 DONE = "done.json"
@@ -95,15 +96,20 @@ def dataset_prefix(cfg: DictConfig) -> str:
     return str(dataset_dir(cfg) / PREFIX_NAME)
 
 
-def read_documents(files: List[Path], text_key: str) -> Iterator[Tuple[str, str]]:
-    """(where, text) of every document, in order."""
+def read_documents(files: List[Path], text_key: str) -> Iterator[Tuple[str, str, int]]:
+    """(where, text, bytes read for it) of every document, in order (the bytes of the blank lines before a JSON line
+    count with it)."""
     for f in files:
         if f.suffix == ".txt":
-            yield str(f), f.read_text(encoding="utf-8")
+            data = f.read_bytes()
+            yield str(f), data.decode("utf-8"), len(data)
             continue
-        with open(f, encoding="utf-8") as fh:
-            for n, line in enumerate(fh, 1):
+        with open(f, "rb") as fh:
+            skipped = 0
+            for n, raw in enumerate(fh, 1):
+                line = raw.decode("utf-8")
                 if not line.strip():
+                    skipped += len(raw)
                     continue
                 try:
                     obj = json.loads(line)
@@ -111,7 +117,8 @@ def read_documents(files: List[Path], text_key: str) -> Iterator[Tuple[str, str]
                     raise ValueError(f"data.paths: {f}:{n} is not a JSON line ({e})") from None
                 if not isinstance(obj, dict) or not isinstance(obj.get(text_key), str):
                     raise ValueError(f"data.text_key={text_key!r}: {f}:{n} has no string field {text_key!r}")
-                yield f"{f}:{n}", obj[text_key]
+                yield f"{f}:{n}", obj[text_key], skipped + len(raw)
+                skipped = 0
 
 
 def build_indexed_dataset(cfg: DictConfig, out_dir: Path) -> dict:
@@ -134,10 +141,14 @@ def build_indexed_dataset(cfg: DictConfig, out_dir: Path) -> dict:
     try:
         builder = IndexedDatasetBuilder(str(tmp / f"{PREFIX_NAME}.bin"), dtype=DType.optimal_dtype(tok.vocab_size))
         docs = tokens = 0
-        for _, text in read_documents(source_files(_paths(cfg)), str(cfg.data.get("text_key", "text"))):
-            ids = tok.text_to_ids(text) + [eod]
-            builder.add_document(torch.tensor(ids, dtype=torch.int64), [len(ids)])
-            docs, tokens = docs + 1, tokens + len(ids)
+        files = source_files(_paths(cfg))
+        with Progress("data=documents: tokenizing", total=sum(f.stat().st_size for f in files), unit="B",
+                      rate_of="tokens") as progress:
+            for _, text, size in read_documents(files, str(cfg.data.get("text_key", "text"))):
+                ids = tok.text_to_ids(text) + [eod]
+                builder.add_document(torch.tensor(ids, dtype=torch.int64), [len(ids)])
+                docs, tokens = docs + 1, tokens + len(ids)
+                progress.update(size, documents=1, tokens=len(ids))
         if docs == 0:
             raise ValueError(f"data.paths={_paths(cfg)}: no documents found")
         builder.finalize(str(tmp / f"{PREFIX_NAME}.idx"))
@@ -169,8 +180,10 @@ def split_problems(cfg: DictConfig, num_documents: int) -> List[str]:
             for i, w in enumerate(weights[:3]) if w > 0 and bounds[i + 1] - bounds[i] == 0]
 
 
-def prepare(cfg: DictConfig, rank: int = 0, timeout_s: float = 3600) -> Optional[Path]:
-    """Write the indexed dataset of ``data=documents`` once (rank 0; other ranks wait). No-op for other data."""
+def prepare(cfg: DictConfig, rank: int = 0, timeout_s: float = 3600, local_rank: Optional[int] = None
+            ) -> Optional[Path]:
+    """Write the indexed dataset of ``data=documents`` once (rank 0, showing its progress; the other ranks wait,
+    one per node saying so: ``progress.wait_for``). No-op for other data."""
     if str(cfg.data.get("kind")) != "documents":
         return None
     out = dataset_dir(cfg)
@@ -178,11 +191,8 @@ def prepare(cfg: DictConfig, rank: int = 0, timeout_s: float = 3600) -> Optional
         _check_split(cfg, out)
         return out
     if rank != 0:
-        t0 = time.time()
-        while not (out / DONE).is_file():
-            if time.time() - t0 > timeout_s:
-                raise TimeoutError(f"data=documents: rank 0 did not finish writing {out}")
-            time.sleep(2)
+        wait_for((out / DONE).is_file, f"tokenize the documents into {out} (data=documents)", rank=rank,
+                 local_rank=local_rank, timeout_s=timeout_s)
         return out
     t0 = time.perf_counter()
     summary = build_indexed_dataset(cfg, out)

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from nemo_longctx.options import raise_problems
+from nemo_longctx.shared.progress import watch_directory
 
 # HF architecture -> NeMo model class (module, name); NeMo registers the "hf" importer/exporter on these classes
 FAMILIES = {
@@ -263,7 +264,7 @@ def import_hf(source: Any, output: Any) -> Path:
     staged = _staging_dir(output)
     try:
         shutil.rmtree(staged)  # import_ckpt refuses an existing path
-        with _final_path_in_output(staged, output):
+        with _final_path_in_output(staged, output), watch_directory(f"importing {source} into {output}", staged):
             llm.import_ckpt(model=_family_model(hf_architecture(hf)), source=f"hf://{source}", output_path=staged)
         _complete_llama31_rope(staged, hf)
         _publish(staged, output)
@@ -327,7 +328,7 @@ def export_hf(checkpoint: Any, output: Any) -> Path:
     staged = _staging_dir(output)
     try:
         shutil.rmtree(staged)
-        with _final_path_in_output(staged, output):
+        with _final_path_in_output(staged, output), watch_directory(f"exporting {ckpt} to {output}", staged):
             llm.export_ckpt(path=ckpt, target="hf", output_path=staged)
         _publish(staged, output)
     finally:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -27,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from nemo_longctx.integrations.nemo import hf
 from nemo_longctx.options import raise_problems
+from nemo_longctx.shared.progress import wait_for
 
 IMPORTED_SUBDIR = "pretrained"
 
@@ -98,8 +98,9 @@ def init_from_problems(cfg: DictConfig) -> List[str]:
     return problems + more + hf.unsafe_override_problems(list(overrides))
 
 
-def prepare(cfg: DictConfig, rank: int = 0, timeout_s: float = 3600) -> None:
-    """Import a HF ``init_from`` into ``<output_dir>/pretrained`` once (rank 0; other ranks wait for it)."""
+def prepare(cfg: DictConfig, rank: int = 0, timeout_s: float = 3600, local_rank: Optional[int] = None) -> None:
+    """Import a HF ``init_from`` into ``<output_dir>/pretrained`` once (rank 0, showing its progress; the other ranks
+    wait for it, one per node saying so: ``progress.wait_for``)."""
     source = init_from_of(cfg)
     if source is None or hf.is_nemo_checkpoint(source) or not hf.is_hf_dir(source):
         return
@@ -107,11 +108,8 @@ def prepare(cfg: DictConfig, rank: int = 0, timeout_s: float = 3600) -> None:
     if hf.is_nemo_checkpoint(target):
         return
     if rank != 0:
-        t0 = time.time()
-        while not hf.is_nemo_checkpoint(target):
-            if time.time() - t0 > timeout_s:
-                raise TimeoutError(f"init_from={source}: rank 0 did not finish importing it into {target}")
-            time.sleep(2)
+        wait_for(lambda: hf.is_nemo_checkpoint(target), f"import init_from={source} into {target}", rank=rank,
+                 local_rank=local_rank, timeout_s=timeout_s)
         return
     target.parent.mkdir(parents=True, exist_ok=True)
     print(f"nemo-longctx: importing init_from={source} into {target} (once)", flush=True)
