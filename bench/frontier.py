@@ -3,12 +3,15 @@ UPipe's measured numbers.
 
     python bench/frontier.py                 # the table (markdown) + what limits the 1-GPU Llama-3-8B plan
     python bench/frontier.py --json out.json
+    python bench/frontier.py --checkpoints   # only layouts that can save checkpoints (plan.checkpoints=true)
 
 For each setting the planner (nemo_longctx.planner.search with the plan app's search space from conf/plan.yaml and
 its `app_accepts` filter: the train app's own option checks, GPU target = the NGC image with CUDA and
 TransformerEngine) is asked for increasing sequence lengths; the frontier is the longest multiple of 16K tokens with a
 fitting plan (binary search; the planner's memory is monotonic in the sequence length). Host memory: 1024 GiB per
-node (plan.host_memory_gb).
+node (plan.host_memory_gb). The frontier is that of every layout the train app accepts (plan.checkpoints=false:
+Megatron-FSDP included, which cannot save checkpoints in this version); --checkpoints: of the layouts that can save
+(plan.checkpoints=true, the plan app's default).
 
 What is measured and what is modelled (nothing here has run on a GPU):
   * every number in the "planner" columns is modelled: weights / grads / optimizer states from Megatron's allocation
@@ -57,18 +60,21 @@ TARGETS = {("llama3_8b", "h100", 1): 1_000_000, ("llama3_8b", "h100", 8): 5_000_
            ("llama3_70b", "h100", 32): 4_000_000}
 
 
-def _inputs(model: str, gpu: str, gpus: int, host_gb: int | None = None):
+def _inputs(model: str, gpu: str, gpus: int, host_gb: int | None = None, checkpoints: bool = False):
     from hydra import compose, initialize_config_dir
 
     extra = [f"plan.host_memory_gb={host_gb}"] if host_gb else []
+    extra.append(f"plan.checkpoints={str(checkpoints).lower()}")
     with initialize_config_dir(config_dir=conf_dir(), version_base=None):
         cfg = compose("plan", overrides=[f"model={model}", f"plan={gpu}", f"plan.gpus={gpus}", *extra])
     return inputs_from_config(cfg), float(cfg.plan.cost_tolerance)
 
 
-def frontier(model: str, gpu: str, gpus: int, hi: int = 1 << 27, host_gb: int | None = None):
-    """(longest fitting seq multiple of STEP, its Plan); (0, None) when not even STEP fits."""
-    (shape, _, hw, precision, coef, cost, search), tol = _inputs(model, gpu, gpus, host_gb)
+def frontier(model: str, gpu: str, gpus: int, hi: int = 1 << 27, host_gb: int | None = None,
+             checkpoints: bool = False):
+    """(longest fitting seq multiple of STEP, its Plan); (0, None) when not even STEP fits. ``checkpoints``: only
+    layouts that can save checkpoints (plan.checkpoints)."""
+    (shape, _, hw, precision, coef, cost, search), tol = _inputs(model, gpu, gpus, host_gb, checkpoints)
 
     def fits(seq):
         p = plan(shape, seq, hw, precision, coef, cost, tol, **search)
@@ -110,12 +116,14 @@ def limits_at(seq: int, ctx) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", help="write the rows as JSON here")
+    ap.add_argument("--checkpoints", action="store_true",
+                    help="only layouts that can save checkpoints (plan.checkpoints=true: no Megatron-FSDP)")
     args = ap.parse_args(argv)
     rows, t0 = [], time.time()
     ctxs = {}
     for label, model, gpu, gpus, *host in SETTINGS:
         host_gb = host[0] if host else None
-        seq, p, ctx = frontier(model, gpu, gpus, host_gb=host_gb)
+        seq, p, ctx = frontier(model, gpu, gpus, host_gb=host_gb, checkpoints=args.checkpoints)
         if host_gb is None:
             ctxs[(model, gpu, gpus)] = ctx
         ev = p.chosen if p else None

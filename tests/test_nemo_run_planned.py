@@ -31,7 +31,8 @@ def local8() -> run.Config[run.LocalExecutor]:
 TP, SP = "trainer.strategy.tensor_model_parallel_size", "trainer.strategy.sequence_parallel"
 OPTION_GROUPS = ("cp", "recompute", "offload", "tiling", "optim")
 TOO_LONG = 67108864
-# case: (gpu, seq_length, the recipe saves checkpoints, host_memory_gb, the reference's extra plan overrides)
+# case: (gpu, seq_length, the recipe saves checkpoints, host_memory_gb, the reference's extra plan overrides); the
+# reference is planned with plan.checkpoints = whether the recipe saves
 CASES = {
     "h100_1m": ("h100", 1048576, False, None, []),
     "h200_1m": ("h200", 1048576, False, None, []),
@@ -39,8 +40,8 @@ CASES = {
     "h200_256k": ("h200", 262144, False, None, []),  # a different choice than h100's: the preset counts
     "h100_4m": ("h100", 4194304, False, None, []),  # ulysses, sequence chunks, layers per checkpoint, prefetch depth 0
     # NeMo's recipe as shipped saves checkpoints (log.ckpt): the option model refuses Megatron-FSDP with checkpoint
-    # saving, so the plugin searches what the recipe accepts: the CLI's plan without fsdp
-    "h100_1m_saving": ("h100", 1048576, True, None, ["plan.search.sharding=[ddp,distributed]"]),
+    # saving, so the plugin searches what the recipe accepts: the CLI's default plan (plan.checkpoints=true)
+    "h100_1m_saving": ("h100", 1048576, True, None, []),
     "h100_1m_host256": ("h100", 1048576, False, 256, ["plan.host_memory_gb=256"]),  # host-bound at 1024 GiB
 }
 
@@ -58,10 +59,10 @@ def references(tmp_path_factory):
          "run.plugins.gpu=h100", f"run.plugins.seq_length={TOO_LONG}", "--yes"], cwd=ws, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "NEMORUN_HOME": str(ws / "home"), "PATH": VENV_BIN + os.pathsep + os.environ["PATH"]})}
-    for name, (gpu, seq, _, _, extra) in [*CASES.items(), ("too_long", ("h100", TOO_LONG, False, None, []))]:
+    for name, (gpu, seq, saving, _, extra) in [*CASES.items(), ("too_long", ("h100", TOO_LONG, False, None, []))]:
         procs[name] = subprocess.Popen(
             [PLAN_CLI, "plan", "model=llama3_8b", "plan.gpus=8", f"plan={gpu}", f"plan.seq_length={seq}",
-             "plan.json=true", "plan.json_candidates=1", *extra],
+             "plan.json=true", "plan.json_candidates=1", f"plan.checkpoints={str(saving).lower()}", *extra],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     done = {}
 

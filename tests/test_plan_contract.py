@@ -129,6 +129,7 @@ def _contract(rank, world):
     from nemo_longctx.planner.search import RECOMPUTE, Hardware, candidate_configs
 
     plan_cfg = _plan_cfg("llama3_8b", "h100")
+    OmegaConf.update(plan_cfg, "plan.checkpoints", False)  # the train config here saves none: every accepted row
     shape, _, _, precision, _, _, search = inputs_from_config(plan_cfg)
     hw = Hardware(gpus=8)
     searched = {(c.cp_algorithm, c.recompute, c.offload, c.model_state)

@@ -241,6 +241,72 @@ def test_every_plan_the_planner_prints_is_one_train_accepts():
     assert planned >= 10, f"only {planned} draws produced a plan: widen the draws"
 
 
+# ------------------------------------------------------------- checkpoint saving is a planner constraint
+LLAMA_8X80 = ["plan=h100", "plan.gpus=8"]  # Llama-3-8B on 8 x 80 GB: Megatron-FSDP is the cheapest layout there
+
+
+def test_the_default_plan_saves_checkpoints_and_train_accepts_it_saving(tmp_path, monkeypatch):
+    """plan.checkpoints=true (the default): Llama-3-8B at 512K and 1M on 8 x 80 GB is planned without Megatron-FSDP
+    (refused by train with checkpoint saving), the output says so once, and the chosen command with
+    checkpoint.every_n_steps=100 passes train's checks for the planner's GPU target (CUDA + TransformerEngine: the
+    NGC image; on this CPU machine the precision-aware optimizer would be refused for the machine)."""
+    from io import StringIO
+
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    from nemo_longctx.apps import plan
+    from nemo_longctx.integrations.nemo.app import preflight
+    from nemo_longctx.shared import path_checks
+
+    monkeypatch.setattr(path_checks, "free_bytes", lambda path: 1 << 50)  # the cluster's disk, not this machine's
+    for seq in (524288, 1048576):
+        planned = [*LLAMA_8X80, f"plan.seq_length={seq}"]
+        GlobalHydra.instance().clear()
+        with initialize_config_module(config_module="nemo_longctx.conf", version_base=None):
+            cfg = compose("plan", overrides=["model=llama3_8b", *planned])
+        GlobalHydra.instance().clear()
+        out = StringIO()
+        assert plan.run(cfg, out=out) == 0
+        text = " ".join(out.getvalue().split())
+        assert text.count("not searched") == 1 and ("Megatron-FSDP not searched (plan.checkpoints=true: the train "
+                                                    "app refuses it with checkpoint saving); plan.checkpoints=false "
+                                                    "searches it too") in text, text
+        assert "saves no checkpoints:" not in text and "checkpoint.every_n_steps=0" not in text
+        args = _plan("llama3_8b", planned)
+        assert "optim.megatron_fsdp=false" in args and not any(a.startswith("checkpoint.") for a in args), args
+        saving = args + [f"output_dir={tmp_path}", "checkpoint.every_n_steps=100"]
+        assert preflight(saving, target_cuda=True) == [], f"train refuses {saving}"
+
+
+def test_plan_checkpoints_false_may_choose_megatron_fsdp_and_turns_saving_off(tmp_path):
+    """plan.checkpoints=false: Megatron-FSDP is searched again and chosen for Llama-3-8B at 1M on 8 x 80 GB; the row
+    says it saves no checkpoints, and the printed command, plan.write_command's and the sbatch's turn saving off
+    (checkpoint.every_n_steps=0): train accepts that command, and refuses it with saving on."""
+    import shlex
+
+    from app_runner import printed_command
+    from nemo_longctx.integrations.nemo.app import preflight
+
+    line, sb = tmp_path / "cmd.txt", tmp_path / "job.sbatch"
+    r = subprocess.run([sys.executable, "-m", "nemo_longctx.apps.plan", "model=llama3_8b", *LLAMA_8X80,
+                        "plan.seq_length=1048576", "plan.checkpoints=false", f"plan.write_command={line}",
+                        f"plan.write_sbatch={sb}"], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    text = " ".join(r.stdout.split())
+    assert "state=fsdp" in text.split("chosen: ")[1].split(" ")[6] and "not searched" not in text, r.stdout
+    assert ("saves no checkpoints: Megatron-FSDP cannot save in this version; a requeued job starts over (the "
+            "command sets checkpoint.every_n_steps=0)") in text, r.stdout
+    args = shlex.split(line.read_text())[2:]
+    assert shlex.split(printed_command(r.stdout))[2:] == args
+    assert "optim.megatron_fsdp=true" in args and args[-1] == "checkpoint.every_n_steps=0", args
+    assert "checkpoint.every_n_steps=0" in sb.read_text() and "saves no checkpoints" in sb.read_text()
+    assert preflight(args + [f"output_dir={tmp_path}"], target_cuda=True) == []
+    saving = preflight(args[:-1] + [f"output_dir={tmp_path}", "checkpoint.every_n_steps=100"], target_cuda=True)
+    assert any(p.startswith("optim.megatron_fsdp=true with checkpoint.every_n_steps > 0") for p in saving), saving
+
+
 def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused_naming_both(tmp_path):
     """``vocabulary_problems`` (run by ``build`` once the model config exists): a data tokenizer whose ids reach past
     the embedding table is refused with both sizes; one that fits, and synthetic data, pass."""

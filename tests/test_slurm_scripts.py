@@ -128,9 +128,9 @@ def test_bridge_script_is_one_srun_task_per_gpu_in_a_bridge_container(tmp_path):
 
 
 def test_bridge_script_runs_the_planners_bridge_choice(tmp_path):
-    """The layout and options are the planner's plan.frontend=bridge distributed-optimizer row for Llama-3-8B at 128K
-    on 8 x 80 GB (its first choice, Megatron-FSDP, cannot save checkpoints; launcher.devices aside: under srun the
-    tasks are the ranks)."""
+    """The layout and options are the planner's plan.frontend=bridge row for Llama-3-8B at 128K on 8 x 80 GB with
+    checkpoint saving (plan.checkpoints=true, the default: a distributed-optimizer row; launcher.devices aside: under
+    srun the tasks are the ranks)."""
     from hydra import compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
 
@@ -140,8 +140,7 @@ def test_bridge_script_runs_the_planners_bridge_choice(tmp_path):
     GlobalHydra.instance().clear()
     with initialize_config_module(config_module="nemo_longctx.conf", version_base=None):
         cfg = compose("plan", overrides=["model=llama3_8b", "plan.seq_length=131072", "plan.gpus=8",
-                                         "plan.gpu_memory_gb=80", "plan.frontend=bridge",
-                                         "plan.search.sharding=[ddp,distributed]"])
+                                         "plan.gpu_memory_gb=80", "plan.frontend=bridge"])
     shape, seq, hw, precision, coef, cost, search = inputs_from_config(cfg)
     p = plan(shape, seq, hw, precision, coef, cost, **search)
     command, planned = frontend_overrides(cfg, p, p.chosen, "llama3_8b")

@@ -22,8 +22,9 @@ What ``setup(task, executor)`` plans with (``plan_for_recipe``):
   ``model.config.seq_length``; precision: the trainer's precision plugin (16-bit mixed: conf/plan.yaml's
   ``plan.precision``; 32: 4-byte activations and weights); ``host_memory_gb`` per node (None: conf/plan.yaml's).
 - search space, cost constants, GPU memory: conf/plan.yaml with the preset, composed and read as ``nemo-longctx plan``
-  does (``plan.inputs_from_config``, ``search_space``); a recipe that saves checkpoints (``log.ckpt``) also drops the
-  option combinations the option model refuses with checkpoint saving (Megatron-FSDP) from the search.
+  does (``plan.inputs_from_config``, ``search_space``), with ``plan.checkpoints`` = whether the recipe saves
+  checkpoints (``log.ckpt``): a saving recipe drops the option combinations the option model refuses with checkpoint
+  saving (Megatron-FSDP) from the search.
 
 Nothing fits: ``ConfigError`` with the planner's ``what_is_missing`` sentence. Otherwise one log line names the
 candidate, and the layout the planner assumes is set (TP, sequence parallelism with TP, pipeline size 1,
@@ -165,8 +166,11 @@ def plan_for_recipe(recipe: Any, gpus: int, gpus_per_node: int, gpu: str, seq_le
     from nemo_longctx.planner.search import what_is_missing
 
     model, vocab_source = recipe_model_group(recipe)
+    # a recipe that saves checkpoints (log.ckpt): what the options refuse then is out of the search (plan.checkpoints)
+    saving = recipe_value(recipe, "log.ckpt") is not None
     args = [f"plan={gpu}", f"plan.gpus={gpus}", f"plan.gpus_per_node={gpus_per_node}",
-            f"plan.seq_length={seq_length}", *_precision_overrides(recipe)]
+            f"plan.seq_length={seq_length}", f"plan.checkpoints={'true' if saving else 'false'}",
+            *_precision_overrides(recipe)]
     if host_memory_gb is not None:
         args.append(f"plan.host_memory_gb={host_memory_gb}")
     cfg, problems = compose("plan", args)
@@ -177,9 +181,7 @@ def plan_for_recipe(recipe: Any, gpus: int, gpus_per_node: int, gpu: str, seq_le
     raise_problems([re.sub(r"plan\.(seq_length|host_memory_gb)\b", lambda m: names[m.group(0)], p)
                     for p in plan_app.key_problems(cfg)])
     try:
-        # a recipe that saves checkpoints: what the options refuse then is out of the search
-        shape, seq, hw, precision, coef, cost, search = plan_app.inputs_from_config(
-            cfg, checkpointing=recipe_value(recipe, "log.ckpt") is not None)
+        shape, seq, hw, precision, coef, cost, search = plan_app.inputs_from_config(cfg)
     except ValueError as e:
         raise ConfigError([str(e)]) from None
     p = make_plan(shape, seq, hw, precision, coef, cost, float(cfg.plan.cost_tolerance), **search)

@@ -10,6 +10,9 @@ what limits it, its caveats and the `nemo-longctx train` command that runs it, i
 the closest misses) with every memory column and its legend (``format_report``, ``format_legend``), and the command on
 one line. `plan.write_command=PATH` writes the one-line command to a file, `plan.write_sbatch=PATH` an sbatch script
 for it, `plan.plot=PATH` a PNG of predicted per-GPU memory vs sequence length, `plan.json=true` prints JSON only.
+`plan.checkpoints=true` (the default) plans a run that saves checkpoints: what the train app refuses with saving
+(Megatron-FSDP) is not searched, and the output says so once; `plan.checkpoints=false` searches it too and a chosen
+row that cannot save gets `checkpoint.every_n_steps=0` in its command and a caveat.
 Exit status 2 (with what is missing) when nothing fits.
 Nothing here imports NeMo or Megatron: planning takes a second.
 """
@@ -32,6 +35,8 @@ from nemo_longctx.options import ConfigError, Context, raise_problems  # noqa: F
 from nemo_longctx.planner.model_shapes import shape_from_config
 from nemo_longctx.planner.search import (  # noqa: F401  (RECOMPUTE_GROUP, option_model: the contract's names)
     CHECKPOINT_WRITE_GB_S,
+    CP_ALGORITHMS,
+    OFFLOAD,
     checkpoint_estimate,
     GIB,
     RECOMPUTE,
@@ -63,6 +68,7 @@ TRAIN_KEYS = {
     "precision": "trainer.precision",
     "devices": "trainer.devices",
     "num_nodes": "trainer.num_nodes",
+    "checkpointing": "checkpoint.every_n_steps",
 }
 def train_precision(precision: Precision) -> str:
     return "bf16-mixed" if precision.activation_bytes == 2 else "32"
@@ -89,7 +95,7 @@ def app_problems(cp_algorithm: str, recompute: str, offload: str, ms: ModelState
     """The train app's own option checks (the option model's ``problems``, and on a CPU target the CPU-only
     refusals) for one option combination, on the planner's target: ``gpu`` = GPU nodes running the NGC NeMo image
     (CUDA and TransformerEngine present), ``cpu`` = CPU-only nodes without TransformerEngine. ``checkpointing``: the
-    run saves checkpoints (what the options refuse then is refused too; the plan app plans without)."""
+    run saves checkpoints (what the options refuse then is refused too: ``plan.checkpoints``)."""
     gpu = target == "gpu"
     opts = option_model(cp_algorithm, recompute, offload, ms)
     out = opts.problems(Context(precision=precision, cuda=gpu, te=gpu, checkpointing=checkpointing))
@@ -139,9 +145,14 @@ def model_name(cfg: Any) -> str:
     return str(_get(cfg.model, "name", "model"))
 
 
-def inputs_from_config(cfg: Any, checkpointing: bool = False):
+def checkpointing_of(cfg: Any) -> bool:
+    """``plan.checkpoints``: the planned run saves checkpoints (the default)."""
+    return bool(_get(cfg.plan, "checkpoints", True))
+
+
+def inputs_from_config(cfg: Any):
     """(shape, seq_length, Hardware, Precision, ActivationCoefficients, CostModel, search kwargs) from `cfg`
-    (``checkpointing``: for a run that saves checkpoints, ``search_space``)."""
+    (``plan.checkpoints``: for a run that saves checkpoints, ``search_space``)."""
     p = cfg.plan
     name = model_name(cfg)
     shape = shape_from_config(_container(cfg.model), name=name)
@@ -155,7 +166,7 @@ def inputs_from_config(cfg: Any, checkpointing: bool = False):
     coef = ActivationCoefficients.preset(str(p.activation_model))
     cost = CostModel(**{k: float(v) for k, v in _container(p.cost).items()})
     search = {k: tuple(v) if not isinstance(v, (int, float)) else v for k, v in _container(p.search).items()}
-    search = search_space(search, precision, target=str(_get(p, "target", "gpu")), checkpointing=checkpointing)
+    search = search_space(search, precision, target=str(_get(p, "target", "gpu")), checkpointing=checkpointing_of(cfg))
     return shape, int(seq), hw, precision, coef, cost, search
 
 
@@ -163,7 +174,7 @@ def search_space(search: Dict[str, Any], precision: Precision, target: str = "gp
                  checkpointing: bool = False) -> Dict[str, Any]:
     """``plan.search`` -> candidate_configs keywords: the model-state lists become ModelStates, and the train
     app's validation filters every option combination (``app_accepts``; ``checkpointing``: in a run that saves
-    checkpoints — the plan app plans without)."""
+    checkpoints, ``plan.checkpoints``)."""
     search = dict(search)
     sharding = tuple(search.pop("sharding", ("distributed",)))
     fractions = tuple(float(f) for f in search.pop("optimizer_offload", (0.0,)))
@@ -171,6 +182,34 @@ def search_space(search: Dict[str, Any], precision: Precision, target: str = "gp
     search["model_states"] = tuple(ModelState(sh, f, a) for sh, f, a in itertools.product(sharding, fractions, pa))
     search["accept"] = app_accepts(train_precision(precision), target, checkpointing)  # both front ends: every option
     return search
+
+
+STATE_NAMES = {"ddp": "Megatron DDP", "distributed": "the distributed optimizer", "fsdp": "Megatron-FSDP"}
+
+
+def not_searched_for_saving(search: Dict[str, Any], precision: Precision, target: str = "gpu") -> List[str]:
+    """What a run that saves checkpoints leaves out of ``search`` (``search_space``'s keywords): the model-state
+    layouts the train app accepts without checkpoint saving and refuses with it, named as users know them (a layout
+    refused with saving only in some option combinations: "some ... rows"). Megatron-FSDP in this version."""
+    without, saving = (app_accepts(train_precision(precision), target, c) for c in (False, True))
+    algorithms = ("none",) + tuple(a for a in search.get("algorithms", CP_ALGORITHMS) if a != "none")
+    dropped, kept = set(), set()
+    for algo, rc, off, ms in itertools.product(algorithms, search.get("recompute", RECOMPUTE),
+                                               search.get("offload", OFFLOAD), search["model_states"]):
+        if without(algo, rc, off, ms):
+            (kept if saving(algo, rc, off, ms) else dropped).add(ms.sharding)
+    order = sorted(dropped, key=list(STATE_NAMES).index)
+    return [STATE_NAMES[s] if s not in kept else f"some {STATE_NAMES[s]} rows" for s in order]
+
+
+def not_searched_line(names: List[str]) -> Optional[str]:
+    """The one line that says what ``plan.checkpoints=true`` left out of the search and how to include it."""
+    if not names:
+        return None
+    it = " and ".join(names)
+    return (f"{it[0].upper() + it[1:]} not searched (plan.checkpoints=true: the train app refuses "
+            f"{'it' if len(names) == 1 else 'them'} with checkpoint saving); plan.checkpoints=false searches "
+            f"{'it' if len(names) == 1 else 'them'} too, for a run that saves no checkpoints")
 
 
 # ------------------------------------------------------------------------------------------------- output
@@ -196,18 +235,21 @@ def bridge_overrides(p: Plan, ev: Evaluation, model: str) -> List[str]:
     return out + candidate_options(c).to_overrides()
 
 
-def frontend_overrides(cfg: Any, p: Plan, ev: Evaluation, model: str) -> Tuple[str, List[str]]:
-    """(command, arguments) of the chosen front end (``plan.frontend``: nemo | bridge)."""
+def frontend_overrides(cfg: Any, p: Plan, ev: Evaluation, model: str, saves: bool = True) -> Tuple[str, List[str]]:
+    """(command, arguments) of the chosen front end (``plan.frontend``: nemo | bridge); ``saves``: the row can
+    save checkpoints (``train_overrides``)."""
     frontend = str(_get(cfg.plan, "frontend", "nemo"))
     if frontend not in FRONTENDS:
         raise ValueError(f"plan.frontend={frontend!r} must be one of {list(FRONTENDS)}")
     if frontend == "bridge":
         return "nemo-longctx bridge", bridge_overrides(p, ev, model)
-    return "nemo-longctx train", train_overrides(p, ev, model)
+    return "nemo-longctx train", train_overrides(p, ev, model, saves)
 
 
-def train_overrides(p: Plan, ev: Evaluation, model: str) -> List[str]:
-    """`nemo-longctx train` overrides that run candidate `ev`: the app's keys (TRAIN_KEYS) and the option model's."""
+def train_overrides(p: Plan, ev: Evaluation, model: str, saves: bool = True) -> List[str]:
+    """`nemo-longctx train` overrides that run candidate `ev`: the app's keys (TRAIN_KEYS) and the option model's.
+    ``saves=False`` (a row the app refuses with checkpoint saving, ``saving_problems``): saving turned off
+    explicitly (``checkpoint.every_n_steps=0``), so that the app accepts it whatever its default interval."""
     c, hw, k = ev.candidate, p.hardware, TRAIN_KEYS
     out = [f"model={model}", f"{k['seq_length']}={p.seq_length}"]
     if c.tp > 1:  # the planner assumes Megatron sequence parallelism with TP
@@ -215,7 +257,7 @@ def train_overrides(p: Plan, ev: Evaluation, model: str) -> List[str]:
     out += [f"{k['devices']}={hw.gpus_on_a_node}", f"{k['num_nodes']}={hw.nodes}"]
     if p.precision.activation_bytes == 2:
         out.append(f"{k['precision']}=bf16-mixed")
-    return out + candidate_options(c).to_overrides()
+    return out + candidate_options(c).to_overrides() + ([] if saves else [f"{k['checkpointing']}=0"])
 
 
 _COLUMNS = ("cp", "cp_size", "tp", "dp", "recompute", "offload", "tiles", "chunks", "state", "weights", "grads",
@@ -243,7 +285,7 @@ def format_table(evs: List[Evaluation]) -> str:
     return "\n".join(lines)
 
 
-def format_report(p: Plan, model: str, show: int) -> str:
+def format_report(p: Plan, model: str, show: int, note: Optional[str] = None) -> str:
     hw = p.hardware
     fitting = [e for e in p.evaluations if e.fits]
     head = (f"{model}: {p.shape.num_layers} layers, hidden {p.shape.hidden_size}, ffn {p.shape.ffn_hidden_size}, "
@@ -255,7 +297,7 @@ def format_report(p: Plan, model: str, show: int) -> str:
             f"memory columns: GiB per GPU at the step's peak (act = saved activations on the device then, trans "
             f"= that phase's working set, comm = CP buffers; the peak is the head's or a layer's backward, "
             f"whichever is larger; total includes {hw.reserve_gb:g} GiB reserve); cost = step time relative to "
-            f"ideal compute\n")
+            f"ideal compute\n" + (f"{note}\n" if note else ""))
     shown = fitting[:show] + [e for e in p.evaluations if not e.fits][:max(0, show - len(fitting[:show]))][:5]
     return head + "\n" + format_table(shown)
 
@@ -339,31 +381,55 @@ def limited_by(p: Plan) -> List[str]:
     return out
 
 
-def caveats(ev: Evaluation, precision: str, target: str = "gpu", frontend: str = "nemo") -> List[str]:
-    """What the chosen row cannot do in the train app, from the app's own checks: the option model's refusals that
-    appear only with checkpoint saving or without TransformerEngine (GPU target), or the CPU-only refusals with
-    checkpoint saving (CPU target); and what is not yet run on GPUs here."""
-    from dataclasses import replace as _replace
-
+def _base_context(precision: str, target: str, frontend: str):
     from nemo_longctx.options import Context as _Context
     from nemo_longctx.shared.app_keys import NEMO_KEYS
 
     gpu = target == "gpu"
-    keys = NEMO_KEYS if frontend == "nemo" else {}
+    return _Context(precision=precision, cuda=gpu, te=gpu, keys=NEMO_KEYS if frontend == "nemo" else {})
+
+
+def saving_problems(ev: Evaluation, precision: str, target: str = "gpu", frontend: str = "nemo") -> List[str]:
+    """The train app's refusals of row ``ev`` that appear only with checkpoint saving (the option model's; on a CPU
+    target also the CPU-only ones): non-empty = the row cannot save checkpoints (only ``plan.checkpoints=false``
+    searches it)."""
+    from dataclasses import replace as _replace
+
     opts = candidate_options(ev.candidate)
-    base = _Context(precision=precision, cuda=gpu, te=gpu, keys=keys)
+    base = _base_context(precision, target, frontend)
     have = set(opts.problems(base))
-    ckpt = base.key("checkpointing")
-    out = [f"checkpoint saving ({ckpt} > 0): {m}" for m in opts.problems(_replace(base, checkpointing=True))
-           if m not in have]
+    out = [m for m in opts.problems(_replace(base, checkpointing=True)) if m not in have]
+    if target != "gpu":
+        model_state_cpu_problems = _model_state_cpu_problems()
+        plain = set(model_state_cpu_problems(opts.optim.state, force=True))
+        out += [m for m in model_state_cpu_problems(opts.optim.state, force=True, checkpointing=True,
+                                                    checkpoint_key=base.key("checkpointing")) if m not in plain]
+    return out
+
+
+def caveats(ev: Evaluation, precision: str, target: str = "gpu", frontend: str = "nemo") -> List[str]:
+    """What the chosen row cannot do in the train app, from the app's own checks: saving checkpoints (the refusals
+    that appear only with saving, ``saving_problems``: the command then turns saving off), running without
+    TransformerEngine (GPU target); and what is not yet run on GPUs here."""
+    from dataclasses import replace as _replace
+
+    gpu = target == "gpu"
+    opts = candidate_options(ev.candidate)
+    base = _base_context(precision, target, frontend)
+    have = set(opts.problems(base))
+    out = []
+    cannot = saving_problems(ev, precision, target, frontend)
+    if cannot:
+        sharding = ev.candidate.model_state.sharding
+        why = ("Megatron-FSDP cannot save in this version" if sharding == "fsdp" else
+               "the distributed optimizer cannot save without TransformerEngine (CPU nodes)"
+               if sharding == "distributed" and not gpu else "; ".join(cannot))
+        how = (f"the command sets {TRAIN_KEYS['checkpointing']}=0" if frontend == "nemo"
+               else "leave checkpoint.save unset")
+        out.append(f"saves no checkpoints: {why}; a requeued job starts over ({how})")
     if gpu:
         out += [f"without TransformerEngine: {m}" for m in opts.problems(_replace(base, te=False))
                 if m not in have]
-    else:
-        model_state_cpu_problems = _model_state_cpu_problems()
-        plain = set(model_state_cpu_problems(opts.optim.state, force=True))
-        out += [f"checkpoint saving ({ckpt} > 0): {m}" for m in model_state_cpu_problems(
-                    opts.optim.state, force=True, checkpointing=True, checkpoint_key=ckpt) if m not in plain]
     if ev.candidate.model_state.sharding == "fsdp" and gpu:
         out.append("Megatron-FSDP on GPUs is NeMo's own path, not yet run by this project (trained here on CPU over "
                    "gloo only: conf/optim/fsdp.yaml)")
@@ -427,11 +493,11 @@ def chosen_usage(p: Plan) -> Tuple[str, str]:
 
 
 def format_summary(p: Plan, model: str, command: Optional[Tuple[str, List[str]]], caveat_items: List[str],
-                   checkpoint_line: str, missing: Optional[str] = None) -> str:
+                   checkpoint_line: str, missing: Optional[str] = None, note: Optional[str] = None) -> str:
     """The default view (``plan.show=0``), no line wider than ``WIDTH``: the model and hardware, the chosen layout
     (its train options in short form), its memory per GPU and host per node, what limits it, its caveats, the
     checkpoint estimate and the command that runs it, wrapped so that a shell can paste it. Nothing fitting: what is
-    over budget and what is missing."""
+    over budget and what is missing. ``note``: what the search left out (``not_searched_line``), after the header."""
     hw, s = p.hardware, p.shape
     fitting = sum(1 for e in p.evaluations if e.fits)
     out = wrap(f"{model}: {s.num_layers} layers, hidden {s.hidden_size}, ffn {s.ffn_hidden_size}, heads "
@@ -440,6 +506,8 @@ def format_summary(p: Plan, model: str, command: Optional[Tuple[str, List[str]]]
     out += wrap(f"seq_length {p.seq_length} on {hw.gpus} x {hw.gpu_memory_gb:g} GiB GPUs ({hw.nodes} "
                 f"node{'s' if hw.nodes > 1 else ''} x {hw.gpus_on_a_node}, host {hw.host_memory_gb:g} GiB/node): "
                 f"{fitting} of {len(p.evaluations)} candidates fit")
+    if note:
+        out += wrap(note)
     out.append("")
     limited = limited_by(p)[0]
     if p.chosen is not None:
@@ -475,7 +543,7 @@ def source_checkout() -> str:
 
 def write_sbatch(path: str, p: Plan, ev: Evaluation, model: str, container_image: str, target: str = "gpu",
                  source: Optional[str] = None, frontend: str = "nemo",
-                 write_gb_s: float = CHECKPOINT_WRITE_GB_S) -> str:
+                 write_gb_s: float = CHECKPOINT_WRITE_GB_S, saves: bool = True) -> str:
     """An sbatch script for the chosen candidate: the stock NGC NeMo image through pyxis (NeMo, Megatron-core and
     torch come from the image); the job installs nemo_longctx at start with ``pip install --no-deps`` from a
     checkout visible on the nodes (``NEMO_LONGCTX_SRC``, default: the one that wrote the script) or a wheel
@@ -483,7 +551,8 @@ def write_sbatch(path: str, p: Plan, ev: Evaluation, model: str, container_image
     ``frontend="bridge"``: the same job running ``nemo-longctx bridge`` with the candidate's Bridge arguments
     (``bridge_overrides``) in a Megatron-Bridge-era image (``container_image`` is then that image).
     ``target="cpu"``: the same script without GPUs and without a container by default (``IMAGE=``), training on the
-    nodes' CPUs with gloo (how tests/test_slurm_e2e.py runs it on a local Slurm)."""
+    nodes' CPUs with gloo (how tests/test_slurm_e2e.py runs it on a local Slurm). ``saves=False``: a row that cannot
+    save checkpoints (``train_overrides``: saving turned off; a requeued job starts over)."""
     if target not in ("gpu", "cpu"):
         raise ValueError(f"plan.target={target!r} must be gpu or cpu")
     if frontend not in FRONTENDS:
@@ -495,7 +564,8 @@ def write_sbatch(path: str, p: Plan, ev: Evaluation, model: str, container_image
         command, ovs, stack = "bridge", bridge_overrides(p, ev, model), "Megatron-Bridge"
     else:
         command, stack = "train", "NeMo 2 and Megatron-core"
-        ovs = train_overrides(p, ev, model) + (["trainer.accelerator=cpu", "launcher.backend=gloo"] if cpu else [])
+        ovs = train_overrides(p, ev, model, saves) + (["trainer.accelerator=cpu", "launcher.backend=gloo"] if cpu
+                                                      else [])
     overrides = " \\\n    ".join(shlex.quote(o) for o in ovs)
     hf_mounts = ('\n  if [ -n "${HF_HOME:-}" ]; then mounts="$mounts,$HF_HOME:$HF_HOME"; fi' if bridge else "")
     hf_doc = "" if not bridge else (
@@ -510,6 +580,8 @@ def write_sbatch(path: str, p: Plan, ev: Evaluation, model: str, container_image
     image_kind = "a Megatron-Bridge-era NGC NeMo image" if bridge else "the stock NGC NeMo image"
     bridge_doc = "\n# (the torchrun-style variables Bridge's torch.distributed env:// set-up reads)" if bridge else ""
     saving = "checkpoint.save=<dir>" if bridge else "checkpoint.every_n_steps > 0"
+    unsaved = "" if saves else ("# This plan saves no checkpoints (the train app refuses saving with its model-state "
+                                "layout): a requeued job starts over.\n")
     text = f"""#!/bin/bash
 # Generated by `nemo-longctx plan` for {model} at seq_length={p.seq_length} on {hw.gpus} \
 {'CPU process(es)' if cpu else 'GPU(s)'}.
@@ -532,7 +604,7 @@ def write_sbatch(path: str, p: Plan, ev: Evaluation, model: str, container_image
 # Preemption: USR1 (Slurm, {grace} s before the time limit; or scancel --signal=USR1 --batch) and TERM go to srun, which
 # signals every rank; with checkpoints on ({saving}) the ranks save their step and exit 75, and the
 # job requeues itself to resume from it (docs/how-to/preemption.md).
-set -euo pipefail
+{unsaved}set -euo pipefail
 
 IMAGE=${{IMAGE-{image}}}
 NEMO_LONGCTX_SRC=${{NEMO_LONGCTX_SRC:-{src}}}
@@ -673,14 +745,19 @@ def run(cfg: Any, out=sys.stdout) -> int:
     raise_problems(key_problems(cfg))  # ConfigError: every bad plan.* value at once (main: exit 2)
     shape, seq, hw, precision, coef, cost, search = inputs_from_config(cfg)
     name = model_name(cfg)
+    target, frontend = str(_get(cfg.plan, "target", "gpu")), str(_get(cfg.plan, "frontend", "nemo"))
+    # plan.checkpoints=true: what the app refuses with saving is out of the search, said once
+    left_out = not_searched_for_saving(search, precision, target) if checkpointing_of(cfg) else []
+    note = not_searched_line(left_out)
     write_gb_s = float(_get(cfg.plan, "checkpoint_write_gb_s", CHECKPOINT_WRITE_GB_S))
     p = make_plan(shape, seq, hw, precision, coef, cost, float(_get(cfg.plan, "cost_tolerance", 0.01)), **search)
     chosen = p.chosen
     missing = None if chosen else what_is_missing(p, coef, cost)
     as_json, show = bool(_get(cfg.plan, "json", False)), int(_get(cfg.plan, "show", 0))
-    command = frontend_overrides(cfg, p, chosen, name) if chosen else None  # (train or bridge command, its arguments)
-    items = caveats(chosen, train_precision(p.precision), str(_get(cfg.plan, "target", "gpu")),
-                    str(_get(cfg.plan, "frontend", "nemo"))) if chosen else None
+    # plan.checkpoints=false may choose a row that cannot save: its command turns saving off
+    saves = not (chosen and saving_problems(chosen, train_precision(p.precision), target, frontend))
+    command = frontend_overrides(cfg, p, chosen, name, saves) if chosen else None  # (train or bridge, arguments)
+    items = caveats(chosen, train_precision(p.precision), target, frontend) if chosen else None
     estimate = checkpoint_estimate(shape, precision, write_gb_s)
     if as_json:
         d = p.to_dict()
@@ -690,14 +767,16 @@ def run(cfg: Any, out=sys.stdout) -> int:
         d["limited_by"] = limited_by(p)
         d["caveats"] = items
         d["checkpoint"] = estimate
+        d["checkpoints"] = checkpointing_of(cfg)
+        d["not_searched"] = left_out
         d["candidates"] = d["candidates"][: int(_get(cfg.plan, "json_candidates", 50))]
         print(json.dumps(d, indent=1), file=out)
     else:
         items, ckpt_line = items or [], estimate["line"]
         if show == 0:  # the short view, 100 columns
-            print(format_summary(p, name, command, items, ckpt_line, missing), file=out, flush=True)
+            print(format_summary(p, name, command, items, ckpt_line, missing, note), file=out, flush=True)
         else:  # the full table of `show` rows, the one-line command, the legend
-            print(format_report(p, name, show), file=out)
+            print(format_report(p, name, show, note), file=out)
             if chosen:
                 print(f"\nchosen: {chosen.candidate.label()}  ({chosen.memory.total / GIB:.1f} GiB per GPU, "
                       f"{chosen.memory.host_per_node / GIB:.0f} GiB host per node, relative cost {chosen.cost:.3f})",
@@ -721,11 +800,9 @@ def run(cfg: Any, out=sys.stdout) -> int:
         print(f"wrote {write_command}", file=sys.stderr)
     sbatch = _get(cfg.plan, "write_sbatch", None)
     if sbatch:
-        frontend = str(_get(cfg.plan, "frontend", "nemo"))
         image = _get(cfg.plan, "bridge_container_image" if frontend == "bridge" else "container_image", "")
-        write_sbatch(str(sbatch), p, chosen, name, str(image), target=str(_get(cfg.plan, "target", "gpu")),
-                     write_gb_s=write_gb_s,
-                     frontend=frontend)
+        write_sbatch(str(sbatch), p, chosen, name, str(image), target=target, write_gb_s=write_gb_s,
+                     frontend=frontend, saves=saves)
         print(f"wrote {sbatch}", file=sys.stderr)
     plot = _get(cfg.plan, "plot", None)
     if plot:
