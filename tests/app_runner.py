@@ -102,18 +102,27 @@ def leftover_processes() -> list:
     return live_processes(lambda _, env: b"NEMO_LONGCTX_SPAWNED=1" in env and any(v.startswith(ours) for v in env))
 
 
+def train_config(overrides):
+    """The train config of ``overrides``, composed as the app composes it (``shared.overrides.compose``: the tiny
+    demo models get the demo's recipe); a problem composing fails the test."""
+    from nemo_longctx.shared.overrides import compose
+
+    cfg, problems = compose("train", list(overrides))
+    assert cfg is not None and not problems, problems
+    return cfg
+
+
 DRY_RUNS = r"""
 import json, sys, traceback
-from hydra import compose, initialize_config_module
-from hydra.core.global_hydra import GlobalHydra
 from nemo_longctx.apps import train
+from nemo_longctx.shared.overrides import compose
 results = []
 for n, args in enumerate(json.loads(sys.argv[1])):
     print(f"@@RUN {n}", flush=True)
-    GlobalHydra.instance().clear()
     try:
-        with initialize_config_module(config_module="nemo_longctx.conf", version_base=None):
-            cfg = compose("train", overrides=args)
+        cfg, problems = compose("train", args)
+        if problems:
+            raise train.ConfigError(problems)
         results.append([args, train.run(cfg), ""])
     except BaseException as e:
         results.append([args, 1, "".join(traceback.format_exception_only(type(e), e))])

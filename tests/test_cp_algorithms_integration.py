@@ -189,12 +189,9 @@ def _module_errors(world):
 
 
 def _compose(overrides):
-    from hydra import compose, initialize_config_module
-    from hydra.core.global_hydra import GlobalHydra
+    from app_runner import train_config
 
-    GlobalHydra.instance().clear()
-    with initialize_config_module(config_module="nemo_longctx.conf", version_base=None):
-        return compose("train", overrides=overrides)
+    return train_config(overrides)
 
 
 def _app_cases():

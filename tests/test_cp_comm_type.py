@@ -49,7 +49,7 @@ def dry_runs(tmp_path_factory):
     class itself named by ``model._target_`` under hybrid, and a user override contradicting ring."""
     base = tmp_path_factory.mktemp("comm")
     runs = {
-        "yaml_ring": ["model=mistral_7b", "cp=ring", "cp.size=2"],
+        "yaml_ring": ["model=mistral_7b", "cp=ring", "cp.size=2", "data=synthetic"],
         "class_hybrid": ["model._target_=nemo.collections.llm.gpt.model.mistral.MistralConfig7B", "cp=hybrid",
                          "cp.size=2", "cp.ulysses_size=2"],
         "user_contradicts": ["model=tiny_mistral", "cp=ring", "cp.size=2", "++model.cp_comm_type=a2a"],

@@ -38,7 +38,7 @@ TOL = 1e-4
 L31_HF = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 2.0, "high_freq_factor": 8.0,
           "original_max_position_embeddings": 32}
 L31_OVERRIDE = {"scale_factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "old_context_len": 32}
-COMMON = [f"model.seq_length={SEQ}", "memory.track=false", "launcher.threads_per_process=1"]
+COMMON = [f"model.seq_length={SEQ}", "memory.track=false", "launcher.threads_per_process=1", "recipe=demo"]
 TIMES = {}
 # scripts/matrix_smoke.sh (the version matrix) runs only this file's `matrix` tests: the fixture then skips what only
 # the other tests read (the Llama-3.1 import and the 18 imported-logits cases), ~2 of its 3 minutes
@@ -212,7 +212,8 @@ def test_bad_inputs_fail_before_anything_runs(world, tmp_path):
         assert not out_dir.exists() and not list(tmp_path.glob(f".out_{name}*")), name
     run_dir = tmp_path / "arch_override"
     code, out = run_app(CLI + ["train", f"init_from={world['dirs']['imp_l31']}", f"output_dir={run_dir}",
-                               "model.num_layers=3", "model.hidden_size=128", "model.seq_length=64"], 200)
+                               "model.num_layers=3", "model.hidden_size=128", "model.seq_length=64", "recipe=demo"],
+                        200)
     assert code != 0, out[-2000:]
     assert "model.num_layers: init_from takes the model from the checkpoint" in out, out[-3000:]
     assert "model.hidden_size" in out and "model.seq_length" not in out.split("invalid configuration")[-1]

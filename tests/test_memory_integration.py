@@ -206,15 +206,12 @@ def test_model_level_errors(results):
 
 # ------------------------------------------------------------------------------------------------ config level
 def _options(overrides):
-    from hydra import compose, initialize_config_module
-    from hydra.core.global_hydra import GlobalHydra
+    from app_runner import train_config
 
     from nemo_longctx.apps.train import options_of
     from nemo_longctx.integrations.megatron.memory_options import validate_memory_options
 
-    GlobalHydra.instance().clear()
-    with initialize_config_module(config_module="nemo_longctx.conf", version_base=None):
-        cfg = compose("train", overrides=overrides)
+    cfg = train_config(overrides)
     options = options_of(cfg)
     opts = options.memory
     validate_memory_options(opts, options.cp.algorithm)

@@ -150,14 +150,13 @@ REAL = {  # conf/model entries of real families: dry run (build + validate the r
 
 
 def _dry_runs():
-    from hydra import compose, initialize_config_module
+    from app_runner import train_config
 
     from nemo_longctx.apps.train import dry_run
 
     out = {}
     for name, overrides in REAL.items():
-        with initialize_config_module(config_module="nemo_longctx.conf", version_base=None):
-            cfg = compose("train", overrides=[f"model={name}", "run.dry_run=true", *overrides])
+        cfg = train_config([f"model={name}", "run.dry_run=true", "data=synthetic", *overrides])
         summary = dry_run(cfg)
         out[name] = {k: summary[k] for k in ("model", "num_layers", "cp", "core_attention", "seq_length")}
     return out

@@ -165,10 +165,9 @@ def test_the_megatron_fsdp_check_fails_on_what_is_not_sharded():
 
 
 def _compose(overrides):
-    from hydra import compose, initialize_config_module
+    from app_runner import train_config
 
-    with initialize_config_module(config_module="nemo_longctx.conf", version_base=None):
-        return compose("train", overrides=overrides)
+    return train_config(overrides)
 
 
 def test_refused_combinations_name_their_fields():

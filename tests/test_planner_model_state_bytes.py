@@ -61,10 +61,9 @@ ROWS = {  # name: (run in model_state_runs.RUNS, planner ModelState, planner Pre
 
 
 def _compose(overrides):
-    from hydra import compose, initialize_config_module
+    from app_runner import train_config
 
-    with initialize_config_module(config_module="nemo_longctx.conf", version_base=None):
-        return compose("train", overrides=list(overrides))
+    return train_config(overrides)
 
 
 def _planned(run, ms, precision=BF16):

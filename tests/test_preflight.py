@@ -224,10 +224,14 @@ def _draws(n=40, seed=22):
     return out
 
 
-def test_every_plan_the_planner_prints_is_one_train_accepts():
+def test_every_plan_the_planner_prints_is_one_train_accepts(monkeypatch):
     """Drawn models, lengths (round and odd), GPU counts and targets: every chosen plan's train command passes
-    train's own checks (for a GPU target, as a GPU build with TransformerEngine would run them)."""
+    train's own checks (for a GPU target, as a GPU build with TransformerEngine would run them), saving checkpoints
+    as a real model does by default."""
     from nemo_longctx.integrations.nemo.app import preflight
+    from nemo_longctx.shared import path_checks
+
+    monkeypatch.setattr(path_checks, "free_bytes", lambda path: 1 << 50)  # the cluster's disk, not this machine's
 
     planned = 0
     for model, seq, gpus, mem, target in _draws():
@@ -236,7 +240,7 @@ def test_every_plan_the_planner_prints_is_one_train_accepts():
         if args is None:
             continue
         planned += 1
-        problems = preflight(args, target_cuda=target == "gpu")
+        problems = preflight(args + ["data=synthetic"], target_cuda=target == "gpu")  # (the command + the data)
         assert problems == [], f"{model} seq {seq} on {gpus} x {mem} GB ({target}): train refuses {args}: {problems}"
     assert planned >= 10, f"only {planned} draws produced a plan: widen the draws"
 
@@ -275,7 +279,7 @@ def test_the_default_plan_saves_checkpoints_and_train_accepts_it_saving(tmp_path
         assert "saves no checkpoints:" not in text and "checkpoint.every_n_steps=0" not in text
         args = _plan("llama3_8b", planned)
         assert "optim.megatron_fsdp=false" in args and not any(a.startswith("checkpoint.") for a in args), args
-        saving = args + [f"output_dir={tmp_path}", "checkpoint.every_n_steps=100"]
+        saving = args + [f"output_dir={tmp_path}", "checkpoint.every_n_steps=100", "data=synthetic"]
         assert preflight(saving, target_cuda=True) == [], f"train refuses {saving}"
 
 
@@ -302,8 +306,9 @@ def test_plan_checkpoints_false_may_choose_megatron_fsdp_and_turns_saving_off(tm
     assert shlex.split(printed_command(r.stdout))[2:] == args
     assert "optim.megatron_fsdp=true" in args and args[-1] == "checkpoint.every_n_steps=0", args
     assert "checkpoint.every_n_steps=0" in sb.read_text() and "saves no checkpoints" in sb.read_text()
-    assert preflight(args + [f"output_dir={tmp_path}"], target_cuda=True) == []
-    saving = preflight(args[:-1] + [f"output_dir={tmp_path}", "checkpoint.every_n_steps=100"], target_cuda=True)
+    assert preflight(args + [f"output_dir={tmp_path}", "data=synthetic"], target_cuda=True) == []
+    saving = preflight(args[:-1] + [f"output_dir={tmp_path}", "checkpoint.every_n_steps=100", "data=synthetic"],
+                       target_cuda=True)
     assert any(p.startswith("optim.megatron_fsdp=true with checkpoint.every_n_steps > 0") for p in saving), saving
 
 

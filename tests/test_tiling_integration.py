@@ -308,14 +308,13 @@ def test_bad_tiling_settings_name_the_field(results):
 
 
 def test_tiling_group_composes_with_planner_overrides():
-    from hydra import compose, initialize_config_module
+    from app_runner import train_config
 
     from nemo_longctx.apps.train import options_of
 
-    with initialize_config_module(config_module="nemo_longctx.conf", version_base=None):
-        default = compose("train")
-        planned = compose("train", overrides=["tiling.mlp_tiles=16", "tiling.loss_chunks=off"])
-        auto = compose("train", overrides=["tiling=auto", "tiling.loss_chunks=8"])
+    default = train_config([])
+    planned = train_config(["tiling.mlp_tiles=16", "tiling.loss_chunks=off"])
+    auto = train_config(["tiling=auto", "tiling.loss_chunks=8"])
     assert (default.tiling.mlp_tiles, default.tiling.loss_chunks) == ("off", "off")
     cb = options_of(planned).tiling  # what the app builds its SequenceTiling callback from
     assert (cb.mlp_tiles, cb.loss_chunks, planned.model.seq_length, options_of(planned).cp.size) == (16, "off", 4096, 2)
@@ -324,10 +323,9 @@ def test_tiling_group_composes_with_planner_overrides():
 
 # ------------------------------------------------------------------------------------------------ the Hydra app
 def _compose(overrides):
-    from hydra import compose, initialize_config_module
+    from app_runner import train_config
 
-    with initialize_config_module(config_module="nemo_longctx.conf", version_base=None):
-        return compose("train", overrides=overrides)
+    return train_config(overrides)
 
 
 def test_app_refuses_bad_tiling_before_spawning():

@@ -25,10 +25,15 @@ _MISSING = object()
 
 EXAMPLES = {
     "train": (
-        ("CPU demo: tiny GQA Llama, ring CP=2 on 2 gloo processes, 30 steps", "nemo-longctx train"),
-        ("dry run: build and validate the Llama-3-8B configuration at 128K on 8 GPUs without training",
+        ("CPU demo: tiny GQA Llama, ring CP=2 on 2 gloo processes, 30 steps (the demo's settings)",
+         "nemo-longctx train"),
+        ("dry run: the Llama-3-8B configuration at 128K on 8 GPUs, with NeMo's llama3_8b recipe (bf16, its optimizer "
+         "and schedule, a checkpoint every 15 minutes), built and validated without training",
          "nemo-longctx train model=llama3_8b cp=ring cp.size=8 trainer.devices=8 model.seq_length=131072 "
-         "run.dry_run=true"),
+         "data=synthetic run.dry_run=true"),
+        ("train it on your data: a Megatron indexed dataset and its tokenizer",
+         "nemo-longctx train model=llama3_8b cp=ring cp.size=8 trainer.devices=8 model.seq_length=131072 "
+         "data=indexed data.paths=[/data/corpus_text_document] data.tokenizer=/models/llama3_tokenizer"),
         ("memory options on the CPU demo",
          "nemo-longctx train recompute=full_keep_attn offload=layer_input tiling.mlp_tiles=auto "
          "tiling.loss_chunks=8"),

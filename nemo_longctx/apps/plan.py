@@ -55,6 +55,7 @@ from nemo_longctx.planner.search import (  # noqa: F401  (RECOMPUTE_GROUP, optio
     plan as make_plan,
     what_is_missing,
 )
+from nemo_longctx.shared.app_keys import is_demo_model
 from nemo_longctx.shared.overrides import conf_dir  # noqa: F401  (plan.conf_dir: the Hydra tree, used by the apps)
 from nemo_longctx.shared.plan_keys import PLAN_OPTIONS, plan_key_problems  # noqa: F401  (PLAN_OPTIONS: plan's keys)
 from nemo_longctx.shared.signals import DEFAULT_GRACE_S
@@ -522,6 +523,11 @@ def format_summary(p: Plan, model: str, command: Optional[Tuple[str, List[str]]]
         if command is not None:
             out.append("")
             out += wrapped_command(*command)
+            if command[0].endswith("train") and not is_demo_model(model):
+                out += wrap("add your data: data=indexed data.paths=[<dataset prefix>] data.tokenizer=<dir> (or "
+                            "data=documents ...; data=synthetic for a throughput test). Learning rate, schedule, "
+                            "steps, tokens per step and checkpoint interval are the model's NeMo recipe's.",
+                            first="  ", indent="  ")
         out.append("")
         out += wrap("more: plan.show=N (full table, N rows + legend), plan.write_command=FILE (one line), "
                     "plan.json=true", indent="")

@@ -646,7 +646,8 @@ def build(cfg: DictConfig, launch: Optional[Launch] = None, extra_callbacks: Opt
         cp_algorithm_kwargs=cp.attention_kwargs, collective_timeout_s=cfg.launcher.get("timeout_s"),
         process_group_backend=None if backend == "auto" else backend,
         ckpt_load_strictness=None, **state_kwargs,
-        ckpt_async_save=bool((cfg.get("checkpoint") or {}).get("async_save") or False),
+        # NeMo's asynchronous save needs CUDA: on a CPU build the checkpoint is written synchronously
+        ckpt_async_save=bool((cfg.get("checkpoint") or {}).get("async_save")) and torch.cuda.is_available(),
     )
     strategy.validated_config = model_config  # checked above: connect() does not check it again
 
@@ -787,7 +788,10 @@ def checkpoint_summary(cfg: DictConfig) -> str:
         from nemo_longctx.planner.search import checkpoint_bytes
 
         size = f", {checkpoint_bytes(shape, planner_precision(cfg)) / 1e9:.1f} GB each"
-    mode = "asynchronous" if c.get("async_save") else "synchronous"
+    import torch
+
+    mode = ("synchronous" if not c.get("async_save") else "asynchronous" if torch.cuda.is_available()
+            else "asynchronous on GPUs, synchronous on this CPU machine")
     return (f"{every} and at the end -> {checkpoint_dir(cfg)} (keep {c.get('keep')}{size}; {mode}), {resume}, save "
             f"on a signal: {'yes' if save_on_signal(c) else 'no'}")
 

@@ -224,6 +224,9 @@ def resolve(cfg: DictConfig, model_choice: Optional[str], world_size: Optional[i
     filled. ``ConfigError`` for an unknown recipe, or a real model without a data choice."""
     from nemo_longctx.integrations.nemo.pretrained import init_from_of
 
+    if not isinstance(cfg.get("recipe"), str) or not cfg.recipe.strip():
+        raise ConfigError([f"recipe={cfg.get('recipe')!r} must be auto, demo or a NeMo recipe name "
+                           "(nemo.collections.llm.recipes.<name>)"])
     data_kind = str(OmegaConf.select(cfg, "data.kind", default=""))
     demo = str(cfg.get("recipe")) == DEMO or (str(cfg.get("recipe")) == AUTO and is_demo_model(model_choice)
                                               and init_from_of(cfg) is None)
