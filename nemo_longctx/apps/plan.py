@@ -670,7 +670,7 @@ srun --nodes=1 --ntasks=1 "${{container[@]}}" env PYTHONPATH="$SITE${{PYTHONPATH
 'python', sys.version.split()[0])"
 
 # 2. one task per GPU; the app reads RANK/WORLD_SIZE/LOCAL_RANK from SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID{bridge_doc}
-echo "job ${{SLURM_JOB_ID:-?}} (restart ${{SLURM_RESTART_COUNT:-0}}): ${{SLURM_NTASKS:-?}} tasks -> $OUTPUT_DIR," \
+echo "job ${{SLURM_JOB_ID:-?}} (restart ${{SLURM_RESTART_COUNT:-0}}): ${{SLURM_NTASKS:-?}} tasks -> $OUTPUT_DIR," \\
   "checkpoints $CHECKPOINT_DIR"
 srun --kill-on-bad-exit=1 "${{container[@]}}" \\
   env PYTHONPATH="$SITE${{PYTHONPATH:+:$PYTHONPATH}}" "$SITE/bin/nemo-longctx" {command} \\
