@@ -193,14 +193,15 @@ def test_target_command_prints_a_fitting_plan_with_overrides(tmp_path):
 
 def test_bridge_frontend_writes_an_sbatch_that_runs_the_bridge_entry_with_the_chosen_row(tmp_path):
     """plan.frontend=bridge plan.write_sbatch=...: the job (run by bash, srun recorded) installs the plugin with
-    --no-deps in a Bridge-era image and starts `nemo-longctx bridge` with exactly the printed arguments, which compose
-    back into the chosen candidate's options (the Bridge app refusing none)."""
+    --no-deps in a Bridge-era image and starts `nemo-longctx bridge` with the Bridge arguments of the cheapest fitting
+    row that can save checkpoints (the printed one when it can), its checkpoint directory and the extra arguments;
+    they compose back into that candidate's options (the Bridge app refusing none)."""
     from fake_srun import run_with_fake_srun
     from hydra import compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
 
     from nemo_longctx.apps import bridge as bridge_app
-    from nemo_longctx.apps.plan import inputs_from_config
+    from nemo_longctx.apps.plan import bridge_overrides, inputs_from_config
     from nemo_longctx.planner.search import candidate_options
 
     sb = tmp_path / "bridge.sbatch"
@@ -215,23 +216,32 @@ def test_bridge_frontend_writes_an_sbatch_that_runs_the_bridge_entry_with_the_ch
     code = [line for line in text.splitlines() if not line.startswith("#")]
     assert "#SBATCH --nodes=2" in text and "#SBATCH --ntasks-per-node=8" in text
     assert not [line for line in code if "torchrun" in line]
-    out = tmp_path / "out"
-    env = {"NEMO_LONGCTX_SRC": str(ROOT), "OUTPUT_DIR": str(out), "EXTRA_OVERRIDES": "train.train_iters=5"}
-    res, calls = run_with_fake_srun(sb, tmp_path, env)
-    assert res.returncode == 0 and len(calls) == 3, (res.stdout + res.stderr, calls)
-    install, _, job = calls
-    assert "pip" in install and "--no-deps" in install and str(ROOT) in install
-    assert "--container-image=nvcr.io#nvidia/nemo:26.08" in job and "--kill-on-bad-exit=1" in job
-    site_bin = f"{out}/.nemo_longctx_site/bin/nemo-longctx"
-    args = job[job.index(site_bin) + 1:]
-    assert args[0] == "bridge" and args[1:] == printed + [f"output_dir={out}", "train.train_iters=5"], args
 
     GlobalHydra.instance().clear()
     with initialize_config_module(config_module="nemo_longctx.conf", version_base=None):
         cfg = compose("plan", overrides=planned + ["plan.frontend=bridge"])
     shape, seq, hw, precision, coef, cost, search = inputs_from_config(cfg)
-    want = candidate_options(plan(shape, seq, hw, precision, coef, cost, **search).chosen.candidate)
-    ours, theirs = bridge_app.split_args(printed)
+    p = plan(shape, seq, hw, precision, coef, cost, **search)
+    job = p.chosen  # (plan.checkpoints=true: a row that saves)
+    assert bridge_overrides(p, p.chosen, "llama3_8b") == printed
+
+    out = tmp_path / "out"
+    env = {"NEMO_LONGCTX_SRC": str(ROOT), "OUTPUT_DIR": str(out), "EXTRA_OVERRIDES": "train.train_iters=5",
+           "DATA": "synthetic"}
+    res, calls = run_with_fake_srun(sb, tmp_path, env)
+    assert res.returncode == 0 and len(calls) == 3, (res.stdout + res.stderr, calls)
+    install, _, ran = calls
+    assert "pip" in install and "--no-deps" in install and str(ROOT) in install
+    assert "--container-image=nvcr.io#nvidia/nemo:26.08" in ran and "--kill-on-bad-exit=1" in ran
+    site_bin = f"{out}/.nemo_longctx_site/bin/nemo-longctx"
+    args = ran[ran.index(site_bin) + 1:]
+    ckpt = f"{out}/checkpoints"
+    job_args = bridge_overrides(p, job, "llama3_8b")
+    assert args[0] == "bridge" and args[1:] == job_args + [f"checkpoint.save={ckpt}", f"checkpoint.load={ckpt}",
+                                                           f"output_dir={out}", "train.train_iters=5"], args
+
+    want = candidate_options(job.candidate)
+    ours, theirs = bridge_app.split_args(job_args)
     options = bridge_app.options_of(bridge_app.compose(ours))
     assert options.problems() == [] and bridge_app.app_problems(ours, options) == []
     assert (options.cp, options.memory, options.optim.state) == (want.cp, want.memory, want.optim.state)

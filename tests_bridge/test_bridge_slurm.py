@@ -113,15 +113,15 @@ LLAMA3_8B_CONFIG = {  # Meta-Llama-3-8B's config.json (its public values): all t
     "use_cache": True, "vocab_size": 128256}
 
 
-def _example_args(tmp_path):
+def _example_args(tmp_path, **data):
     """The `nemo-longctx bridge` arguments examples/slurm/bridge_llama3_8b_128k.sbatch starts (bash runs the script,
-    a stub records srun's arguments)."""
+    a stub records srun's arguments); ``data``: its data variables (DATA_PREFIX + TOKENIZER, or DATA=synthetic)."""
     stub = tmp_path / "bin" / "srun"
     stub.parent.mkdir()
     stub.write_text('#!/bin/bash\nprintf "%s\\0" "$@" >"$SRUN_ARGS"\n')
     stub.chmod(0o755)
     env = {**_no_slurm_env(), "PATH": f"{stub.parent}:{os.environ['PATH']}", "SRUN_ARGS": str(tmp_path / "argv"),
-           "REPO": str(tmp_path), "OUTPUT_DIR": str(tmp_path / "out")}
+           "REPO": str(tmp_path), "OUTPUT_DIR": str(tmp_path / "out"), **data}
     r = subprocess.run(["bash", str(ROOT / "examples/slurm/bridge_llama3_8b_128k.sbatch")], env=env,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -131,15 +131,17 @@ def _example_args(tmp_path):
 
 @pytest.mark.smoke
 def test_example_sbatch_arguments_build_the_real_bridge_recipe(tmp_path):
-    """Every argument of the example job is taken: ours by the option model, Bridge's by Bridge's own parser on
-    ``llama3_8b_pretrain_config`` (its config.json from the offline cache); the built container has the planned
-    layout and no problem for 8 ranks."""
+    """Every argument of the example job in its DATA_PREFIX + TOKENIZER form is taken: ours by the option model,
+    Bridge's by Bridge's own parser on ``llama3_8b_pretrain_config`` (its config.json from the offline cache); the
+    built container has the planned layout, the data and tokenizer, and no problem for 8 ranks."""
     snapshot = tmp_path / "hf" / "hub" / "models--meta-llama--Meta-Llama-3-8B" / "snapshots" / ("0" * 40)
     snapshot.mkdir(parents=True)
     (snapshot / "config.json").write_text(json.dumps(LLAMA3_8B_CONFIG))
     (snapshot.parents[1] / "refs").mkdir()
     (snapshot.parents[1] / "refs" / "main").write_text("0" * 40)
-    args = _example_args(tmp_path)
+    prefix, tok = tmp_path / "data" / "llama3_text_document", tmp_path / "tokenizer"
+    tok.mkdir()
+    args = _example_args(tmp_path, DATA_PREFIX=str(prefix), TOKENIZER=str(tok))
     script = """
 import json, os, sys
 from nemo_longctx.apps import bridge as bridge_app
@@ -153,7 +155,8 @@ m = c.model
 print(json.dumps({"problems": options.problems() + bridge_app.app_problems(ours, options)
                   + model_problems_of(c, options, 8), "cp": m.context_parallel_size, "tp": m.tensor_model_parallel_size,
                   "seq": m.seq_length, "dataset_seq": c.dataset.seq_length, "iters": c.train.train_iters,
-                  "save": c.checkpoint.save, "fsdp": bool(c.ddp.use_megatron_fsdp), "layers": m.num_layers}))
+                  "save": c.checkpoint.save, "fsdp": bool(c.ddp.use_megatron_fsdp), "layers": m.num_layers,
+                  "data": c.dataset.data_path, "tokenizer": [c.tokenizer.tokenizer_type, c.tokenizer.tokenizer_model]}))
 """
     env = {**_no_slurm_env(), "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
     p = subprocess.run([sys.executable, "-c", script, json.dumps(args)], env=env, capture_output=True, text=True,
@@ -163,3 +166,4 @@ print(json.dumps({"problems": options.problems() + bridge_app.app_problems(ours,
     assert got["problems"] == [], got
     assert (got["cp"], got["tp"], got["seq"], got["dataset_seq"]) == (8, 1, 131072, 131072), got
     assert (got["iters"], got["save"], got["fsdp"], got["layers"]) == (100, f"{tmp_path}/out/checkpoints", False, 32)
+    assert got["data"] == str(prefix) and got["tokenizer"] == ["HuggingFaceTokenizer", str(tok)], got

@@ -547,13 +547,37 @@ def source_checkout() -> str:
     return str(root) if (root / "pyproject.toml").exists() else ""
 
 
+def _comment(text: str, width: int = 118) -> str:
+    """``text`` as shell comment lines of at most ``width`` + 2 columns ('#' alone for an empty paragraph)."""
+    return "\n".join("# " + line for line in textwrap.wrap(text, width, break_on_hyphens=False)) if text else "#"
+
+
+# The job's data: a Megatron indexed dataset and its tokenizer, or synthetic tokens for throughput tests (the front
+# end's arguments for each; Bridge's recipe without data arguments trains on its mock data).
+SBATCH_DATA = {
+    "nemo": ('data=(data=synthetic)', 'data=(data=indexed "data.paths=[$DATA_PREFIX]" "data.tokenizer=$TOKENIZER")'),
+    "bridge": ("data=()  # the recipe's mock data",
+               'data=("dataset.data_path=$DATA_PREFIX" tokenizer.tokenizer_type=HuggingFaceTokenizer\n'
+               '        "tokenizer.tokenizer_model=$TOKENIZER")'),
+}
+SBATCH_CHECKPOINTS = {"nemo": 'checkpoint.dir="$CHECKPOINT_DIR" checkpoint.resume=auto',
+                      "bridge": 'checkpoint.save="$CHECKPOINT_DIR" checkpoint.load="$CHECKPOINT_DIR"'}
+
+
 def write_sbatch(path: str, p: Plan, ev: Evaluation, model: str, container_image: str, target: str = "gpu",
                  source: Optional[str] = None, frontend: str = "nemo",
                  write_gb_s: float = CHECKPOINT_WRITE_GB_S, saves: bool = True) -> str:
-    """An sbatch script for the chosen candidate: the stock NGC NeMo image through pyxis (NeMo, Megatron-core and
-    torch come from the image); the job installs nemo_longctx at start with ``pip install --no-deps`` from a
+    """A production sbatch script for the chosen candidate: it trains on a Megatron indexed dataset with its tokenizer
+    (``DATA_PREFIX`` + ``TOKENIZER``; ``DATA=synthetic`` for throughput tests; neither: exit 2 naming both), saves
+    checkpoints to ``CHECKPOINT_DIR`` on the shared filesystem and resumes from the newest one (``saves=False``: a row
+    the train app refuses with saving, ``plan.checkpoints=false``: saving off, said in the header), requeues itself
+    after a preemption save (USR1/TERM forwarded to the ranks), and appends ``EXTRA_OVERRIDES``. It runs in the stock
+    NGC NeMo image through pyxis (NeMo, Megatron-core and torch come from the image; the data, tokenizer, output and
+    checkpoint directories are mounted); the job installs nemo_longctx at start with ``pip install --no-deps`` from a
     checkout visible on the nodes (``NEMO_LONGCTX_SRC``, default: the one that wrote the script) or a wheel
-    (``NEMO_LONGCTX_WHEEL``), into ``$OUTPUT_DIR/.nemo_longctx_site``, then runs that install's ``nemo-longctx train``.
+    (``NEMO_LONGCTX_WHEEL``), into ``$OUTPUT_DIR/.nemo_longctx_site``, then runs that install's ``nemo-longctx
+    train``. ``IMAGE=`` (empty) runs the same lines without a container. Steps, batch size, learning-rate schedule and
+    checkpoint interval are not set: the app's defaults for the model (NeMo's recipe for a real one).
     ``frontend="bridge"``: the same job running ``nemo-longctx bridge`` with the candidate's Bridge arguments
     (``bridge_overrides``) in a Megatron-Bridge-era image (``container_image`` is then that image).
     ``target="cpu"``: the same script without GPUs and without a container by default (``IMAGE=``), training on the
@@ -573,7 +597,9 @@ def write_sbatch(path: str, p: Plan, ev: Evaluation, model: str, container_image
         ovs = train_overrides(p, ev, model, saves) + (["trainer.accelerator=cpu", "launcher.backend=gloo"] if cpu
                                                       else [])
     overrides = " \\\n    ".join(shlex.quote(o) for o in ovs)
-    hf_mounts = ('\n  if [ -n "${HF_HOME:-}" ]; then mounts="$mounts,$HF_HOME:$HF_HOME"; fi' if bridge else "")
+    synthetic, indexed = SBATCH_DATA[frontend]
+    name = Path(path).name
+    hf_mount = '\n  add_mount "${HF_HOME:-}"' if bridge else ""
     hf_doc = "" if not bridge else (
         "\n#   HF_TOKEN, HF_HOME   the Bridge recipe reads the model's config.json from the Hugging Face hub (or "
         "from HF_HOME's\n#                       cache with HF_HUB_OFFLINE=1; no weights are read)")
@@ -582,23 +608,47 @@ def write_sbatch(path: str, p: Plan, ev: Evaluation, model: str, container_image
     # the signal's lead time: the default grace, or twice the planner's save estimate when that is longer
     grace = int(max(DEFAULT_GRACE_S, 2 * checkpoint_estimate(p.shape, p.precision, write_gb_s)["save_s"]))
     image = "" if cpu else container_image
-    extra_kind = "arguments (ours or Bridge's KEY=VALUE)" if bridge else "Hydra overrides"
     image_kind = "a Megatron-Bridge-era NGC NeMo image" if bridge else "the stock NGC NeMo image"
     bridge_doc = "\n# (the torchrun-style variables Bridge's torch.distributed env:// set-up reads)" if bridge else ""
-    saving = "checkpoint.save=<dir>" if bridge else "checkpoint.every_n_steps > 0"
-    unsaved = "" if saves else ("# This plan saves no checkpoints (the train app refuses saving with its model-state "
-                                "layout): a requeued job starts over.\n")
+    if bridge:
+        extra = "more arguments, space separated: ours or Bridge's KEY=VALUE (e.g. train.train_iters=5000)"
+        defaults = "NVIDIA's Bridge recipe for the model"
+        synthetic_doc = "synthetic: the recipe's mock data instead (throughput tests)"
+    else:
+        extra = 'more Hydra overrides, space separated (e.g. "trainer.max_steps=5000")'
+        defaults = ("the train app's defaults for the model (NVIDIA NeMo's recipe for a real model; the tiny_* demo "
+                    "models save checkpoints only with checkpoint.every_n_steps=N)")
+        synthetic_doc = "synthetic: synthetic tokens instead (throughput tests)"
+    about = [f"Chosen: {ev.candidate.label()} (predicted {ev.memory.total / GIB:.1f} GiB per GPU, relative cost "
+             f"{ev.cost:.3f})."]
+    if not saves:
+        about.append("This plan saves no checkpoints (plan.checkpoints=false chose a model-state layout the train app "
+                     "refuses with saving): a preempted or requeued job starts over.")
+    about.append("")
+    about.append("Trains on a Megatron indexed dataset, saves checkpoints to CHECKPOINT_DIR and resumes from the "
+                 "newest one there, so a preempted or requeued job continues where it stopped. Steps, batch size, "
+                 f"learning-rate schedule and checkpoint interval are {defaults}; change them in EXTRA_OVERRIDES. "
+                 f"Runs in {image_kind} (pyxis); nemo_longctx is installed by the job itself, with --no-deps.")
+    header = "\n".join(_comment(par) for par in about)
     text = f"""#!/bin/bash
 # Generated by `nemo-longctx plan` for {model} at seq_length={p.seq_length} on {hw.gpus} \
 {'CPU process(es)' if cpu else 'GPU(s)'}.
-# Chosen: {ev.candidate.label()} (predicted {ev.memory.total / GIB:.1f} GiB per GPU, relative cost {ev.cost:.3f}).
+{header}
 #
-# Runs in {image_kind} (pyxis); nemo_longctx is installed by the job itself, with --no-deps:
+#   DATA_PREFIX=/data/corpus_text_document TOKENIZER=/models/tokenizer sbatch {name}
+#   DATA=synthetic sbatch {name}
+#
+# Environment knobs:
+#   DATA_PREFIX         Megatron indexed dataset prefix (its .bin/.idx files), with
+#   TOKENIZER           the local Hugging Face tokenizer directory it was made with (both required unless DATA is set)
+#   DATA                {synthetic_doc}
+#   OUTPUT_DIR          run directory on a shared filesystem (default: ./runs/<job id>; a requeued job keeps its id)
+#   CHECKPOINT_DIR      checkpoints (default: $OUTPUT_DIR/checkpoints); a new job given the same one resumes from it
+#   EXTRA_OVERRIDES     {extra}
 #   IMAGE               container image (pyxis/enroot syntax); empty: no container, the nodes' own python
 #   NEMO_LONGCTX_SRC    a nemo_longctx checkout visible on the nodes (mounted into the container)
 #   NEMO_LONGCTX_WHEEL  or a built wheel (pip wheel --no-deps <checkout>), used instead of the checkout
-#   PYTHON              python with {stack} (default: python, the image's)
-#   OUTPUT_DIR          run directory (default: ./runs/<job id>); EXTRA_OVERRIDES: more {extra_kind}{hf_doc}
+#   PYTHON              python with {stack} (default: python, the image's){hf_doc}
 #SBATCH --job-name=nemo-longctx-{model}
 #SBATCH --nodes={hw.nodes}
 #SBATCH --ntasks-per-node={hw.gpus_on_a_node}
@@ -608,18 +658,30 @@ def write_sbatch(path: str, p: Plan, ev: Evaluation, model: str, container_image
 #SBATCH --requeue
 #SBATCH --signal=B:USR1@{grace}
 # Preemption: USR1 (Slurm, {grace} s before the time limit; or scancel --signal=USR1 --batch) and TERM go to srun, which
-# signals every rank; with checkpoints on ({saving}) the ranks save their step and exit 75, and the
-# job requeues itself to resume from it (docs/how-to/preemption.md).
-{unsaved}set -euo pipefail
+# signals every rank; the ranks save their step (when the run saves checkpoints) and exit 75, and the job
+# requeues itself to resume from it (docs/how-to/preemption.md).
+set -euo pipefail
 
 IMAGE=${{IMAGE-{image}}}
 NEMO_LONGCTX_SRC=${{NEMO_LONGCTX_SRC:-{src}}}
 NEMO_LONGCTX_WHEEL=${{NEMO_LONGCTX_WHEEL:-}}
 PYTHON=${{PYTHON:-python}}
 OUTPUT_DIR=${{OUTPUT_DIR:-$PWD/runs/$SLURM_JOB_ID}}
+CHECKPOINT_DIR=${{CHECKPOINT_DIR:-$OUTPUT_DIR/checkpoints}}
 SITE="$OUTPUT_DIR/.nemo_longctx_site"
 read -r -a extra_overrides <<<"${{EXTRA_OVERRIDES:-}}"
-mkdir -p "$OUTPUT_DIR"
+
+if [ "${{DATA:-}}" = synthetic ] && [ -z "${{DATA_PREFIX:-}}" ]; then
+  {synthetic}
+elif [ -z "${{DATA:-}}" ] && [ -n "${{DATA_PREFIX:-}}" ] && [ -n "${{TOKENIZER:-}}" ]; then
+  {indexed}
+else
+  echo "set DATA_PREFIX (a Megatron indexed dataset prefix) and TOKENIZER (its Hugging Face tokenizer directory)," \\
+    "or DATA=synthetic for a throughput test on synthetic tokens (DATA=${{DATA:-}} DATA_PREFIX=${{DATA_PREFIX:-}}" \\
+    "TOKENIZER=${{TOKENIZER:-}})" >&2
+  exit 2
+fi
+mkdir -p "$OUTPUT_DIR" "$CHECKPOINT_DIR"
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export MASTER_ADDR
 export MASTER_PORT=${{MASTER_PORT:-29500}}
@@ -631,14 +693,30 @@ if [ -z "$package" ] || [ ! -e "$package" ]; then
 fi
 container=()
 if [ -n "$IMAGE" ]; then
-  mounts="$PWD:$PWD,$OUTPUT_DIR:$OUTPUT_DIR,\
-$(dirname "$(realpath "$package")"):$(dirname "$(realpath "$package")")"{hf_mounts}
-  container=(--container-image="$IMAGE" --container-mounts="$mounts" --container-workdir="$PWD"
+  # the container sees these directories at their own paths: the submit directory, the run and checkpoint
+  # directories, the plugin to install, the data and the tokenizer
+  mounted=()
+  add_mount() {{  # mount directory $1 unless empty or inside one already mounted
+    local dir m
+    [ -n "$1" ] || return 0
+    dir=$(realpath -m "$1")
+    for m in "${{mounted[@]}}"; do case "$dir/" in "$m"/*) return 0 ;; esac; done
+    mounted+=("$dir")
+  }}
+  add_mount "$PWD"
+  add_mount "$OUTPUT_DIR"
+  add_mount "$CHECKPOINT_DIR"
+  add_mount "$(dirname "$(realpath "$package")")"
+  if [ -n "${{DATA_PREFIX:-}}" ]; then add_mount "$(dirname "$DATA_PREFIX")"; fi
+  if [ -d "${{TOKENIZER:-}}" ]; then add_mount "$TOKENIZER"; fi{hf_mount}
+  mounts=$(for m in "${{mounted[@]}}"; do printf '%s:%s,' "$m" "$m"; done)
+  container=(--container-image="$IMAGE" --container-mounts="${{mounts%,}}" --container-workdir="$PWD"
              --no-container-mount-home)
 fi
 
-# 1. install the plugin once (shared run directory); its dependencies are the image's
-srun --nodes=1 --ntasks=1 "${{container[@]}}" "$PYTHON" -m pip install --no-deps --no-build-isolation \\
+# 1. install the plugin into the shared run directory (again on a requeue: the checkout may have changed); its
+# dependencies are the image's
+srun --nodes=1 --ntasks=1 "${{container[@]}}" "$PYTHON" -m pip install --no-deps --no-build-isolation --upgrade \\
   --no-input --disable-pip-version-check --quiet --target "$SITE" "$package"
 
 srun --nodes=1 --ntasks=1 "${{container[@]}}" env PYTHONPATH="$SITE${{PYTHONPATH:+:$PYTHONPATH}}" "$PYTHON" -c \\
@@ -646,9 +724,12 @@ srun --nodes=1 --ntasks=1 "${{container[@]}}" env PYTHONPATH="$SITE${{PYTHONPATH
 'python', sys.version.split()[0])"
 
 # 2. one task per GPU; the app reads RANK/WORLD_SIZE/LOCAL_RANK from SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID{bridge_doc}
+echo "job ${{SLURM_JOB_ID:-?}} (restart ${{SLURM_RESTART_COUNT:-0}}): ${{SLURM_NTASKS:-?}} tasks -> $OUTPUT_DIR," \\
+  "checkpoints $CHECKPOINT_DIR"
 srun --kill-on-bad-exit=1 "${{container[@]}}" \\
   env PYTHONPATH="$SITE${{PYTHONPATH:+:$PYTHONPATH}}" "$SITE/bin/nemo-longctx" {command} \\
     {overrides} \\
+    "${{data[@]}}" {SBATCH_CHECKPOINTS[frontend]} \\
     output_dir="$OUTPUT_DIR" "${{extra_overrides[@]}}" &
 srun_pid=$!
 # shellcheck disable=SC2317  # called from the traps below
