@@ -74,6 +74,10 @@ def _contract(rank, world):
     import torch
 
     from nemo_longctx.integrations.nemo import compat
+    from nemo_longctx.shared import path_checks
+
+    # a real model saves checkpoints by default: the room for them is the cluster's disk, not this machine's
+    path_checks.free_bytes = lambda path: 1 << 50
 
     if not torch.cuda.is_available():
         compat.apply()
@@ -82,6 +86,7 @@ def _contract(rank, world):
     from nemo_longctx.apps.plan import inputs_from_config, optim_fields, train_overrides
     from nemo_longctx.integrations.megatron.model_state import model_state_options, model_state_problems
     from nemo_longctx.integrations.nemo.app import config_problems, dry_run
+    from nemo_longctx.shared.app_keys import NEMO_KEYS
     from nemo_longctx.planner.search import plan
 
     t0 = time.time()
@@ -107,15 +112,17 @@ def _contract(rank, world):
                 # what this CPU machine without TransformerEngine refuses and the planner's target does not: the
                 # same checks with CUDA and TransformerEngine present (model_state_problems' target arguments)
                 opts = model_state_options(optim_fields(ev.candidate.model_state))
-                target_ok = model_state_problems(opts, precision="bf16-mixed", target_cuda=True, te_available=True)
-                env_only = [x for x in model_state_problems(opts, precision="bf16-mixed") if x not in target_ok]
+                # (a real model saves checkpoints by default: the checks with saving on, named by the app's keys)
+                kw = dict(precision="bf16-mixed", checkpointing=True, keys=NEMO_KEYS)
+                target_ok = model_state_problems(opts, target_cuda=True, te_available=True, **kw)
+                env_only = [x for x in model_state_problems(opts, **kw) if x not in target_ok]
                 if sorted(problems) != sorted(env_only):
                     res["bad"].append((ov, problems))
                     continue
                 res["cpu_only_refused"] += bool(env_only)
                 if env_only:  # the CPU-runnable stand-in: same layout, recompute, offload, tiling
-                    tc = compose([o for o in ov if not o.startswith("optim.")]
-                                 + ["optim.use_distributed_optimizer=true"])
+                    tc = compose([o for o in ov if not o.startswith("optim.")]  # (saving: refused with it on CPU)
+                                 + ["optim.use_distributed_optimizer=true", "checkpoint.every_n_steps=0"])
                 try:
                     summary = dry_run(tc)  # build + validate + every layer's core attention is ours
                     assert summary["world_size"] == n and summary["seq_length"] == seq, summary

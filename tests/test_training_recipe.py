@@ -21,9 +21,9 @@ def _resolved(args):
     from nemo_longctx.integrations.nemo.app import apply_recipe
     from nemo_longctx.shared.overrides import compose
 
-    cfg, problems = compose("train", list(args), hydra_config=True)
+    cfg, problems = compose("train", list(args))  # (the demo models' recipe=demo is decided here, by the choice)
     assert not problems, problems
-    apply_recipe(cfg, dict(cfg.hydra.runtime.choices))
+    apply_recipe(cfg, {})
     return cfg
 
 
@@ -139,3 +139,26 @@ def test_the_dry_run_prints_the_recipes_settings(tmp_path):
     assert "synthetic" in lines["data"] and "GiB per GPU" in lines["predicted_memory"]
     out = subprocess.run(base, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "data: a real model needs a data choice" in out.stderr, out.stderr[-2000:]
+
+
+def test_the_recipes_values_reach_nemos_objects(tmp_path):
+    """Built in-process as the app builds a rank's objects: Megatron's OptimizerConfig, NeMo's cosine schedule, the
+    precision plugin and NeMo's ModelCheckpoint carry the recipe's values (a tiny model with llama3_8b's recipe)."""
+    from nemo_longctx.integrations.nemo.app import build, recipe_line
+
+    cfg = _resolved(["model=tiny_llama", "recipe=llama3_8b", "data=synthetic", "trainer.devices=1", "cp=none",
+                     "trainer.global_batch_size=2", f"output_dir={tmp_path}"])
+    r = _nemo_recipe("llama3_8b")
+    built = build(cfg)
+    o, s = built.model.optim.config, built.model.optim.lr_scheduler
+    want = r.optim.config
+    assert (o.lr, o.weight_decay, o.adam_beta1, o.adam_beta2, o.adam_eps, o.clip_grad, o.bf16) == (
+        want.lr, want.weight_decay, want.adam_beta1, want.adam_beta2, want.adam_eps, want.clip_grad, True)
+    assert (s.warmup_steps, s.min_lr, s.max_steps) == (r.optim.lr_scheduler.warmup_steps, r.optim.lr_scheduler.min_lr,
+                                                       r.trainer.max_steps)
+    assert built.trainer.precision_plugin.precision == "bf16-mixed"
+    assert built.log.ckpt._train_time_interval.total_seconds() == r.log.ckpt.train_time_interval.minutes * 60
+    assert built.strategy.async_save is False  # NeMo's async save needs CUDA: synchronous here
+    line = recipe_line(cfg, built.global_batch_size, cfg.model.seq_length)
+    assert line.startswith("nemo-longctx train: recipe llama3_8b (NVIDIA NeMo): bf16-mixed, lr 0.0003 -> 3e-05")
+    assert "checkpoints every 15 minutes" in line

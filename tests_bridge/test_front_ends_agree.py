@@ -87,8 +87,10 @@ def _start_nemo(out: Path, hf: Path, prefix: Path) -> subprocess.Popen:
     out.mkdir(parents=True)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
     # --verbose: NeMo's own restore line is read below (the quiet console hides NeMo's INFO lines)
-    cmd = [str(NEMO_CLI), "train", "--verbose", f"init_from={hf}", "data=indexed", f"data.paths=[{prefix}]",
-           "data.tokenizer=null",
+    # recipe=demo: the CPU demo's settings, as the Bridge app gives a model without a recipe (a tiny HF model has no
+    # NeMo recipe)
+    cmd = [str(NEMO_CLI), "train", "--verbose", f"init_from={hf}", "recipe=demo", "data=indexed",
+           f"data.paths=[{prefix}]", "data.tokenizer=null",
            f"data.split={SPLIT}", "data.num_workers=0", f"model.seq_length={SEQ}", "trainer.max_steps=1", *RING,
            f"output_dir={out}", "log.tensorboard=false", "launcher.threads_per_process=1"]
     return subprocess.Popen(cmd, cwd=ROOT, env={**env, "PYTHONUNBUFFERED": "1"}, stdout=open(out / "log.txt", "w"),

@@ -29,6 +29,7 @@ from nemo_longctx.shared.signals import PREEMPTED_EXIT, signals_of
 from nemo_longctx.integrations.nemo.app import (  # noqa: F401  (re-exported: the app's public helpers)
     Built,
     apply_recipe,
+    recipe_line,
     ConfigError,
     build,
     config_hash,
@@ -91,6 +92,9 @@ def train_rank(cfg: DictConfig, launch: Optional[Launch], options: Optional[Long
             print("nemo-longctx: TransformerEngine is not installed: the layers, the optimizer and gradient clipping "
                   "run without its fused kernels (slower on a GPU): install nemo-longctx[te] or use NVIDIA's NeMo "
                   "container", flush=True)
+        line = recipe_line(cfg, built.global_batch_size, built.model_config.seq_length)
+        if line:
+            print(line, flush=True)
         print(
             f"nemo-longctx train: {type(built.model_config).__name__} {built.model_config.num_layers} layers, "
             f"seq {built.model_config.seq_length}, config {config_hash(cfg)[:12]}, "

@@ -774,6 +774,18 @@ def predicted_memory(cfg: DictConfig, options: LongContextOptions, seq_length: i
             f"{coef} coefficients)")
 
 
+def recipe_line(cfg: DictConfig, global_batch: int, seq_length: int) -> Optional[str]:
+    """A real model's start line: the recipe and the values the run trains with (None for the CPU demo)."""
+    if cfg.get("recipe") in (None, "demo"):
+        return None
+    o, c = cfg.optim, cfg.get("checkpoint") or {}
+    every = (f"every {c.get('every_n_steps')} steps" if (c.get("every_n_steps") or 0) > 0 else
+             f"every {c.get('every_minutes'):g} minutes" if (c.get("every_minutes") or 0) > 0 else "none")
+    return (f"nemo-longctx train: recipe {cfg.recipe} (NVIDIA NeMo): {cfg.trainer.precision}, lr {o.lr:g} -> "
+            f"{o.min_lr:g} after {o.warmup_steps} warm-up steps, {global_batch} sequences "
+            f"({global_batch * seq_length:,} tokens) per step, checkpoints {every}")
+
+
 def checkpoint_summary(cfg: DictConfig) -> str:
     """The dry run's checkpoint line: interval, where, how many kept, the size of one, asynchronous or not, resume."""
     c = cfg.get("checkpoint") or {}
