@@ -199,7 +199,7 @@ def _app_cases():
     from nemo_longctx.apps.train import build, dry_run
 
     res = {}
-    common = ["model=llama3_8b", "trainer.devices=8", "model.seq_length=131072", "run.dry_run=true"]
+    common = ["model=llama3_8b", "trainer.devices=8", "model.seq_length=131072", "run.dry_run=true", "data=synthetic"]
     for key, extra in {
         "hybrid": ["cp=hybrid", "cp.size=8", "cp.ulysses_size=4"],
         "hybrid_chunks": ["cp=hybrid", "cp.size=8", "cp.ulysses_size=2", "cp.head_chunks=4"],

@@ -201,7 +201,8 @@ def test_llama3_8b_1m_job_trains_on_an_indexed_dataset_with_its_tokenizer(slurm_
               "++model.num_attention_heads=4 ++model.num_query_groups=2 model.vocab_size=512 "
               "trainer.strategy.tensor_model_parallel_size=1 trainer.strategy.sequence_parallel=false "
               "tiling.loss_chunks=2 optim.use_distributed_optimizer=false")
-    steps = "trainer.max_steps=2 trainer.global_batch_size=1 checkpoint.every_n_steps=2"
+    # (the shrunk model keeps the NeMo recipe of the model it stands for; its batch and steps are the test's)
+    steps = "recipe=llama3_8b trainer.max_steps=2 trainer.global_batch_size=1 checkpoint.every_n_steps=2"
     env = _job_env(OUTPUT_DIR=str(out_dir), CHECKPOINT_DIR=str(ckpt), DATA_PREFIX=str(corpus["prefix"]),
                    TOKENIZER=str(corpus["tokenizer"]), EXTRA_OVERRIDES=f"{shrink} {CPU} {steps}")
     job, waited, log_text = _submit(ROOT / "examples/slurm/llama3_8b_1m.sbatch", tmp_path, env, sbatch_args=ON_CPUS)
@@ -262,7 +263,9 @@ def test_llama31_extension_job_imports_trains_and_exports(slurm_cluster, corpus,
              "optim.main_grads_dtype=fp32 optim.exp_avg_dtype=fp32 optim.exp_avg_sq_dtype=fp32")
     env = _job_env(OUTPUT_DIR=str(out_dir), HF_MODEL=str(corpus["hf_model"]), DOCS=str(corpus["docs"]),
                    ROPE_BASE="20000", MAX_STEPS="2",
-                   EXTRA_OVERRIDES=f"model.seq_length=256 tiling.loss_chunks=2 {optim} {CPU}")
+                   # (a 2-layer Llama has no NeMo recipe of its own: the 8B's, with one sequence per step)
+                   EXTRA_OVERRIDES=f"model.seq_length=256 tiling.loss_chunks=2 {optim} {CPU} recipe=llama31_8b "
+                                   "trainer.global_batch_size=1")
     job, waited, log_text = _submit(ROOT / "examples/slurm/llama31_8b_extend_512k.sbatch", tmp_path, env,
                                     wait_s=480, sbatch_args=ON_CPUS)
     assert waited.returncode == 0, f"job {job} failed: {waited.stderr}\n--- job output (tail):\n{log_text[-5000:]}"

@@ -55,8 +55,8 @@ from nemo_longctx.planner.search import (  # noqa: F401  (RECOMPUTE_GROUP, optio
     plan as make_plan,
     what_is_missing,
 )
-from nemo_longctx.shared.app_keys import is_demo_model
 from nemo_longctx.shared.overrides import conf_dir  # noqa: F401  (plan.conf_dir: the Hydra tree, used by the apps)
+from nemo_longctx.shared.overrides import is_demo_model
 from nemo_longctx.shared.plan_keys import PLAN_OPTIONS, plan_key_problems  # noqa: F401  (PLAN_OPTIONS: plan's keys)
 from nemo_longctx.shared.signals import DEFAULT_GRACE_S
 

@@ -85,11 +85,6 @@ DEMO_SETTINGS = {
 }
 
 
-def is_demo_model(model_choice: object) -> bool:
-    """The CPU demo's tiny models (``conf/model/tiny_*.yaml``): what ``recipe=auto`` gives the demo's settings."""
-    return isinstance(model_choice, str) and model_choice.startswith("tiny_")
-
-
 FAULT_KINDS = ("raise", "kill", "hang", "abort", "SIGTERM", "SIGUSR1", "SIGINT")
 
 

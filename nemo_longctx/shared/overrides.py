@@ -18,8 +18,6 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 from omegaconf import open_dict
 
-from nemo_longctx.shared.app_keys import is_demo_model
-
 CONFIG_MODULE = "nemo_longctx.conf"
 
 
@@ -60,6 +58,11 @@ def quote_path_values(args: Sequence[str]) -> List[str]:
                 a = quoted
         out.append(a)
     return out
+
+
+def is_demo_model(model_choice: object) -> bool:
+    """The CPU demo's tiny models (``conf/model/tiny_*.yaml``): what ``recipe=auto`` gives the demo's settings."""
+    return isinstance(model_choice, str) and model_choice.startswith("tiny_")
 
 
 def demo_recipe_of_choice(cfg: Any, choices: Any) -> None:

@@ -32,7 +32,8 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from nemo_longctx.options import ConfigError
-from nemo_longctx.shared.app_keys import DEMO_SETTINGS, is_demo_model
+from nemo_longctx.shared.app_keys import DEMO_SETTINGS
+from nemo_longctx.shared.overrides import is_demo_model
 
 DEMO = "demo"
 AUTO = "auto"
