@@ -779,11 +779,16 @@ def recipe_line(cfg: DictConfig, global_batch: int, seq_length: int) -> Optional
     if cfg.get("recipe") in (None, "demo"):
         return None
     o, c = cfg.optim, cfg.get("checkpoint") or {}
-    every = (f"every {c.get('every_n_steps')} steps" if (c.get("every_n_steps") or 0) > 0 else
-             f"every {c.get('every_minutes'):g} minutes" if (c.get("every_minutes") or 0) > 0 else "none")
     return (f"nemo-longctx train: recipe {cfg.recipe} (NVIDIA NeMo): {cfg.trainer.precision}, lr {o.lr:g} -> "
             f"{o.min_lr:g} after {o.warmup_steps} warm-up steps, {global_batch} sequences "
-            f"({global_batch * seq_length:,} tokens) per step, checkpoints {every}")
+            f"({global_batch * seq_length:,} tokens) per step, checkpoints {checkpoint_interval(c)}")
+
+
+def checkpoint_interval(c: Any) -> str:
+    """``every N steps`` / ``every N minutes`` / ``none`` of a checkpoint group."""
+    if (c.get("every_n_steps") or 0) > 0:
+        return f"every {c.get('every_n_steps')} steps"
+    return f"every {c.get('every_minutes'):g} minutes" if (c.get("every_minutes") or 0) > 0 else "none"
 
 
 def checkpoint_summary(cfg: DictConfig) -> str:
@@ -792,8 +797,7 @@ def checkpoint_summary(cfg: DictConfig) -> str:
     resume = f"resume={c.get('resume')}"
     if not saves_checkpoints(c):
         return f"none (a requeued or restarted run starts over), {resume}"
-    every = (f"every {c.get('every_n_steps')} steps" if (c.get("every_n_steps") or 0) > 0
-             else f"every {c.get('every_minutes'):g} minutes of training")
+    every = checkpoint_interval(c) + (" of training" if "minutes" in checkpoint_interval(c) else "")
     size = ""
     shape, _ = planner_shape(cfg)
     if shape is not None:
