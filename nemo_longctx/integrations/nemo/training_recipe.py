@@ -101,21 +101,17 @@ def long_context_variant(name: str, seq_length: int) -> str:
     """``name`` or NeMo's long-context variant of it (``<name>_<N>k``) with the longest sequence <= ``seq_length``."""
     from nemo.collections.llm import recipes
 
+    from nemo_longctx.integrations.nemo.recipes import recipe_value
+
     best, best_seq = name, 0
     for info in pkgutil.iter_modules(recipes.__path__):
         m = _VARIANT.match(info.name)
         if m is None or m.group("base") != name:
             continue
-        seq = recipe_value_of(pretrain_recipe(info.name), "data.seq_length")
+        seq = recipe_value(pretrain_recipe(info.name), "data.seq_length")
         if isinstance(seq, int) and best_seq < seq <= seq_length:
             best, best_seq = info.name, seq
     return best
-
-
-def recipe_value_of(recipe: Any, path: str) -> Any:
-    from nemo_longctx.integrations.nemo.recipes import recipe_value
-
-    return recipe_value(recipe, path)
 
 
 def nemo_recipe_settings(name: str) -> Dict[str, Any]:
