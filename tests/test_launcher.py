@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from app_runner import MEMORY_LIMIT_KB, ROOT, live_processes, metrics_rows, run_app
+from app_runner import MEMORY_LIMIT_KB, ROOT, leftover_processes, live_processes, metrics_rows, run_app
 
 BIN = Path(sys.executable).parent
 APP = [str(BIN / "nemo-longctx"), "train"]
@@ -95,8 +95,9 @@ def test_a_hung_rank_ends_the_job_through_the_collective_timeout(tmp_path):
 
 
 def _run_processes(marker: str):
-    """Command lines of the live processes that mention ``marker`` (the run's unique output dir)."""
-    return live_processes(lambda cmdline, _: marker in cmdline)
+    """The live processes of a run: the launcher (its command line mentions ``marker``, the run's unique output dir)
+    and what it started (the ranks and their fork server carry this test's name: ``leftover_processes``)."""
+    return live_processes(lambda cmdline, _: marker in cmdline) + leftover_processes()
 
 
 def test_sigterm_to_the_launcher_stops_every_rank(tmp_path):
@@ -207,3 +208,25 @@ def test_the_reason_is_the_first_failed_ranks_exception_and_consequences_are_lab
     ranked = sorted({0: collective, 1: disk, 2: peer, 3: stopped}.items(), key=lambda kv: _root_cause_key(*kv))
     assert [r for r, _ in ranked] == [1, 0, 2, 3]
     assert not _consequence(disk) and all(_consequence(f) for f in (collective, peer, stopped))
+
+
+def test_ranks_started_as_fresh_interpreters_train_like_forked_ones(tmp_path, tmp_path_factory):
+    """``launcher.start_method=spawn`` (what ``auto`` picks with CUDA: a fresh interpreter per rank) trains the default
+    job with the losses of the shared run, whose ranks were forked from the fork server (``auto`` without CUDA), to
+    the last bit; an unknown start method is refused by name before anything starts."""
+    from default_job import COMMON, STEPS, uninterrupted
+
+    from nemo_longctx.shared.launch import start_method_for
+
+    assert start_method_for(()) == "forkserver"  # this machine has no CUDA: what the shared run used
+    with pytest.raises(ValueError, match="launcher.start_method='fork'"):
+        start_method_for((), "fork")
+    forked = [r["loss"] for r in _metrics(uninterrupted(tmp_path_factory)) if "loss" in r]
+    plain = [a for a in COMMON if not a.startswith(("checkpoint.", "trainer.val", "trainer.limit_val"))]
+    code, out = run_app(APP + [f"output_dir={tmp_path}", *plain, "checkpoint.every_n_steps=0",
+                               "launcher.start_method=spawn"], 300)
+    assert code == 0, out[-3000:]
+    spawned = [r["loss"] for r in _metrics(tmp_path) if "loss" in r]
+    assert len(spawned) == STEPS and spawned == forked[:STEPS], (spawned, forked)
+    code, out = run_app(APP + [f"output_dir={tmp_path / 'refused'}", "launcher.start_method=fork"], 60)
+    assert code == 2 and "launcher.start_method" in out and "forkserver" in out, out[-2000:]

@@ -104,6 +104,7 @@ def _app_options() -> Tuple[Any, ...]:
                low=1, nullable=True),
         Option("launcher.shutdown_timeout_s", "number", 30, "local launch: seconds between SIGTERM and SIGKILL",
                above=0),
+        shared["launcher.start_method"],
         Option("run.timeout_s", "number", None, "local launch only: stop all ranks after this many seconds (exit 124)",
                above=0, nullable=True),
         Option("run.fault", "str", None, "failure drills for tests: KIND@STEP:RANK", nullable=True),
@@ -480,7 +481,9 @@ def main(argv: Optional[List[str]] = None) -> None:
                         shutdown_timeout_s=int(cfg.launcher.shutdown_timeout_s),
                         log_dir=os.path.join(output_dir, "rank_logs"), module="nemo_longctx.apps.bridge",
                         env={"NEMO_LONGCTX_BRIDGE_RANK": "1"}, forward_signals=signals,
-                        signal_grace_s=float(cfg.run.signal_grace_s))
+                        signal_grace_s=float(cfg.run.signal_grace_s),
+                        preload=("megatron.bridge", "megatron.core", "nemo_longctx.integrations.bridge.cpu_compat"),
+                        start_method=str(cfg.launcher.start_method))
     metrics = os.path.join(output_dir, "metrics.jsonl")
     save = getattr(getattr(container, "checkpoint", None), "save", None)
     print("\n".join(console.summary_lines(

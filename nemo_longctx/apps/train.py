@@ -221,12 +221,18 @@ def run(cfg: DictConfig) -> int:
             env={"NEMO_LONGCTX_CONFIG_HASH": config_hash(cfg)},
             log_dir=os.path.join(str(cfg.output_dir), "rank_logs"),
             forward_signals=signals_of(cfg.run.signals) if save_on_signal(cfg.get("checkpoint")) else (),
-            signal_grace_s=float(cfg.run.signal_grace_s),
+            signal_grace_s=float(cfg.run.signal_grace_s), preload=RANK_PRELOAD,
+            start_method=str(cfg.launcher.get("start_method", "auto")),
         )
         if code != CONFIG_ERROR_EXIT:  # (a refused configuration trained nothing: its message is the output)
             _print_summary(cfg, code, since=spawned_at, rank_logs=os.path.join(str(cfg.output_dir), "rank_logs"))
         return code
     return train_rank(cfg, launch, options)
+
+
+# what every rank imports (~20 s on one core): a local launch without CUDA imports it once and forks the ranks
+RANK_PRELOAD = ("nemo.collections.llm", "nemo.lightning", "megatron.core",
+                "lightning.pytorch", "nemo_longctx.integrations.nemo.app")
 
 
 @hydra.main(config_path=CONFIG_PATH, config_name=CONFIG_NAME, version_base=None)

@@ -7,6 +7,7 @@ import re
 from typing import List, Sequence, Tuple
 
 from nemo_longctx.options import ConfigError, LongContextOptions, Option
+from nemo_longctx.shared.launch import START_METHODS
 from nemo_longctx.shared.signals import DEFAULT_GRACE_S, DEFAULT_SIGNALS, SIGNAL_NAMES
 
 RESUME_MODES = ("auto", "never")
@@ -55,6 +56,9 @@ APP_OPTIONS = (
            above=0, nullable=True),
     Option("launcher.shutdown_timeout_s", "number", 30, "local launch: seconds between SIGTERM and SIGKILL",
            above=0),
+    Option("launcher.start_method", "choice", "auto", "local launch: how the ranks start: auto (forkserver without "
+           "CUDA, spawn with) | forkserver (the frameworks imported once, each rank forked from there) | spawn (a "
+           "fresh interpreter per rank)", choices=START_METHODS),
     Option("run.dry_run", "bool", False, "build and validate the real NeMo objects, print a summary, do not train"),
     Option("run.save_final_params", "bool", False, "write <output_dir>/final_params.pt after training"),
     Option("run.timeout_s", "number", None, "local launch only: stop all ranks after this many seconds (exit 124)",

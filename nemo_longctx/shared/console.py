@@ -32,6 +32,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 LEVELS = ("info", "debug")
 VERBOSE_FLAG = "--verbose"
+LOG_LEVEL_VAR = "NEMO_LONGCTX_LOG_LEVEL"  # the local launcher's log.level, for its fork server (rank_preamble.py)
 
 # third-party loggers whose level the quiet console raises (a parent's level covers its children)
 THIRD_PARTY_LOGGERS = (

@@ -7,15 +7,19 @@ GROUP_RANK, MASTER_ADDR, MASTER_PORT) and Lightning's ``TorchElasticEnvironment`
     SLURM_LOCALID, SLURM_NODEID, SLURM_STEP_NODELIST / SLURM_JOB_NODELIST) they are derived from the Slurm
     variables (no torchrun needed);
   * otherwise the app starts ``trainer.devices`` local processes with PyTorch's elastic agent (``launch_local``,
-    what ``torchrun --standalone`` runs) running ``python -m nemo_longctx.apps.train <the same command line>``.
+    what ``torchrun --standalone`` runs), each running the app's module (``nemo_longctx.apps.train``) with the same
+    command line, as ``python -m`` would.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import uuid
 from dataclasses import dataclass
@@ -95,10 +99,17 @@ def detect_external_launch() -> Optional[Launch]:
 def launch_local(nproc: int, argv: Sequence[str], threads_per_process: int, *, wall_timeout_s: Optional[float] = None,
                  shutdown_timeout_s: int = 30, env: Optional[Dict[str, str]] = None,
                  log_dir: Optional[str] = None, module: str = "nemo_longctx.apps.train",
-                 forward_signals: Sequence[int] = (), signal_grace_s: float = 120.0) -> int:
-    """Start ``python -m <module> *argv`` (default: ``nemo_longctx.apps.train``) on ``nproc`` local ranks with PyTorch's
-    elastic agent (the code ``torchrun --standalone`` runs: a c10d rendezvous on a port the OS picks, no restarts)
-    and wait for them.
+                 forward_signals: Sequence[int] = (), signal_grace_s: float = 120.0,
+                 preload: Sequence[str] = (), start_method: str = "auto") -> int:
+    """Run ``module`` (default: ``nemo_longctx.apps.train``) as ``python -m <module> *argv`` would, on ``nproc`` local
+    ranks started by PyTorch's elastic agent (the code ``torchrun --standalone`` runs: a c10d rendezvous on a port the
+    OS picks, no restarts), and wait for them.
+
+    How the ranks start (``start_method``, ``launcher.start_method``; ``auto``: ``start_method_for``): ``forkserver``
+    -- one server process imports ``preload`` (the frameworks every rank needs: NeMo, Megatron-core, Lightning) once
+    and forks each rank from there, so the ranks skip those ~20 s of imports each -- or ``spawn``, a fresh interpreter
+    per rank. ``auto`` is ``forkserver`` on a machine without CUDA and ``spawn`` with CUDA: a framework may initialise
+    CUDA as it is imported, and CUDA does not survive a fork.
 
     Returns 0 when every rank succeeded. When a rank fails (raises, exits non-zero or is killed) the agent stops the
     others (SIGTERM, SIGKILL after ``shutdown_timeout_s``); the failed rank, its exit code and its error (the
@@ -109,9 +120,11 @@ def launch_local(nproc: int, argv: Sequence[str], threads_per_process: int, *, w
     exits with ``PREEMPTED_EXIT`` (returned); a second one, or ``signal_grace_s`` seconds without the ranks gone,
     stops every rank as above.
 
-    No process of the run outlives it: a small reaper process (``_Reaper``) SIGKILLs whatever still carries the run's
-    token in its environment (ranks and what they started, e.g. a checkpoint worker) once this process is gone,
-    however it went (a SIGKILL included: the reaper reads a pipe that only this process holds open).
+    Each rank runs in its own session (process group) and writes its pid to the run's rank-pid folder (the launcher
+    forwards signals to exactly those processes). No process of the run outlives it: a small reaper process
+    (``_Reaper``) SIGKILLs whatever still carries the run's token in its environment (ranks, their fork server and
+    what they started, e.g. a checkpoint worker) once this process is gone, however it went (a SIGKILL included: the
+    reaper reads a pipe that only this process holds open).
 
     Each rank's stderr goes to ``<log_dir>/<run id>_*/attempt_0/<local rank>/stderr.log`` (torch's own
     ``DefaultLogsSpecs`` layout; a temporary directory when ``log_dir`` is None) and is copied to this process's stderr
@@ -122,13 +135,17 @@ def launch_local(nproc: int, argv: Sequence[str], threads_per_process: int, *, w
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from nemo_longctx.shared import collector
+    from nemo_longctx.shared import collector, console
 
     collector.resume()  # the app paused it at its entry: on again for the (long) wait on the ranks
 
     for k in [k for k in os.environ if k.startswith("SLURM_")]:
         os.environ.pop(k)  # a single-task Slurm allocation: the ranks are our processes, not Slurm's
-    os.environ.update(OMP_NUM_THREADS=str(threads_per_process), NEMO_LONGCTX_SPAWNED="1", **(env or {}))
+    pid_dir = tempfile.mkdtemp(prefix="nemo-longctx-ranks-")
+    os.environ.update(OMP_NUM_THREADS=str(threads_per_process), NEMO_LONGCTX_SPAWNED="1", **{
+        LAUNCHER_PID_VAR: str(os.getpid()), RANK_PIDS_VAR: pid_dir, console.LOG_LEVEL_VAR: console.level()},
+        **(env or {}))
+    start_method = start_method_for(preload, start_method)
     forward = tuple(signal.Signals(s) for s in forward_signals)
     # the agent handles the signals it knows, except those forwarded (its handler would stop the ranks at once)
     agent_signals = ",".join(n for n in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT") if signal.Signals[n] not in forward)
@@ -136,7 +153,7 @@ def launch_local(nproc: int, argv: Sequence[str], threads_per_process: int, *, w
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"nemo-longctx-{uuid.uuid4().hex[:12]}",
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.5,
-        start_method="spawn", shutdown_timeout=int(shutdown_timeout_s), logs_specs=_rank_stderr_logs(log_dir),
+        start_method=start_method, shutdown_timeout=int(shutdown_timeout_s), logs_specs=_rank_stderr_logs(log_dir),
         signals_to_handle=agent_signals,
     )
     timed_out = threading.Event()
@@ -149,23 +166,28 @@ def launch_local(nproc: int, argv: Sequence[str], threads_per_process: int, *, w
         timer = threading.Timer(float(wall_timeout_s), _expire)
         timer.daemon = True
         timer.start()
-    forwarding = _SignalForwarding(forward, float(signal_grace_s), exclude=(reaper.pid,), timed_out=timed_out)
+    forwarding = _SignalForwarding(forward, float(signal_grace_s), pid_dir=pid_dir, timed_out=timed_out)
+    processes = _RankProcesses(pid_dir)
+    agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
     try:
+        agent_log.addFilter(_agent_failure_record)
         forwarding.install()
-        elastic_launch(config, entrypoint=sys.executable)("-m", module, *argv)
+        processes.start()
+        elastic_launch(config, entrypoint=run_rank)(module, list(argv))
         return 0
     except ChildFailedError as e:
-        ranked = sorted(e.failures.items(), key=lambda kv: _root_cause_key(*kv))
+        failures = processes.failures(e.failures, config.logs_specs.error_files)  # type: ignore[union-attr]
+        ranked = sorted(failures.items(), key=lambda kv: _root_cause_key(*kv))
         rank, failure = ranked[0]
         config.logs_specs.stop()  # type: ignore[union-attr]  # every rank's stderr is on the console and on disk
-        if _preempted(e.failures.values()):
+        if _preempted(failures.values()):
             return PREEMPTED_EXIT  # every rank saved and stopped (rank 0 printed where the checkpoint is)
         refused = config_error_of(failure)
         if refused is not None:  # the ranks refused the configuration: its one message, no table of tracebacks
             print(f"nemo-longctx: {refused}", file=sys.stderr, flush=True)
-            _kill_process_groups(f.pid for f in e.failures.values())
+            _kill_process_groups(f.pid for f in failures.values())
             return CONFIG_ERROR_EXIT
-        print(e.format_msg(), file=sys.stderr, flush=True)
+        print(ChildFailedError(e.name, failures).format_msg(), file=sys.stderr, flush=True)  # torch's table, all ranks
         print(f"nemo-longctx: FAILED: rank {rank} {_describe(failure)}", file=sys.stderr, flush=True)
         for other, f in ranked[1:]:
             then = "then, as a consequence," if _consequence(f) else "then"
@@ -178,7 +200,7 @@ def launch_local(nproc: int, argv: Sequence[str], threads_per_process: int, *, w
                 print("".join(f"nemo-longctx:   | {ln}\n" for ln in tail) or "nemo-longctx:   | (nothing)",
                       file=sys.stderr, end="", flush=True)
         code = failure.exitcode
-        _kill_process_groups(f.pid for f in e.failures.values())
+        _kill_process_groups(f.pid for f in failures.values())
         return 128 - code if code < 0 else (code or 1)
     except SignalException as e:
         if timed_out.is_set():
@@ -190,11 +212,71 @@ def launch_local(nproc: int, argv: Sequence[str], threads_per_process: int, *, w
               file=sys.stderr, flush=True)
         return 128 + int(e.sigval)
     finally:
+        agent_log.removeFilter(_agent_failure_record)
+        processes.stop()
         forwarding.uninstall()
         if timer is not None:
             timer.cancel()
         config.logs_specs.stop()  # type: ignore[union-attr]
         reaper.release()
+        shutil.rmtree(pid_dir, ignore_errors=True)
+
+
+LAUNCHER_PID_VAR = "NEMO_LONGCTX_LAUNCHER_PID"  # in a rank of the local launcher: the launcher's pid
+RANK_PIDS_VAR = "NEMO_LONGCTX_RANK_PIDS"  # in a rank of the local launcher: the folder each rank writes its pid to
+FORKED_RANK_VAR = "NEMO_LONGCTX_FORKED_RANK"  # set in a rank while ``run_rank`` runs it (``process_exit`` reads it)
+
+
+START_METHODS = ("auto", "forkserver", "spawn")
+
+
+def start_method_for(preload: Sequence[str], requested: str = "auto") -> str:
+    """The start method of ``requested`` (one of ``START_METHODS``): ``auto`` is ``forkserver`` on a machine without
+    CUDA, else ``spawn``; ``forkserver`` gets ``preload`` imported once in the server."""
+    import multiprocessing
+
+    if requested not in START_METHODS:
+        raise ValueError(f"launcher.start_method={requested!r}: expected one of {', '.join(START_METHODS)}")
+    if requested == "auto":
+        import torch
+
+        requested = "spawn" if torch.cuda.is_available() else "forkserver"
+    if requested == "spawn":
+        return "spawn"
+    # the server imports these once; every rank forks from it (a module that fails to import is left to the rank,
+    # which then reports the error itself)
+    multiprocessing.get_context("forkserver").set_forkserver_preload(
+        ["nemo_longctx.shared.rank_preamble", "nemo_longctx.shared.launch", *preload])
+    return "forkserver"
+
+
+def run_rank(module: str, argv: Sequence[str]) -> None:
+    """A rank of ``launch_local``: ``python -m <module> *argv`` in this (forked or spawned) process.
+
+    The rank leads its own session, as a rank ``torchrun`` starts does (so the launcher can stop what it started, and
+    a Ctrl-C on the terminal reaches the launcher, not each rank), and writes its pid where the launcher reads it. An
+    exit with status 0 (``sys.exit(0)``, ``process_exit.exit_process(0)``) returns, as the elastic agent expects of a
+    rank that succeeded; any other status ends the process with it."""
+    import runpy
+
+    os.setsid()
+    pid_dir = os.environ.get(RANK_PIDS_VAR)
+    if pid_dir:
+        with open(os.path.join(pid_dir, f"{os.environ.get('LOCAL_RANK', os.getpid())}.pid"), "w") as f:
+            f.write(str(os.getpid()))
+    os.environ[FORKED_RANK_VAR] = "1"
+    sys.argv = [module, *argv]
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        if e.code not in (0, None):
+            raise
+
+
+def launcher_pid() -> int:
+    """The process that started this rank: the local launcher (``LAUNCHER_PID_VAR``), else the parent (torchrun's
+    agent, or srun's step daemon)."""
+    return int(os.environ.get(LAUNCHER_PID_VAR) or os.getppid())
 
 
 def _preempted(failures) -> bool:
@@ -205,12 +287,12 @@ def _preempted(failures) -> bool:
 
 
 class _SignalForwarding:
-    """The launcher's side of save-on-signal: the first of ``signals`` goes to every rank (the processes this one
-    started, but ``exclude``); a second signal, or ``grace_s`` seconds later, the agent's stop (SignalException)."""
+    """The launcher's side of save-on-signal: the first of ``signals`` goes to every rank (the pids the ranks wrote to
+    ``pid_dir``); a second signal, or ``grace_s`` seconds later, the agent's stop (SignalException)."""
 
-    def __init__(self, signals: Sequence[signal.Signals], grace_s: float, exclude: Sequence[int],
+    def __init__(self, signals: Sequence[signal.Signals], grace_s: float, pid_dir: str,
                  timed_out: threading.Event) -> None:
-        self.signals, self.grace_s, self.exclude, self.timed_out = tuple(signals), grace_s, set(exclude), timed_out
+        self.signals, self.grace_s, self.pid_dir, self.timed_out = tuple(signals), grace_s, pid_dir, timed_out
         self.received: Optional[signal.Signals] = None
         self.grace_over = threading.Event()
         self._previous: Dict[signal.Signals, object] = {}
@@ -242,7 +324,7 @@ class _SignalForwarding:
         if self.received is not None or self.timed_out.is_set():
             raise SignalException(f"Process {os.getpid()} got signal: {sig}", sigval=sig)
         self.received = sig
-        ranks = [pid for pid in _children(os.getpid()) if pid not in self.exclude]
+        ranks = list(_rank_pids(self.pid_dir))
         for pid in ranks:
             try:
                 os.kill(pid, sig)
@@ -260,20 +342,65 @@ class _SignalForwarding:
         self._timer.start()
 
 
-def _children(pid: int) -> list:
-    """The live processes whose parent is ``pid`` (from /proc)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+def _rank_pids(pid_dir: str) -> Dict[int, int]:
+    """{pid: local rank} of the ranks of this launch (the files ``run_rank`` wrote to ``pid_dir``)."""
+    pids = {}
+    for name in sorted(os.listdir(pid_dir)) if os.path.isdir(pid_dir) else ():
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            found.append(int(entry))
-    return found
+            with open(os.path.join(pid_dir, name)) as f:
+                pids[int(f.read().strip())] = int(name.split(".")[0])
+        except (OSError, ValueError):  # a rank writing its pid right now: it has not yet installed its handlers
+            pass
+    return pids
+
+
+def _agent_failure_record(record: logging.LogRecord) -> bool:
+    """Drops the agent's own line about a failed rank (with a traceback of its own process bookkeeping): the launcher
+    reports every failed rank itself, with its error (kept under ``log.level=debug``)."""
+    from nemo_longctx.shared import console
+
+    return console.level() == "debug" or not str(record.msg).startswith("failed (exitcode")
+
+
+class _RankProcesses:
+    """Every rank's exit status, for the failure report. The elastic agent reports the first rank it finds failed
+    when it starts ranks as processes of a function (``run_rank``), then stops the others; a rank that failed at the
+    same moment, or that had to be killed (a hung one: SIGKILL after the shutdown timeout), would go unnamed. This
+    keeps the ranks' ``multiprocessing`` process objects (``multiprocessing.active_children()``, polled while the run
+    lasts) and, after a failure, adds each other rank that ended with a non-zero status as the agent's report of
+    command-line ranks does."""
+
+    def __init__(self, pid_dir: str, interval_s: float = 0.25) -> None:
+        self.pid_dir, self.interval_s = pid_dir, interval_s
+        self._seen: Dict[int, object] = {}
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="nemo-longctx-rank-processes", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._done.set()
+
+    def _watch(self) -> None:
+        import multiprocessing
+
+        while not self._done.wait(self.interval_s):
+            for p in multiprocessing.active_children():
+                self._seen.setdefault(p.pid, p)
+
+    def failures(self, reported: Dict[int, object], error_files: Dict[int, str]) -> Dict[int, object]:
+        """``reported`` (rank -> ``ProcessFailure``) and every other rank that ended with a non-zero status."""
+        from torch.distributed.elastic.multiprocessing.api import ProcessFailure
+
+        failures = dict(reported)
+        for pid, local_rank in _rank_pids(self.pid_dir).items():
+            process = self._seen.get(pid)
+            code = getattr(process, "exitcode", None)
+            if local_rank not in failures and code not in (None, 0):
+                failures[local_rank] = ProcessFailure(local_rank=local_rank, pid=pid, exitcode=int(code),
+                                                      error_file=error_files.get(local_rank, ""))
+        return failures
 
 
 class _Reaper:
@@ -315,11 +442,13 @@ def _rank_stderr_logs(log_dir: Optional[str]):
         def __init__(self) -> None:
             super().__init__(log_dir=log_dir, redirects=Std.ERR)
             self._paths: Dict[int, str] = {}
+            self.error_files: Dict[int, str] = {}
             self._tail: Optional[TailLog] = None
 
         def reify(self, envs):  # called by the agent before it starts the ranks
             dest = super().reify(envs)
             self._paths = {r: p for r, p in dest.stderrs.items() if p}
+            self.error_files = dict(dest.error_files)
             self.stop()
             self._tail = TailLog("rank", self._paths, sys.stderr, {r: "" for r in self._paths}).start()
             return dest
@@ -457,7 +586,7 @@ def inject_fault(kind: str, step: int, rank: int) -> None:
     start of training step STEP (both apps call it from their step-start hook): ``raise`` a RuntimeError, ``kill``
     itself with SIGKILL, ``abort`` like a C++ fatal error (a marker on stderr, then SIGABRT), ``hang`` (the peers
     block in their next collective until the collective timeout or the launcher stops the run), or ``SIGTERM`` /
-    ``SIGUSR1``: send that signal to its launcher (the parent process: the local launcher or torchrun's agent), as
+    ``SIGUSR1``: send that signal to its launcher (the local launcher, or torchrun's agent: ``launcher_pid``), as
     a scheduler would, and train on (a preemption drill)."""
     import time
 
@@ -469,8 +598,8 @@ def inject_fault(kind: str, step: int, rank: int) -> None:
     if kind == "abort":
         print(f"run.fault: rank {rank} aborts now (C++-style fatal error marker)", file=sys.stderr, flush=True)
         os.abort()
-    if kind.startswith("SIG"):  # a preemption drill: the signal comes to the launcher (this rank's parent) from
-        os.kill(os.getppid(), signal.Signals[kind])  # outside, as from scancel/kill; the launcher forwards it, and
+    if kind.startswith("SIG"):  # a preemption drill: the signal comes to the launcher from outside, as from
+        os.kill(launcher_pid(), signal.Signals[kind])  # scancel/kill; the launcher forwards it, and
         time.sleep(1.0)  # it reaches every rank before this step ends
         return
     while True:

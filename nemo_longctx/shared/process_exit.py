@@ -7,7 +7,9 @@ launcher waits for the slowest. ``exit_process(code)`` does what a normal exit d
 runs the threading-atexit callbacks and waits for non-daemon threads (an async checkpoint writer, say), runs the
 atexit handlers (logging's flush and close, Lightning's and NeMo's own), flushes stdout/stderr -- then ends the
 process with ``os._exit(code)``, skipping only the teardown of module globals. Used by the apps' ranks (and their
-single-process runs) after their work is done.
+single-process runs) after their work is done. In a rank the local launcher runs in a forked or spawned process
+(``launch.run_rank``), the last step is ``SystemExit(code)`` instead: ``run_rank`` and multiprocessing then end the
+process, likewise without the teardown (multiprocessing's children end with ``os._exit``).
 """
 
 from __future__ import annotations
@@ -42,4 +44,6 @@ def exit_process(code: int) -> None:
                 stream.flush()
             except (OSError, ValueError):  # a closed or broken stream: nothing left to flush
                 pass
+        if os.environ.get("NEMO_LONGCTX_FORKED_RANK") == "1":  # launch.FORKED_RANK_VAR (standard library only here)
+            raise SystemExit(int(code))
         os._exit(int(code))
