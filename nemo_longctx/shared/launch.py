@@ -167,7 +167,7 @@ def launch_local(nproc: int, argv: Sequence[str], threads_per_process: int, *, w
         timer.daemon = True
         timer.start()
     forwarding = _SignalForwarding(forward, float(signal_grace_s), pid_dir=pid_dir, timed_out=timed_out)
-    processes = _RankProcesses(pid_dir)
+    processes = _RankProcesses(pid_dir, nproc)
     agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
     try:
         agent_log.addFilter(_agent_failure_record)
@@ -366,12 +366,15 @@ class _RankProcesses:
     """Every rank's exit status, for the failure report. The elastic agent reports the first rank it finds failed
     when it starts ranks as processes of a function (``run_rank``), then stops the others; a rank that failed at the
     same moment, or that had to be killed (a hung one: SIGKILL after the shutdown timeout), would go unnamed. This
-    keeps the ranks' ``multiprocessing`` process objects (``multiprocessing.active_children()``, polled while the run
-    lasts) and, after a failure, adds each other rank that ended with a non-zero status as the agent's report of
-    command-line ranks does."""
+    keeps the ranks' ``multiprocessing`` process objects and, after a failure, adds each other rank that ended with a
+    non-zero status, as the agent's report of command-line ranks does.
 
-    def __init__(self, pid_dir: str, interval_s: float = 0.25) -> None:
-        self.pid_dir, self.interval_s = pid_dir, interval_s
+    The objects are taken once, as soon as every rank has written its pid (``multiprocessing.active_children()``,
+    which also asks each child whether it ended: asked again while the agent waits on the same children, two threads
+    could read one child's exit status and one of them would get a wrong one)."""
+
+    def __init__(self, pid_dir: str, nproc: int, interval_s: float = 0.05) -> None:
+        self.pid_dir, self.nproc, self.interval_s = pid_dir, nproc, interval_s
         self._seen: Dict[int, object] = {}
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="nemo-longctx-rank-processes", daemon=True)
@@ -386,8 +389,9 @@ class _RankProcesses:
         import multiprocessing
 
         while not self._done.wait(self.interval_s):
-            for p in multiprocessing.active_children():
-                self._seen.setdefault(p.pid, p)
+            if len(_rank_pids(self.pid_dir)) >= self.nproc:
+                self._seen = {p.pid: p for p in multiprocessing.active_children()}
+                return
 
     def failures(self, reported: Dict[int, object], error_files: Dict[int, str]) -> Dict[int, object]:
         """``reported`` (rank -> ``ProcessFailure``) and every other rank that ended with a non-zero status."""
