@@ -171,8 +171,8 @@ def attach_memory_options(model: Any, opts: MemoryOptions, *, record_events: boo
 
     from .core_attention import LongContextCoreAttention
     from .norm_recompute_layer import install_norm_recompute
-    from .offload_block import (LongContextTransformerBlock, chunk_rotary_hook, chunk_rotary_pre_hook,
-                                is_multi_latent_attention, route_block_recompute)
+    from .offload_block import (LongContextTransformerBlock, block_recompute_routed, chunk_rotary_hook,
+                                chunk_rotary_pre_hook, is_multi_latent_attention)
 
     blocks = transformer_blocks(model)
     if not blocks:
@@ -191,8 +191,11 @@ def attach_memory_options(model: Any, opts: MemoryOptions, *, record_events: boo
                                            record_events=record_events)
     if opts.recompute == "full_keep_attn":
         rt.kept_cache = KeptAttentionCache()
-    if opts.full:
-        route_block_recompute()
+    if opts.full and not block_recompute_routed():
+        raise RuntimeError(f"recompute={opts.recompute}: this Megatron-core runs a block's full recompute through "
+                           "megatron.core.recompute.checkpointed_forward, and the Megatron-core patch ledger (row R1) "
+                           "that routes our blocks to their own method was not applied: apply the ledger at the "
+                           "app's entry (nemo_longctx.integrations.megatron.cpu_compat.apply())")
     for b in blocks:
         if opts.full:
             if not isinstance(b, LongContextTransformerBlock):

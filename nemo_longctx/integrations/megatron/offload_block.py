@@ -3,8 +3,8 @@ checkpoint *call* can run inside the activation offloader's scope (``offload=lay
 ``memory_scope`` (per-layer attribution).
 
 Megatron's ``TransformerBlock._checkpointed_forward`` has no hook around its ``tensor_parallel.checkpoint`` calls, so
-``attach_memory_options`` changes the class of the model's decoder block instances to this subclass (no global
-patch). Semantics match Megatron's for ``recompute_method``:
+the decoder block is built as this subclass, whose own method runs the full recompute (Megatron-core >= 0.19 calls a
+function instead of the method: the Megatron-core patch ledger's row R1 routes our blocks to the method). Semantics match Megatron's for ``recompute_method``:
   uniform  layers [0, n) in chunks of ``recompute_num_layers``, each chunk one checkpoint (the last chunk is clamped
            to the layers of this pipeline stage);
   block    the first ``recompute_num_layers`` layers checkpointed one by one, the others run normally.
@@ -243,12 +243,13 @@ def _dispatch_checkpointed_forward(original: Any) -> Any:
 
 
 def route_block_recompute() -> bool:
-    """Megatron-core >= 0.17 runs a block's full recompute in ``megatron.core.recompute.checkpointed_forward``,
+    """Megatron-core >= 0.19 runs a block's full recompute in ``megatron.core.recompute.checkpointed_forward``,
     which ``TransformerBlock.forward`` calls by the name it imported into ``transformer_block`` -- no longer through
-    the ``_checkpointed_forward`` method this subclass overrides (<= 0.16). This rebinds that one name to a
+    the ``_checkpointed_forward`` method this subclass overrides (<= 0.17). This rebinds that one name to a
     dispatcher that sends ``LongContextTransformerBlock`` instances to their method and every other block to
-    Megatron's function unchanged (applied once, on any device; a no-op on versions without the function).
-    Returns True when the dispatcher is in place."""
+    Megatron's function unchanged: row R1 of the Megatron-core patch ledger (``patches.py``), applied at an app's
+    entry on any device; nothing is rebound on versions without the function. Returns True when the dispatcher is
+    in place."""
     from megatron.core.transformer import transformer_block
 
     current = getattr(transformer_block, "checkpointed_forward", None)
@@ -257,3 +258,13 @@ def route_block_recompute() -> bool:
     if not hasattr(current, "_nemo_longctx_original"):
         transformer_block.checkpointed_forward = _dispatch_checkpointed_forward(current)
     return True
+
+
+def block_recompute_routed() -> bool:
+    """Whether a ``LongContextTransformerBlock`` runs its own ``_checkpointed_forward`` under full recompute: always
+    on Megatron-core versions that call the method, after ledger row R1 on those that call
+    ``megatron.core.recompute.checkpointed_forward``."""
+    from megatron.core.transformer import transformer_block
+
+    current = getattr(transformer_block, "checkpointed_forward", None)
+    return current is None or hasattr(current, "_nemo_longctx_original")
