@@ -35,6 +35,7 @@ def build_model(shape, cand, seq: int, *, dtype=None):
 
     from nemo_longctx.integrations.megatron.gpt_chunked_loss import use_chunked_loss
     from nemo_longctx.integrations.megatron.memory_options import apply_recompute_fields, attach_memory_options
+    from nemo_longctx.integrations.megatron.norm_recompute_layer import norm_recompute_configured
     from nemo_longctx.integrations.megatron.spec import long_context_layer_spec
     from nemo_longctx.integrations.megatron.tiled_mlp_layer import tiled_mlp_layer_spec
 
@@ -49,7 +50,8 @@ def build_model(shape, cand, seq: int, *, dtype=None):
         persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False)
     cfg = apply_recompute_fields(copy.copy(cfg), opts)
-    spec = long_context_layer_spec(get_gpt_layer_local_spec(normalization="RMSNorm"), algo, **cp_kwargs)
+    spec = long_context_layer_spec(get_gpt_layer_local_spec(normalization="RMSNorm"), algo,
+                                   norm_recompute=norm_recompute_configured(cfg), **cp_kwargs)
     if cand.mlp_tiles > 1:
         spec = tiled_mlp_layer_spec(spec, cand.mlp_tiles)
     model = GPTModel(cfg, spec, vocab_size=shape.vocab_size, max_sequence_length=seq,
