@@ -1,7 +1,8 @@
 """The patch ledgers (``integrations/{megatron,nemo,bridge}/patches.py``): every rebinding of a third-party name is a
 row (target, devices, versions, why, the function that makes it); an app's entry applies its ledger once, the
-Megatron-core ledger first; CPU-only rows are declared so and are not part of what a CUDA process applies; the two
-all-device rows are the block-recompute routing (R1) and NeMo's group timeout (T1)."""
+Megatron-core ledger first; CPU-only rows are declared so and are not part of what a CUDA process applies. The
+all-device rows: the GPT decoder built as our block (R2) and routed to its own recompute (R1), NeMo's group timeout
+(T1), and each front end's GPT model class (M1: the chunked loss built in)."""
 
 from __future__ import annotations
 
@@ -29,15 +30,15 @@ def test_ledgers_declare_every_row_completely():
             assert module.startswith("nemo_longctx.integrations.") and name, row
 
 
-def test_only_the_two_declared_rows_apply_on_every_device():
+ALL_DEVICE_ROWS = {"Megatron-core": ["R2", "R1"], "NeMo 2": ["T1", "M1"], "Megatron-Bridge": ["M1"]}
+
+
+def test_only_the_declared_rows_apply_on_every_device():
     """What a process with CUDA applies, read from the declarations: only the all-device rows."""
-    megatron, nemo, bridge = ledgers()
-    assert [r.key for r in megatron.rows_for(cuda=True)] == ["R1"]
-    assert [r.key for r in nemo.rows_for(cuda=True)] == ["T1"]
-    assert bridge.rows_for(cuda=True) == []
-    for ledger in (megatron, nemo, bridge):
+    for ledger in ledgers():
+        assert [r.key for r in ledger.rows_for(cuda=True)] == ALL_DEVICE_ROWS[ledger.framework]
         assert ledger.rows_for(cuda=False) == list(ledger.rows)  # without CUDA: every row, in table order
-        assert all(r.devices == CPU_ONLY for r in ledger.rows if r.key not in ("R1", "T1")), ledger.framework
+        assert all(r.devices == CPU_ONLY for r in ledger.rows if r.key not in ALL_DEVICE_ROWS[ledger.framework])
 
 
 def test_every_row_names_a_function_of_the_modules_that_may_patch():
@@ -59,6 +60,8 @@ from nemo_longctx.integrations.nemo.patches import LEDGER as NEMO
 from nemo_longctx.integrations.megatron.patches import LEDGER as MEGATRON
 import nemo.lightning.megatron_init as megatron_init
 from megatron.core import parallel_state
+from megatron.core.models.gpt import gpt_model
+from nemo.collections.llm.gpt.model import base
 cuda_before = (torch.cuda.Stream, torch.cuda.current_device)
 out = {"cuda": torch.cuda.is_available()}
 if sys.argv[1] == "cuda-rows":  # a process applying what a CUDA process applies (the ledgers' own choice of rows)
@@ -66,6 +69,7 @@ if sys.argv[1] == "cuda-rows":  # a process applying what a CUDA process applies
     out["cuda_untouched"] = (torch.cuda.Stream, torch.cuda.current_device) == cuda_before
     out["seed_untouched"] = not getattr(megatron_init._set_random_seed, "_nemo_longctx", False)
     out["timeout_routed"] = getattr(parallel_state.initialize_model_parallel, "_nemo_longctx", False)
+    out["classes"] = [base.MCoreGPTModel.__name__, gpt_model.TransformerBlock.__name__]
 else:
     first = compat.apply()
     seed, init = megatron_init._set_random_seed, parallel_state.initialize_model_parallel
@@ -100,5 +104,7 @@ def test_an_entry_applies_the_ledgers_once_megatron_first():
 def test_cuda_rows_leave_the_cpu_only_targets_alone():
     out = _run("cuda-rows")
     applied_now, megatron_applied, nemo_applied = out["first"]
-    assert applied_now == ["T1"] and nemo_applied == ["T1"] and megatron_applied == ["R1"]
+    assert applied_now == nemo_applied == ALL_DEVICE_ROWS["NeMo 2"]
+    assert megatron_applied == ALL_DEVICE_ROWS["Megatron-core"]
     assert out["cuda_untouched"] and out["seed_untouched"] and out["timeout_routed"]
+    assert out["classes"] == ["ChunkedLossGPTModel", "decoder_block"]  # rows M1 and R2 in place

@@ -181,6 +181,17 @@ def local_block_spec(provider: Any, vp_stage: Any = None, normalization: str = "
                                       vp_stage=vp_stage)
 
 
+def _gpt_model_class() -> None:  # M1 (all machines)
+    """Bridge's ``GPTModelProvider.provide`` builds ``MCoreGPTModel`` (its name for Megatron's GPTModel, bound in
+    ``megatron.bridge.models.gpt_provider``) and offers no hook for another class: the name is bound to
+    ``ChunkedLossGPTModel``, Megatron's GPTModel exactly until ``tiling.loss_chunks`` sets a policy on it."""
+    from megatron.bridge.models import gpt_provider
+
+    from nemo_longctx.integrations.megatron.gpt_chunked_loss import ChunkedLossGPTModel
+
+    gpt_provider.MCoreGPTModel = ChunkedLossGPTModel
+
+
 def apply(force: bool = False) -> bool:
     """Apply Megatron-Bridge's patch ledger (``patches.LEDGER``: the Megatron-core ledger first, then these stand-ins
     when CUDA is unavailable -- or with ``force``), once. Returns True if the CPU stand-ins are active."""

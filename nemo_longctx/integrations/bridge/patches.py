@@ -9,7 +9,7 @@ Bridge or Megatron (``nemo-longctx --versions``, the self-test).
 from __future__ import annotations
 
 from nemo_longctx.integrations.megatron.patches import LEDGER as MEGATRON_LEDGER
-from nemo_longctx.shared.patch_ledger import CPU_ONLY, Patch, PatchLedger
+from nemo_longctx.shared.patch_ledger import ALL_DEVICES, CPU_ONLY, Patch, PatchLedger
 
 _COMPAT = "nemo_longctx.integrations.bridge.cpu_compat"
 BRIDGE = "megatron-bridge 0.6 with megatron-core 0.19"
@@ -30,4 +30,8 @@ LEDGER = PatchLedger("Megatron-Bridge", (
           f"{_COMPAT}:_torch_optimizers"),
     Patch("B10", "megatron.core.transformer.moe.moe_utils.te_general_gemm", CPU_ONLY, BRIDGE,
           "the router's gating GEMM runs TE's cuBLAS GEMM whenever TE imports", f"{_COMPAT}:_moe_router_gemm"),
+    Patch("M1", "megatron.bridge.models.gpt_provider.MCoreGPTModel", ALL_DEVICES, BRIDGE,
+          "GPTModelProvider.provide builds this class and offers no hook for another one: bound to "
+          "ChunkedLossGPTModel (Megatron's GPTModel exactly until tiling.loss_chunks sets a policy)",
+          f"{_COMPAT}:_gpt_model_class"),
 ), requires=(MEGATRON_LEDGER,))

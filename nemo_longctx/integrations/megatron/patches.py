@@ -2,8 +2,9 @@
 
 Applied once at an app's entry (``LEDGER.apply()``; the NeMo 2 and Megatron-Bridge ledgers apply it first), never
 from a constructor. The CPU-only rows are the fixes of ``cpu_compat.py`` (numbers 1-16) and ``cpu_compat_fsdp.py``
-(F1-F6), whose docstrings explain each one in full; the all-device row routes a full-recompute block of ours to its
-own method on the Megatron-core versions that no longer call it. Reading this module imports nothing of Megatron.
+(F1-F6), whose docstrings explain each one in full; the two all-device rows build a full-recompute decoder as our
+block subclass (R2: Megatron's GPTModel has no hook for the block's class) and route it to its own method on the
+Megatron-core versions that no longer call it (R1). Reading this module imports nothing of Megatron.
 """
 
 from __future__ import annotations
@@ -60,6 +61,11 @@ LEDGER = PatchLedger("Megatron-core", (
           "Tensor.type())", CPU_ONLY, "torch 2.x",
           "CUDA factory calls and CUDA type checks all over Megatron: mapped to the CPU",
           f"{_CPU}:_enter_cuda_to_cpu_mode"),
+    Patch("R2", "megatron.core.models.gpt.gpt_model.TransformerBlock", ALL_DEVICES, TESTED,
+          "GPTModel builds its decoder with this name and takes no spec or argument for the block's class: a model "
+          "whose config carries our full-recompute mark is built with LongContextTransformerBlock (offload, kept "
+          "attention, sequence chunks), every other model with Megatron's TransformerBlock as before",
+          "nemo_longctx.integrations.megatron.offload_block:build_decoder_blocks_by_config"),
     Patch("R1", "megatron.core.transformer.transformer_block.checkpointed_forward", ALL_DEVICES,
           "megatron-core >= 0.19 (where megatron.core.recompute exists; nothing is rebound before)",
           "TransformerBlock.forward calls this function instead of the block's _checkpointed_forward: blocks built "

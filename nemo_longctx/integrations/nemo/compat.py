@@ -210,3 +210,18 @@ def megatron_groups_timeout(timeout_s: Optional[float]):
         yield
     finally:
         _GROUPS_TIMEOUT_MIN.pop()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# M1: NeMo's GPT configs build our GPT model class (all machines)
+def _patch_gpt_model_class() -> None:
+    """NeMo's ``GPTConfig.configure_model`` builds ``MCoreGPTModel`` (its name for Megatron's GPTModel, bound in
+    ``nemo.collections.llm.gpt.model.base``) and offers no hook for another class. The name is bound to
+    ``ChunkedLossGPTModel``, Megatron's GPTModel exactly until ``tiling.loss_chunks`` sets a policy on it, so models
+    are built with the chunked loss from the start (NeMo's own exact-type check in ``get_inference_wrapper`` reads the
+    same name)."""
+    from nemo.collections.llm.gpt.model import base
+
+    from nemo_longctx.integrations.megatron.gpt_chunked_loss import ChunkedLossGPTModel
+
+    base.MCoreGPTModel = ChunkedLossGPTModel

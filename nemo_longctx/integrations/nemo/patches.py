@@ -28,5 +28,9 @@ LEDGER = PatchLedger("NeMo 2", (
           "the timeout they were created with): inside LongContextStrategy's set-up the run's collective timeout is "
           "passed, elsewhere the call is unchanged",
           f"{_COMPAT}:_patch_groups_timeout"),
+    Patch("M1", "nemo.collections.llm.gpt.model.base.MCoreGPTModel", ALL_DEVICES, NEMO,
+          "GPTConfig.configure_model builds this class and offers no hook for another one: bound to "
+          "ChunkedLossGPTModel (Megatron's GPTModel exactly until tiling.loss_chunks sets a policy)",
+          f"{_COMPAT}:_patch_gpt_model_class"),
 ), requires=(MEGATRON_LEDGER,))
 
