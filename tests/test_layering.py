@@ -29,7 +29,9 @@ allow the launcher or the planner to import attention, memory or Megatron code, 
 Also checked: no import cycles; every internal import names an existing module; no module imports a private
 (single-underscore) name of another module of the package, by ``from m import _x`` or as ``m._x`` on an imported
 module, except the compat modules (``COMPAT``: they patch what they must); the package root holds only
-``__init__.py``, ``__main__.py`` and ``options.py`` besides the subpackages.
+``__init__.py``, ``__main__.py`` and ``options.py`` besides the subpackages; no class change (``x.__class__ = ``), no
+per-instance method (``x.forward = ``) and no rebinding of a third-party name anywhere but in the modules that make
+the patch ledgers' rows (``PATCHING``; the self-test's own instruments named in ``SELFTEST_INSTRUMENTS``).
 
 Every import counts: module level and inside functions, ``import x``, ``from x import y``, relative imports resolved
 to absolute names, and ``importlib.import_module("<literal>")``. ``from pkg import name`` is an import of the

@@ -219,9 +219,14 @@ def _patch_gpt_model_class() -> None:
     ``nemo.collections.llm.gpt.model.base``) and offers no hook for another class. The name is bound to
     ``ChunkedLossGPTModel``, Megatron's GPTModel exactly until ``tiling.loss_chunks`` sets a policy on it, so models
     are built with the chunked loss from the start (NeMo's own exact-type check in ``get_inference_wrapper`` reads the
-    same name)."""
-    from nemo.collections.llm.gpt.model import base
-
+    same name). Where that module does not import (a Megatron-core NeMo 2.7 cannot load: nothing builds through it),
+    nothing is bound."""
+    try:
+        from nemo.collections.llm.gpt.model import base
+    except ImportError as e:
+        log.info("nemo_longctx.integrations.nemo.compat: NeMo's GPT model module does not import here (%s): its "
+                 "model class is left as it is", e)
+        return
     from nemo_longctx.integrations.megatron.gpt_chunked_loss import ChunkedLossGPTModel
 
     base.MCoreGPTModel = ChunkedLossGPTModel
