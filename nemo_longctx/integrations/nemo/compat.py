@@ -196,15 +196,17 @@ def _patch_groups_timeout() -> None:
 
 @contextlib.contextmanager
 def megatron_groups_timeout(timeout_s: Optional[float]):
-    """Make NeMo's ``init_model_parallel`` create Megatron's groups with ``timeout_s`` (ledger row T1, which NeMo's
-    ledger applies at the app's entry; applied here if this process has no entry of ours, e.g. a NeMo-Run rank)."""
+    """Make NeMo's ``init_model_parallel`` create Megatron's groups with ``timeout_s`` (ledger row T1, applied with
+    NeMo's ledger at the app's entry)."""
     if timeout_s is None:
         yield
         return
     from .patches import LEDGER
 
     if "T1" not in LEDGER.applied():
-        LEDGER.apply()
+        raise RuntimeError("collective_timeout_s: NeMo's patch ledger (row T1) was not applied at the app's entry "
+                           "(nemo_longctx.integrations.nemo.compat.apply()), so NeMo would create Megatron's process "
+                           "groups without the timeout")
     _GROUPS_TIMEOUT_MIN.append(float(timeout_s) / 60.0)
     try:
         yield
