@@ -1,7 +1,8 @@
 """Megatron-FSDP (megatron-core 0.15.3, ``optim=fsdp``) on a CPU-only torch build over gloo.
 
-Applied by the Megatron-core patch ledger (``patches.py``; only on a CPU-only build, after ``cpu_compat``'s fixes 1-2: no-op CUDA streams and
-events, ``current_device()`` = the CPU, ``device="cuda"`` / ``.cuda()`` mapped to the CPU). Megatron-FSDP's real
+Applied by the Megatron-core patch ledger (``patches.py``; only on a CPU-only build, after ``cpu_compat``'s fixes 1-2:
+no-op CUDA streams and events, ``current_device()`` = the CPU; fix 3 maps ``device="cuda"`` / ``.cuda()`` to the
+CPU). Megatron-FSDP's real
 sharding, all-gathers (``all_gather_into_tensor``) and reduce-scatters (``reduce_scatter_tensor``, coalesced) run
 unchanged: gloo implements both (torch 2.13 here). The fixes:
 

@@ -5,7 +5,8 @@ checkpoint *call* can run inside the activation offloader's scope (``offload=lay
 Megatron's ``TransformerBlock._checkpointed_forward`` has no hook around its ``tensor_parallel.checkpoint`` calls, so
 the decoder block is built as this subclass (its model config marked by ``mark_decoder_block`` with the recompute
 fields; GPTModel builds it through the Megatron-core patch ledger's row R2), whose own method runs the full recompute
-(Megatron-core >= 0.19 calls a function instead of the method: row R1 routes our blocks to the method). Semantics match Megatron's for ``recompute_method``:
+(Megatron-core >= 0.19 calls a function instead of the method: row R1 routes our blocks to the method). Semantics
+match Megatron's for ``recompute_method``:
   uniform  layers [0, n) in chunks of ``recompute_num_layers``, each chunk one checkpoint (the last chunk is clamped
            to the layers of this pipeline stage);
   block    the first ``recompute_num_layers`` layers checkpointed one by one, the others run normally.
