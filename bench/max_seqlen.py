@@ -115,6 +115,8 @@ def build(shape: ModelShape, stack: str, *, device, dtype, max_len: int, recompu
         spec = long_context_layer_spec(spec, "ring")
         if sequence_chunks == 1:  # a chunked layer's MLP is chunk-sized: no tiling next to it
             spec = tiled_mlp_layer_spec(spec, "auto", tile_tokens=tile_tokens)
+    if stack == "longctx":  # the chunked loss is built in (its policy set below)
+        from nemo_longctx.integrations.megatron.gpt_chunked_loss import ChunkedLossGPTModel as GPTModel
     model = GPTModel(cfg, spec, vocab_size=shape.vocab_size, max_sequence_length=max_len,
                      position_embedding_type="rope", share_embeddings_and_output_weights=False).to(device)
     model = model.to(dtype)  # as Megatron's Float16Module does: every parameter (the norms' too) in bf16

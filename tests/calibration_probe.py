@@ -33,8 +33,9 @@ def build_model(shape, cand, seq: int, *, dtype=None):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from nemo_longctx.integrations.megatron.gpt_chunked_loss import use_chunked_loss
+    from nemo_longctx.integrations.megatron.gpt_chunked_loss import ChunkedLossGPTModel, use_chunked_loss
     from nemo_longctx.integrations.megatron.memory_options import apply_recompute_fields, attach_memory_options
+    from nemo_longctx.integrations.megatron.norm_recompute_layer import norm_recompute_configured
     from nemo_longctx.integrations.megatron.spec import long_context_layer_spec
     from nemo_longctx.integrations.megatron.tiled_mlp_layer import tiled_mlp_layer_spec
 
@@ -49,11 +50,13 @@ def build_model(shape, cand, seq: int, *, dtype=None):
         persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False)
     cfg = apply_recompute_fields(copy.copy(cfg), opts)
-    spec = long_context_layer_spec(get_gpt_layer_local_spec(normalization="RMSNorm"), algo, **cp_kwargs)
+    spec = long_context_layer_spec(get_gpt_layer_local_spec(normalization="RMSNorm"), algo,
+                                   norm_recompute=norm_recompute_configured(cfg), **cp_kwargs)
     if cand.mlp_tiles > 1:
         spec = tiled_mlp_layer_spec(spec, cand.mlp_tiles)
-    model = GPTModel(cfg, spec, vocab_size=shape.vocab_size, max_sequence_length=seq,
-                     position_embedding_type="rope", share_embeddings_and_output_weights=False)
+    model_class = ChunkedLossGPTModel if cand.loss_chunks > 1 else GPTModel  # the chunked loss built in
+    model = model_class(cfg, spec, vocab_size=shape.vocab_size, max_sequence_length=seq,
+                        position_embedding_type="rope", share_embeddings_and_output_weights=False)
     if cand.loss_chunks > 1:
         use_chunked_loss(model, cand.loss_chunks)
     return model, attach_memory_options(model, opts)

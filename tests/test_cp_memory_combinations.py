@@ -89,18 +89,17 @@ def _build(cfg, algorithm, kwargs, mem, init, tiled):
     if not tiled:
         return build_probe_model(cfg, opts, vocab_size=VOCAB, seq_length=SEQ, cp_algorithm=algorithm,
                                  cp_kwargs=kwargs, params_from=init)
-    from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from nemo_longctx.integrations.megatron.gpt_chunked_loss import use_chunked_loss
+    from nemo_longctx.integrations.megatron.gpt_chunked_loss import ChunkedLossGPTModel, use_chunked_loss
     from nemo_longctx.integrations.megatron.spec import long_context_layer_spec
     from nemo_longctx.integrations.megatron.tiled_mlp_layer import tiled_mlp_layer_spec
 
     config = apply_recompute_fields(copy.copy(cfg), opts)
     spec = long_context_layer_spec(get_gpt_layer_local_spec(normalization="RMSNorm"), algorithm, **kwargs)
     spec = tiled_mlp_layer_spec(spec, MLP_TILES)
-    model = GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope",
-                     share_embeddings_and_output_weights=False)
+    model = ChunkedLossGPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ,
+                                position_embedding_type="rope", share_embeddings_and_output_weights=False)
     load = model.load_state_dict(init.state_dict(), strict=True)
     assert not load.missing_keys and not load.unexpected_keys
     with torch.no_grad():

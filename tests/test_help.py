@@ -135,3 +135,20 @@ def test_version_names_ours_and_the_installed_stack_without_importing_it(flag):
     assert f"megatron-core {metadata.version('megatron-core')}" in lines, out
     assert lines[-1] == "NeMo 2 stack: tested", out  # this suite's stack (constraints/nemo.txt)
     assert metadata.version("nemo-longctx") == __version__  # the package's metadata and the module agree
+
+
+def test_versions_lists_every_patch_ledger_row_without_importing_the_stack():
+    """``--versions``: the ``--version`` lines, then the three patch ledgers (Megatron-core, NeMo 2, Megatron-Bridge),
+    every row with its key, devices, target, versions and reason -- read without importing torch or a framework."""
+    from nemo_longctx.apps.ledgers import ledgers
+
+    code, out, err, heavy, _ = _help("--versions")
+    assert code == 0 and not heavy, (code, heavy, err)
+    lines = out.splitlines()
+    code, version_out, _, _, _ = _help("--version")
+    assert out.startswith(version_out), (out, version_out)  # the --version lines first, unchanged
+    for ledger in ledgers():
+        assert f"{ledger.framework} patch ledger ({len(ledger.rows)} rows):" in lines, out
+        for row in ledger.rows:
+            assert "  " + row.line() in lines, (row, out)
+            assert row.devices in row.line() and row.versions in row.line() and row.why in row.line()

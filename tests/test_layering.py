@@ -29,7 +29,9 @@ allow the launcher or the planner to import attention, memory or Megatron code, 
 Also checked: no import cycles; every internal import names an existing module; no module imports a private
 (single-underscore) name of another module of the package, by ``from m import _x`` or as ``m._x`` on an imported
 module, except the compat modules (``COMPAT``: they patch what they must); the package root holds only
-``__init__.py``, ``__main__.py`` and ``options.py`` besides the subpackages.
+``__init__.py``, ``__main__.py`` and ``options.py`` besides the subpackages; no class change (``x.__class__ = ``), no
+per-instance method (``x.forward = ``) and no rebinding of a third-party name anywhere but in the modules that make
+the patch ledgers' rows (``PATCHING``; the self-test's own instruments named in ``SELFTEST_INSTRUMENTS``).
 
 Every import counts: module level and inside functions, ``import x``, ``from x import y``, relative imports resolved
 to absolute names, and ``importlib.import_module("<literal>")``. ``from pkg import name`` is an import of the
@@ -89,6 +91,8 @@ NEMO_WING_WITHOUT_NEMO = {
     f"{NEMO_WING}.steps": "NeMo's data_step_fn / forward_step_fn (the contract of NeMo's GPTConfig) written with "
                           "torch and Megatron-core: not shared/ (Megatron), not integrations/megatron (neither "
                           "Megatron-core's loop nor Bridge calls it: theirs is forward_step(data_iterator, model))",
+    f"{NEMO_WING}.patches": "NeMo's patch ledger: the rows only (target, devices, versions, why, the compat function "
+                            "that patches), read without importing NeMo by --versions and the self-test",
 }
 # the Megatron-Bridge side (rule 2): none of these reaches the NeMo wing, directly or through other modules
 BRIDGE_SIDE = (f"{PKG}.apps.bridge", f"{PKG}.apps.bridge_convert", f"{PKG}.integrations.bridge")
@@ -585,3 +589,115 @@ def test_checkpoint_integrity_imports_only_the_standard_library_and_torch_lazily
            and not (i.target.startswith("torch.distributed.checkpoint") and i.function_level)]
     assert not bad, _report("nemo_longctx/shared/checkpoint_integrity.py imports beyond the standard library and "
                             "torch's distributed-checkpoint reader (inside a function)", bad)
+
+
+# ---------------------------------------------------------------------------------------------- rebinding (rule 6)
+# Models are built with our classes (layer/block/norm specs, our GPT model class), never re-classed or given
+# per-instance methods; what must rebind a third-party name is a row of a patch ledger (integrations/*/patches.py),
+# made by a function in one of these modules (tests/test_patch_ledgers.py checks each row names one of them).
+PATCHING = COMPAT | {
+    f"{PKG}.integrations.megatron.offload_block",  # ledger row R1: route_block_recompute (all devices)
+}
+# the self-test's own instruments, in its worker processes / for one measurement, never in a training run
+SELFTEST_INSTRUMENTS = {
+    f"{PKG}.selftest.cp_checks": "gloo on CUDA tensors in the CP check's worker processes: its collectives staged "
+                                 "through host memory (install_cpu_staging)",
+    f"{PKG}.selftest.offload_checks": "counts the CUDA synchronizations of one timed offload step, restored after it",
+}
+_METHOD_NAMES = ("forward", "__init__", "__new__", "__post_init__", "__call__", "__getattr__")
+
+
+@dataclass(frozen=True)
+class Rebinding:
+    file: str
+    line: int
+    what: str
+
+    def where(self) -> str:
+        return f"{self.file}:{self.line} ({self.what})"
+
+
+def _third_party_names(tree: ast.AST, src: str) -> Set[str]:
+    """Names bound anywhere in the module by importing a third-party module or name (the standard library's process
+    state -- ``sys.argv``, ``sys.stdout`` -- is not a library's code)."""
+    names: Set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if not _own(a.name) and _top(a.name) not in STDLIB:
+                    names.add((a.asname or a.name).split(".")[0])
+        elif (isinstance(node, ast.ImportFrom) and not node.level and not _own(node.module or "")
+              and _top(node.module or "") not in STDLIB):
+            names.update(a.asname or a.name for a in node.names)
+    return names
+
+
+def _base_name(node: ast.AST) -> Optional[str]:
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _rebindings(src: str, path: Path) -> List[Rebinding]:
+    """``x.__class__ = ...``, ``x.forward = ...`` (and the other method names), and an attribute of an imported
+    third-party module or class assigned (``mod.name = ...``, ``setattr(mod, ...)``, ``del mod.name``)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    rel = str(path.relative_to(ROOT))
+    imported = _third_party_names(tree, src)
+    out: List[Rebinding] = []
+
+    def check(target: ast.AST, line: int, how: str) -> None:
+        if not isinstance(target, ast.Attribute):
+            return
+        if target.attr == "__class__" or target.attr in _METHOD_NAMES:
+            out.append(Rebinding(rel, line, f"{how} .{target.attr}"))
+        elif _base_name(target) in imported:
+            out.append(Rebinding(rel, line, f"{how} {ast.unparse(target)}"))
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            for t in node.targets:
+                for sub in (t.elts if isinstance(t, ast.Tuple) else [t]):
+                    check(sub, node.lineno, "assigns")
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            check(node.target, node.lineno, "assigns")
+        elif isinstance(node, ast.Delete):
+            for t in node.targets:
+                check(t, node.lineno, "deletes")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr")
+              and node.args):
+            first = node.args[0]
+            name = node.args[1].value if len(node.args) > 1 and isinstance(node.args[1], ast.Constant) else None
+            if _base_name(first) in imported and isinstance(first, (ast.Name, ast.Attribute)):
+                out.append(Rebinding(rel, node.lineno, f"{node.func.id}({ast.unparse(first)}, ...)"))
+            elif name == "__class__" or name in _METHOD_NAMES:
+                out.append(Rebinding(rel, node.lineno, f"{node.func.id}(..., {name!r})"))
+    return out
+
+
+def test_only_the_ledger_modules_rebind_third_party_names_and_nothing_is_reclassed():
+    bad = [r for name, path in MODULES.items() if name not in PATCHING | set(SELFTEST_INSTRUMENTS)
+           for r in _rebindings(name, path)]
+    assert not bad, ("a class change, a per-instance method or a third-party name rebound outside the patch ledgers' "
+                     f"modules ({len(bad)}): build with a spec / our classes, or declare a ledger row:\n  "
+                     + "\n  ".join(r.where() for r in bad))
+
+
+def test_the_rebinding_check_sees_every_form(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("from megatron.core.transformer import transformer_block\nimport torch\n"
+                     "def f(m, block):\n"
+                     "    block.__class__ = object\n"
+                     "    m.forward = print\n"
+                     "    transformer_block.checkpointed_forward = None\n"
+                     "    torch.cuda.Stream = None\n"
+                     "    setattr(torch.cuda, 'Event', None)\n"
+                     "    del m.forward\n"
+                     "    m.weight = None\n")  # (an attribute of our own object: allowed)
+    global ROOT
+    saved, ROOT = ROOT, tmp_path
+    try:
+        found = _rebindings(f"{PKG}.shared.probe", probe)
+    finally:
+        ROOT = saved
+    assert sorted(r.line for r in found) == [4, 5, 6, 7, 8, 9], found

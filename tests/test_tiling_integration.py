@@ -100,15 +100,16 @@ def _build_gpt(config, tied, vocab, seq, tiled: bool, mlp_tile_tokens: int, loss
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from nemo_longctx.integrations.megatron.gpt_chunked_loss import use_chunked_loss
+    from nemo_longctx.integrations.megatron.gpt_chunked_loss import ChunkedLossGPTModel, use_chunked_loss
     from nemo_longctx.integrations.nemo.model import LongContextLayerSpec
     from nemo_longctx.integrations.nemo.sequence_tiling import TiledMLPLayerSpec
 
     spec = LongContextLayerSpec(get_gpt_layer_local_spec(normalization="RMSNorm"), "ring")
     if tiled:
         spec = TiledMLPLayerSpec(spec, "auto", mlp_tile_tokens)
-    model = GPTModel(config, spec(config), vocab_size=vocab, max_sequence_length=seq,
-                     position_embedding_type="rope", share_embeddings_and_output_weights=tied)
+    model = (ChunkedLossGPTModel if tiled else GPTModel)(  # built with the chunked loss, Megatron's otherwise
+        config, spec(config), vocab_size=vocab, max_sequence_length=seq, position_embedding_type="rope",
+        share_embeddings_and_output_weights=tied)
     n = use_chunked_loss(model, loss_chunks) if tiled else 0
     return model, n
 

@@ -28,6 +28,7 @@ model.seq_length=131072 run.dry_run=true
 
 nemo-longctx train|plan|bridge --help: the command's config groups and keys; --hydra-help: Hydra's own help.
 nemo-longctx --version: this package's version and the installed stack's.
+nemo-longctx --versions: the same, then every third-party name this package patches (its patch ledgers).
 """
 
 COMMANDS = {"train": "nemo_longctx.apps.train", "bridge": "nemo_longctx.apps.bridge", "plan": "nemo_longctx.apps.plan",
@@ -43,10 +44,15 @@ def main(argv=None) -> None:
     if len(argv) < 2 or argv[1] in ("-h", "--help", "help"):
         print(USAGE)
         sys.exit(0 if len(argv) >= 2 else 2)
-    if argv[1] in ("-V", "--version"):
+    if argv[1] in ("-V", "--version", "--versions"):
         from nemo_longctx.shared.versions import version_lines
 
-        print("\n".join(version_lines()))
+        lines = version_lines()
+        if argv[1] == "--versions":
+            from nemo_longctx.apps.ledgers import ledger_lines
+
+            lines += ledger_lines()
+        print("\n".join(lines))
         sys.exit(0)
     command = argv[1]
     if command not in COMMANDS:

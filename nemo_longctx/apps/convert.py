@@ -27,12 +27,9 @@ result loads with transformers.AutoModelForCausalLM.from_pretrained.
 
 
 def _run(fn, usage: str, **kwargs) -> None:
-    import torch
+    from nemo_longctx.integrations.nemo import compat
 
-    if not torch.cuda.is_available():
-        from nemo_longctx.integrations.nemo import compat
-
-        compat.apply()
+    compat.apply()  # NeMo's patch ledger, once (its CPU-only rows only without CUDA)
     t0 = time.perf_counter()
     try:
         out = fn(**kwargs)

@@ -175,13 +175,12 @@ def _refuse_multirun() -> None:
                          "per configuration (e.g. one sbatch job each)")
 
 
-def _adapt_to_cpu() -> None:
-    import torch
+def _apply_patch_ledgers() -> None:
+    """The app's entry into NeMo: the NeMo 2 patch ledger (integrations/nemo/patches.py; the Megatron-core ledger
+    first), once: its all-device rows everywhere, its CPU-only rows on a CPU-only torch."""
+    from nemo_longctx.integrations.nemo import compat
 
-    if not torch.cuda.is_available():
-        from nemo_longctx.integrations.nemo import compat
-
-        compat.apply()  # Megatron-core then NeMo adapted to a CPU-only torch (integrations/nemo/compat.py)
+    compat.apply()
 
 
 def run(cfg: DictConfig) -> int:
@@ -199,7 +198,7 @@ def run(cfg: DictConfig) -> int:
     pretrained.prepare(cfg, rank=rank, local_rank=local_rank)  # init_from=<HF dir>: imported once, in a subprocess
     spawns = launch is None and world > 1 and not cfg.run.dry_run
     if not spawns or str(cfg.data.get("kind")) == "documents":
-        _adapt_to_cpu()  # what imports Megatron/NeMo below; a launching process otherwise imports neither
+        _apply_patch_ledgers()  # what imports Megatron/NeMo below; a launching process otherwise imports neither
     documents.prepare(cfg, rank=rank, local_rank=local_rank)  # data=documents: tokenize once
     if cfg.run.dry_run:
         dry_run(cfg, options)

@@ -1,4 +1,5 @@
-"""Self-test section ``env``: torch / CUDA / GPU / driver, flash-attn status, NeMo / Megatron-core / TE presence."""
+"""Self-test section ``env``: torch / CUDA / GPU / driver, flash-attn status, NeMo / Megatron-core / TE presence, and
+the patch ledgers (which third-party names an app patches on this machine)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,23 @@ def section_env(rep: Report, cuda: bool) -> None:
         rep.add("env", "flash-attn", "-", "-", INFO, detail if state == "ok" else "not installed")
     present = [m for m in ("nemo", "megatron.core", "transformer_engine") if _has_module(m)]
     rep.add("env", "nemo / mcore / te", "-", "-", INFO, "present: " + (", ".join(present) or "none"))
+    section_patch_ledgers(rep, cuda)
+
+
+def section_patch_ledgers(rep: Report, cuda: bool) -> None:
+    """One row per patch ledger: its rows (key and target) that an app applies on this machine, and those it does not
+    (``nemo-longctx --versions`` lists every row with its reason)."""
+    from nemo_longctx.apps.ledgers import ledgers
+
+    for ledger in ledgers():
+        applied = ledger.rows_for(cuda)
+        skipped = [r for r in ledger.rows if r not in applied]
+        detail = f"{len(applied)} of {len(ledger.rows)} rows applied here"
+        if applied:
+            detail += ": " + "; ".join(f"{r.key} {r.target}" for r in applied)
+        if skipped:
+            detail += f" (cpu-only, not with CUDA: {', '.join(r.key for r in skipped)})"
+        rep.add("env", f"patches: {ledger.framework}", "-", "-", INFO, detail)
 
 
 def _has_module(name: str) -> bool:

@@ -2,8 +2,9 @@
 
 The one place the Bridge front end patches third-party code. ``apply()`` first applies the framework-neutral
 Megatron-core fixes (``integrations.megatron.cpu_compat``: no-op CUDA streams, CUDA factory calls mapped to the CPU,
-the RNG tracker on the CPU generator, ...), then these named Bridge stand-ins; nothing is applied when CUDA is
-available. Each says what it stands in for (B-numbers; file:line as of megatron-bridge 0.6.2 / megatron-core 0.19.2):
+the RNG tracker on the CPU generator, ...), then these named Bridge stand-ins -- each a row of Bridge's patch
+ledger (``patches.py``), applied in its order; nothing here is applied when CUDA is available. Each says what it
+stands in for (B-numbers; file:line as of megatron-bridge 0.6.2 / megatron-core 0.19.2):
 
 B2. ``training/setup.py`` calls ``initialize_megatron`` without ``allow_no_cuda`` (``initialize.py:91`` asserts CUDA):
     it is called with ``allow_no_cuda=True``.
@@ -180,23 +181,31 @@ def local_block_spec(provider: Any, vp_stage: Any = None, normalization: str = "
                                       vp_stage=vp_stage)
 
 
+def _gpt_model_class() -> None:  # M1 (all machines)
+    """Bridge's ``GPTModelProvider.provide`` builds ``MCoreGPTModel`` (its name for Megatron's GPTModel, bound in
+    ``megatron.bridge.models.gpt_provider``) and offers no hook for another class: the name is bound to
+    ``ChunkedLossGPTModel``, Megatron's GPTModel exactly until ``tiling.loss_chunks`` sets a policy on it."""
+    from megatron.bridge.models import gpt_provider
+
+    from nemo_longctx.integrations.megatron.gpt_chunked_loss import ChunkedLossGPTModel
+
+    gpt_provider.MCoreGPTModel = ChunkedLossGPTModel
+
+
 def apply(force: bool = False) -> bool:
-    """Apply the Megatron-core fixes and the Bridge stand-ins once when CUDA is unavailable (or ``force``)."""
+    """Apply Megatron-Bridge's patch ledger (``patches.LEDGER``: the Megatron-core ledger first, then these stand-ins
+    when CUDA is unavailable -- or with ``force``), once. Returns True if the CPU stand-ins are active."""
     global _APPLIED
+    from nemo_longctx.integrations.bridge.patches import LEDGER
+
+    LEDGER.apply(force_cpu_rows=force)
     if _APPLIED:
         return True
     if not (force or needed()):
         return False
     from nemo_longctx.integrations.megatron import cpu_compat
 
-    cpu_compat.apply(force=force)
-    _allow_no_cuda()
-    _prebuilt_dataset_helpers()
-    _skip_jit_warmup()
-    _checkpoint_rng_state()
-    _seed_rng_tracker()
-    _torch_optimizers()
-    _moe_router_gemm()
+    cpu_compat.apply(force=force)  # (applied by the ledger above: marks the Megatron CPU fixes active)
     _APPLIED = True
     log.info("nemo_longctx.integrations.bridge.cpu_compat: CPU stand-ins for Megatron-Bridge applied")
     return True

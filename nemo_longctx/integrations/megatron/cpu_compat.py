@@ -1,9 +1,11 @@
 """Run Megatron-core 0.15 on a CPU-only torch build (gloo). With ``cpu_compat_fsdp.py`` (Megatron-FSDP's fixes), the
 only code of the framework-neutral layer that patches third-party code (Megatron-core and torch.cuda, never NeMo).
 
-``apply()`` is called before Megatron objects are built: directly by code that runs Megatron-core only, through
-``integrations.nemo.compat.apply()`` (which calls it first, then applies NeMo's fixes) by code that runs NeMo. It does
-nothing when CUDA is available, is idempotent, and every patch below says what it fixes (numbers refer to design.md's
+Every patch below is a row of the Megatron-core patch ledger (``patches.py``: target, devices, versions, why), which
+applies them in its order. ``apply()`` applies that ledger before Megatron objects are built: at the entry of code
+that runs Megatron-core only, through ``integrations.nemo.compat.apply()`` (NeMo's ledger, which applies this one
+first) by code that runs NeMo. Its CPU rows are applied only when CUDA is unavailable, each once per process; every
+patch below says what it fixes (numbers refer to design.md's
 list). NeMo's fixes keep their numbers and live in ``integrations/nemo/compat.py``: the NeMo part of 4
 (``megatron_init._set_random_seed``), 7 (a note, nothing patched), 8 (``nemo.lightning.io.pl``) and 13
 (``nemo.lightning.io.state.apply_transforms``).
@@ -474,29 +476,26 @@ def _patch_zero_centered_norm() -> None:
     WrappedTorchNorm.__new__ = staticmethod(__new__)
 
 
+def _enter_cuda_to_cpu_mode() -> None:
+    """Fix 3: the ``TorchFunctionMode`` that maps CUDA factory calls to the CPU, active for the life of the process."""
+    global _MODE
+    if _MODE is None:
+        _MODE = _CudaToCpuMode()
+        _MODE.__enter__()
+
+
 def apply(force: bool = False) -> bool:
-    """Apply the Megatron-core patches once when CUDA is unavailable (or ``force``). Returns True if patches are active.
-    Code that runs NeMo calls ``integrations.nemo.compat.apply()`` instead (this, then NeMo's fixes)."""
-    global _APPLIED, _MODE
+    """Apply the Megatron-core patch ledger (``patches.LEDGER``: these fixes, then Megatron-FSDP's, on a process without
+    CUDA -- or with ``force`` --, and the all-device rows everywhere), once. Returns True if the CPU fixes are active.
+    Code that runs NeMo calls ``integrations.nemo.compat.apply()`` instead (NeMo's ledger, which applies this first)."""
+    global _APPLIED
+    from .patches import LEDGER
+
+    LEDGER.apply(force_cpu_rows=force)
     if _APPLIED:
         return True
     if not (force or needed()):
         return False
-    _patch_torch_cuda()
-    _patch_rng_tracker()
-    _patch_rope()
-    _patch_checkpoint_without_output()
-    _patch_rope_fusion_without_te()
-    _patch_hybrid_device_optimizer()
-    _patch_moe_router_without_te()
-    _patch_zero_centered_norm()
-    _patch_optimizer_config_te_version()
-    _patch_mla_without_te()
-    from nemo_longctx.integrations.megatron import cpu_compat_fsdp
-
-    cpu_compat_fsdp.apply()  # Megatron-FSDP's device and DTensor mesh on the CPU (cpu_compat_fsdp.py)
-    _MODE = _CudaToCpuMode()
-    _MODE.__enter__()  # fix 3: stays active for the life of the process
     _APPLIED = True
     log.info("nemo_longctx.integrations.megatron.cpu_compat: CPU patches for Megatron-core applied")
     return True

@@ -1,7 +1,8 @@
 """Megatron-FSDP (megatron-core 0.15.3, ``optim=fsdp``) on a CPU-only torch build over gloo.
 
-Called from ``cpu_compat.apply()`` (so only on a CPU-only build, after its global fixes 1-3: no-op CUDA streams and
-events, ``current_device()`` = the CPU, ``device="cuda"`` / ``.cuda()`` mapped to the CPU). Megatron-FSDP's real
+Applied by the Megatron-core patch ledger (``patches.py``; only on a CPU-only build, after ``cpu_compat``'s fixes 1-2:
+no-op CUDA streams and events, ``current_device()`` = the CPU; fix 3 maps ``device="cuda"`` / ``.cuda()`` to the
+CPU). Megatron-FSDP's real
 sharding, all-gathers (``all_gather_into_tensor``) and reduce-scatters (``reduce_scatter_tensor``, coalesced) run
 unchanged: gloo implements both (torch 2.13 here). The fixes:
 
@@ -183,11 +184,5 @@ def _wait_for_param_gathers_at_exit() -> None:  # F5
     atexit.register(wait_for_param_gathers)
 
 
-def apply() -> None:
-    """Apply F1-F5; called once by ``cpu_compat.apply()`` on a CPU-only build."""
-    _patch_adapter_device()
-    _patch_adapter_mesh()
-    _patch_megatron_fsdp_init()
-    _patch_synchronous_param_gather()
-    _wait_for_param_gathers_at_exit()
+# F1-F6 are rows of the Megatron-core patch ledger (``patches.py``), applied in its order on a CPU-only build.
 

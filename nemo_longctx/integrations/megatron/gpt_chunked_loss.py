@@ -8,9 +8,13 @@ of ``compute_language_model_loss(labels, output_layer(hidden))``: the same per-t
 NeMo's ``MaskedTokenLossReduction`` multiplies by the loss mask and sums. Without labels (logits wanted),
 with multi-token prediction, in inference, or with ``loss_chunks="off"`` it runs Megatron's own path.
 
-``use_chunked_loss(model, chunks, chunk_tokens)`` switches every last-stage ``GPTModel`` instance inside
-``model`` (any wrapper: NeMo's lightning module, DDP, Float16Module) to the subclass (an instance-level class
-change: the parameters, the state dict, the optimizer and DDP hooks are untouched; Megatron is not patched).
+The model is built as this class from the start: by code that builds Megatron models itself (``ChunkedLossGPTModel(
+config, spec, ...)``, the same arguments as ``GPTModel``), and by the two front ends, whose GPT configs / providers
+build the class named ``MCoreGPTModel`` in their model module and offer no hook for another one: that name is bound to
+this class by the NeMo 2 and Megatron-Bridge patch ledgers (row M1 of each), applied at the app's entry. Until a policy
+is set it is Megatron's GPTModel exactly (``loss_chunks="off"``). ``use_chunked_loss(model, chunks, chunk_tokens)``
+sets the policy on every last-stage instance inside ``model`` (any wrapper: NeMo's lightning module, DDP,
+Float16Module).
 
 Details:
 - weight: ``output_layer.weight``, or the word embedding when ``share_embeddings_and_output_weights``; this TP
@@ -58,7 +62,7 @@ def _scoped_loss_mask() -> Optional[torch.Tensor]:
 class ChunkedLossGPTModel(GPTModel):
     """GPTModel whose loss (with labels) comes from the chunked output layer + cross entropy (see module doc)."""
 
-    loss_chunks: Any = "auto"
+    loss_chunks: Any = "off"  # Megatron's own output layer + loss until use_chunked_loss sets a policy
     loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS
 
     def _chunked_applies(self, labels, inference_context, mtp_in_postprocess) -> bool:
@@ -119,8 +123,8 @@ class ChunkedLossGPTModel(GPTModel):
 
 
 def use_chunked_loss(model: Any, chunks: Any = "auto", chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS) -> int:
-    """Switch every last-stage Megatron ``GPTModel`` inside ``model`` to ``ChunkedLossGPTModel`` with this
-    policy; returns how many were switched (0 on pipeline stages without the output layer)."""
+    """Set this policy on every last-stage ``ChunkedLossGPTModel`` inside ``model`` (built as one: see the module
+    docstring); returns how many were set (0 on pipeline stages without the output layer)."""
     check_tiling_policy(chunks, "tiling.loss_chunks")
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens <= 0:
         raise ValueError(f"tiling.loss_chunk_tokens must be a positive int, got {chunk_tokens!r}")
@@ -128,7 +132,13 @@ def use_chunked_loss(model: Any, chunks: Any = "auto", chunk_tokens: int = DEFAU
     for m in model.modules():
         if not isinstance(m, GPTModel) or not m.post_process:
             continue
-        if type(m) not in (GPTModel, ChunkedLossGPTModel):
+        if type(m) is GPTModel:
+            raise ValueError(
+                f"tiling.loss_chunks={chunks!r}: the model was built as Megatron's GPTModel, not ChunkedLossGPTModel: "
+                "build it as ChunkedLossGPTModel (the front ends do once their patch ledger is applied at the app's "
+                "entry)"
+            )
+        if type(m) is not ChunkedLossGPTModel:
             raise ValueError(
                 f"tiling.loss_chunks={chunks!r}: the model is a {type(m).__name__} (a GPTModel subclass); only "
                 "Megatron's GPTModel is supported: set tiling.loss_chunks=off"
@@ -139,7 +149,6 @@ def use_chunked_loss(model: Any, chunks: Any = "auto", chunk_tokens: int = DEFAU
             raise ValueError(
                 f"tiling.loss_chunks={chunks!r} cannot be combined with model.defer_embedding_wgrad_compute=true"
             )
-        m.__class__ = ChunkedLossGPTModel
         m.loss_chunks = chunks
         m.loss_chunk_tokens = int(chunk_tokens)
         count += 1

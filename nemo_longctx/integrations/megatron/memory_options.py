@@ -8,14 +8,15 @@ The options themselves (``MemoryOptions``: choices, keys, their config-level pro
                                                     ``recompute_modules``); before the model is built;
 ``attach_memory_options(model, opts)``              wires a built model (see ``MemoryRuntime``).
 
-Decoder blocks of fully recomputed models become ``LongContextTransformerBlock`` (an instance-level class change
-to a TransformerBlock subclass; Megatron itself is not patched).
+Decoder blocks of fully recomputed models are built as ``LongContextTransformerBlock`` (a TransformerBlock subclass):
+``apply_recompute_fields`` marks the model config, and GPTModel builds the block class the mark names (the Megatron-core
+patch ledger's row R2).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 from nemo_longctx.options import (  # noqa: F401  (re-exported: the names the Megatron mapping is written in)
     KEEP_ATTN_ALGORITHMS,
@@ -98,9 +99,14 @@ def recompute_fields(opts: MemoryOptions) -> Dict[str, Any]:
 
 
 def apply_recompute_fields(model_config: Any, opts: MemoryOptions) -> Any:
-    """Set Megatron's recompute fields on ``model_config`` (before the model is built); returns it."""
+    """Set Megatron's recompute fields on ``model_config`` (before the model is built), and mark it so that a full
+    recompute builds the GPT decoder as ``LongContextTransformerBlock`` (``offload_block.mark_decoder_block``); returns
+    it."""
+    from .offload_block import mark_decoder_block
+
     for k, v in recompute_fields(opts).items():
         setattr(model_config, k, v)
+    mark_decoder_block(model_config, opts.full)
     return model_config
 
 
@@ -114,7 +120,6 @@ class MemoryRuntime:
     kept_cache: Any = None  # memory.keep_attention.KeptAttentionCache (full_keep_attn)
     blocks: List[Any] = field(default_factory=list)
     _handles: List[Any] = field(default_factory=list)
-    _classes: List[Tuple[Any, type]] = field(default_factory=list)
 
     def after_step(self, where: str = "") -> None:
         """Call after each step's backward: nothing kept or offloaded may be left over."""
@@ -130,9 +135,6 @@ class MemoryRuntime:
         for h in self._handles:
             h.remove()
         self._handles = []
-        for obj, cls in self._classes:
-            obj.__class__ = cls
-        self._classes = []
         from .core_attention import LongContextCoreAttention
 
         for b in self.blocks:
@@ -161,7 +163,8 @@ def attach_memory_options(model: Any, opts: MemoryOptions, *, record_events: boo
     """Wire ``opts`` into a built model (after ``apply_recompute_fields`` on its config, before the first step).
 
     Always: every layer's forward is a tracker ``memory_scope(f"layer{layer_number}")`` (per-layer attribution).
-    full / full_keep_attn: the decoder blocks run ``LongContextTransformerBlock._checkpointed_forward``.
+    full / full_keep_attn: the decoder blocks, built as ``LongContextTransformerBlock`` (``apply_recompute_fields``
+    marks the config), get the offloader / sequence chunks their ``_checkpointed_forward`` runs with.
     full_keep_attn: every ``LongContextCoreAttention`` gets the model's ``KeptAttentionCache``.
     layer_input / modules: one ``ActivationOffloader`` for the model.
     """
@@ -171,8 +174,8 @@ def attach_memory_options(model: Any, opts: MemoryOptions, *, record_events: boo
 
     from .core_attention import LongContextCoreAttention
     from .norm_recompute_layer import install_norm_recompute
-    from .offload_block import (LongContextTransformerBlock, chunk_rotary_hook, chunk_rotary_pre_hook,
-                                is_multi_latent_attention, route_block_recompute)
+    from .offload_block import (LongContextTransformerBlock, block_recompute_routed, chunk_rotary_hook,
+                                chunk_rotary_pre_hook, decoder_blocks_built_by_config, is_multi_latent_attention)
 
     blocks = transformer_blocks(model)
     if not blocks:
@@ -191,13 +194,20 @@ def attach_memory_options(model: Any, opts: MemoryOptions, *, record_events: boo
                                            record_events=record_events)
     if opts.recompute == "full_keep_attn":
         rt.kept_cache = KeptAttentionCache()
-    if opts.full:
-        route_block_recompute()
+    if opts.full and not block_recompute_routed():
+        raise RuntimeError(f"recompute={opts.recompute}: this Megatron-core runs a block's full recompute through "
+                           "megatron.core.recompute.checkpointed_forward, and the Megatron-core patch ledger (row R1) "
+                           "that routes our blocks to their own method was not applied: apply the ledger at the "
+                           "app's entry (nemo_longctx.integrations.megatron.cpu_compat.apply())")
     for b in blocks:
         if opts.full:
             if not isinstance(b, LongContextTransformerBlock):
-                rt._classes.append((b, type(b)))
-                b.__class__ = LongContextTransformerBlock
+                how = ("its config was not marked before the build (apply_recompute_fields)"
+                       if decoder_blocks_built_by_config() else
+                       "the Megatron-core patch ledger (row R2) was not applied at the app's entry "
+                       "(nemo_longctx.integrations.megatron.cpu_compat.apply())")
+                raise ValueError(f"recompute={opts.recompute}: the decoder block was built as {type(b).__name__}, "
+                                 f"not LongContextTransformerBlock: {how}")
             b.longctx_offloader = rt.offloader if opts.offload == "layer_input" else None
             b.longctx_sequence_chunks = None if opts.sequence_chunks == "off" else opts.sequence_chunks
             if opts.sequence_chunks != "off":  # MLA's rotary table, made inside the layer, gets the chunk's rows

@@ -59,10 +59,12 @@ def build_probe_model(config: Any, opts: MemoryOptions, *, vocab_size: int, seq_
 
     from megatron.core.models.gpt import GPTModel
 
+    from .norm_recompute_layer import norm_recompute_configured
     from .spec import long_context_layer_spec
 
     config = apply_recompute_fields(copy.copy(config), opts)
-    spec = long_context_layer_spec(_local_spec(config), cp_algorithm, **(cp_kwargs or {}))
+    spec = long_context_layer_spec(_local_spec(config), cp_algorithm, norm_recompute=norm_recompute_configured(config),
+                                   **(cp_kwargs or {}))
     model = GPTModel(config, spec, vocab_size=vocab_size, max_sequence_length=seq_length,
                      position_embedding_type="rope", share_embeddings_and_output_weights=False)
     if params_from is not None:

@@ -3,8 +3,10 @@ checkpoint *call* can run inside the activation offloader's scope (``offload=lay
 ``memory_scope`` (per-layer attribution).
 
 Megatron's ``TransformerBlock._checkpointed_forward`` has no hook around its ``tensor_parallel.checkpoint`` calls, so
-``attach_memory_options`` changes the class of the model's decoder block instances to this subclass (no global
-patch). Semantics match Megatron's for ``recompute_method``:
+the decoder block is built as this subclass (its model config marked by ``mark_decoder_block`` with the recompute
+fields; GPTModel builds it through the Megatron-core patch ledger's row R2), whose own method runs the full recompute
+(Megatron-core >= 0.19 calls a function instead of the method: row R1 routes our blocks to the method). Semantics
+match Megatron's for ``recompute_method``:
   uniform  layers [0, n) in chunks of ``recompute_num_layers``, each chunk one checkpoint (the last chunk is clamped
            to the layers of this pipeline stage);
   block    the first ``recompute_num_layers`` layers checkpointed one by one, the others run normally.
@@ -243,12 +245,13 @@ def _dispatch_checkpointed_forward(original: Any) -> Any:
 
 
 def route_block_recompute() -> bool:
-    """Megatron-core >= 0.17 runs a block's full recompute in ``megatron.core.recompute.checkpointed_forward``,
+    """Megatron-core >= 0.19 runs a block's full recompute in ``megatron.core.recompute.checkpointed_forward``,
     which ``TransformerBlock.forward`` calls by the name it imported into ``transformer_block`` -- no longer through
-    the ``_checkpointed_forward`` method this subclass overrides (<= 0.16). This rebinds that one name to a
+    the ``_checkpointed_forward`` method this subclass overrides (<= 0.17). This rebinds that one name to a
     dispatcher that sends ``LongContextTransformerBlock`` instances to their method and every other block to
-    Megatron's function unchanged (applied once, on any device; a no-op on versions without the function).
-    Returns True when the dispatcher is in place."""
+    Megatron's function unchanged: row R1 of the Megatron-core patch ledger (``patches.py``), applied at an app's
+    entry on any device; nothing is rebound on versions without the function. Returns True when the dispatcher is
+    in place."""
     from megatron.core.transformer import transformer_block
 
     current = getattr(transformer_block, "checkpointed_forward", None)
@@ -257,3 +260,55 @@ def route_block_recompute() -> bool:
     if not hasattr(current, "_nemo_longctx_original"):
         transformer_block.checkpointed_forward = _dispatch_checkpointed_forward(current)
     return True
+
+
+BLOCK_MARK = "_nemo_longctx_block"  # on a model config: its GPT decoder is built as LongContextTransformerBlock
+
+
+def mark_decoder_block(model_config: Any, full_recompute: bool) -> None:
+    """Mark ``model_config`` (before the model is built) so that its GPT decoder block is built as
+    ``LongContextTransformerBlock`` (``full_recompute``) or as Megatron's ``TransformerBlock``."""
+    setattr(model_config, BLOCK_MARK, bool(full_recompute))
+
+
+def decoder_block(config: Any = None, *args: Any, **kwargs: Any) -> Any:
+    """What ``GPTModel.__init__`` calls to build its decoder (ledger row R2): ``LongContextTransformerBlock`` for a
+    config marked by ``mark_decoder_block``, else Megatron's ``TransformerBlock`` -- with the same arguments."""
+    cls = LongContextTransformerBlock if getattr(config, BLOCK_MARK, False) else TransformerBlock
+    return cls(config, *args, **kwargs)
+
+
+decoder_block._nemo_longctx = True  # type: ignore[attr-defined]
+
+
+def build_decoder_blocks_by_config() -> bool:
+    """Megatron's ``GPTModel.__init__`` builds its decoder with the name ``TransformerBlock`` of its module and offers
+    no spec or argument for the block's class (a layer spec chooses only the layers). That name is bound to
+    ``decoder_block``: a GPT model whose config is marked (``mark_decoder_block``, set with the recompute fields)
+    gets the block subclass of this module from the start, every other model Megatron's block, built exactly as
+    before. Row R2 of the Megatron-core patch ledger (``patches.py``), applied at an app's entry on any device."""
+    from megatron.core.models.gpt import gpt_model
+
+    if gpt_model.TransformerBlock is not TransformerBlock and not getattr(gpt_model.TransformerBlock, "_nemo_longctx",
+                                                                          False):
+        raise RuntimeError("megatron.core.models.gpt.gpt_model.TransformerBlock is not Megatron's TransformerBlock "
+                           f"({gpt_model.TransformerBlock!r}): something else rebinds it")
+    gpt_model.TransformerBlock = decoder_block
+    return True
+
+
+def decoder_blocks_built_by_config() -> bool:
+    """Whether ledger row R2 is in place (GPT models build the block class their config is marked with)."""
+    from megatron.core.models.gpt import gpt_model
+
+    return gpt_model.TransformerBlock is decoder_block
+
+
+def block_recompute_routed() -> bool:
+    """Whether a ``LongContextTransformerBlock`` runs its own ``_checkpointed_forward`` under full recompute: always
+    on Megatron-core versions that call the method, after ledger row R1 on those that call
+    ``megatron.core.recompute.checkpointed_forward``."""
+    from megatron.core.transformer import transformer_block
+
+    current = getattr(transformer_block, "checkpointed_forward", None)
+    return current is None or hasattr(current, "_nemo_longctx_original")

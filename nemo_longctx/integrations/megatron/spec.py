@@ -58,8 +58,11 @@ def resolve_layer_spec(base: Any, config: Any, vp_stage: Optional[int] = None) -
     return base(config)
 
 
-def long_context_layer_spec(spec: Any, cp_algorithm: str = "ring", **algorithm_kwargs: Any) -> Any:
-    """Copy of ``spec`` (layer ModuleSpec or block spec) with our core attention in every layer."""
+def long_context_layer_spec(spec: Any, cp_algorithm: str = "ring", *, norm_recompute: bool = False,
+                            **algorithm_kwargs: Any) -> Any:
+    """Copy of ``spec`` (layer ModuleSpec or block spec) with our core attention in every layer; with
+    ``norm_recompute`` (the model config asks for ``recompute_modules`` with ``layernorm``) each layer's input and
+    pre-MLP norms are built for nemo_longctx's norm recompute (``norm_recompute_layer.recomputable_norm_spec``)."""
     try:
         new = copy.deepcopy(spec)
     except (TypeError, copy.Error) as e:  # e.g. "cannot pickle 'cell' object": placeholders of missing TE modules
@@ -79,7 +82,19 @@ def long_context_layer_spec(spec: Any, cp_algorithm: str = "ring", **algorithm_k
         if getattr(layer, "module", None) is TransformerLayer:  # the same layer, able to run a call in sequence
             layer.module = LongContextTransformerLayer  # chunks (recompute.sequence_chunks, chunked_layer.py)
         _fix_moe_routing_for_cp(layer)
+        if norm_recompute:
+            _recomputable_norms(layer)
     return new
+
+
+def _recomputable_norms(layer: Any) -> None:
+    """The layer's input and pre-MLP norm entries built inside ``RecomputableNorm`` (norm recompute)."""
+    from .norm_recompute_layer import recomputable_norm_spec
+
+    sub = getattr(layer, "submodules", None)
+    for name in ("input_layernorm", "pre_mlp_layernorm"):
+        if sub is not None and getattr(sub, name, None) is not None:
+            setattr(sub, name, recomputable_norm_spec(getattr(sub, name)))
 
 
 def _fix_moe_routing_for_cp(layer: Any) -> None:
@@ -116,7 +131,8 @@ class LongContextSpec:
     """A callable layer spec ``spec(config, vp_stage=None)``: the ``base`` spec (a ModuleSpec, block spec or a
     callable of the model config) with our core attention in every layer. What a front end puts into its model
     config's ``transformer_layer_spec`` (Megatron-Bridge's provider calls it with itself; NeMo 2 subclasses it to
-    record it in its checkpoint context)."""
+    record it in its checkpoint context). Called when the model is built, after the recompute fields are on the config:
+    a config that asks for layernorm recompute gets its norms built for nemo_longctx's norm recompute."""
 
     def __init__(self, base: Any, cp_algorithm: str = "ring", algorithm_kwargs: Optional[dict] = None) -> None:
         self.base = base
@@ -127,7 +143,10 @@ class LongContextSpec:
         return resolve_layer_spec(self.base, config, vp_stage)
 
     def __call__(self, config: Any, vp_stage: Optional[int] = None) -> Any:
-        return long_context_layer_spec(self.base_spec(config, vp_stage), self.cp_algorithm, **self.algorithm_kwargs)
+        from .norm_recompute_layer import norm_recompute_configured
+
+        return long_context_layer_spec(self.base_spec(config, vp_stage), self.cp_algorithm,
+                                       norm_recompute=norm_recompute_configured(config), **self.algorithm_kwargs)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(base={self.base!r}, cp_algorithm={self.cp_algorithm!r})"

@@ -24,9 +24,12 @@ Two kinds of patches live here:
       the norms at their init and the exporter failed (IndexError). For a Megatron model with local norms, the
       converter's keys on the Megatron side are renamed to the local names before NeMo's ``apply_transforms`` runs.
 
-- ``megatron_groups_timeout(timeout_s)``: a context manager, on every machine (not a CPU fix). NeMo 2.7 calls
-  Megatron's ``parallel_state.initialize_model_parallel`` without a timeout; for the duration of NeMo's set-up the
-  function gets ``distributed_timeout_minutes`` bound (``LongContextStrategy.setup_environment``).
+- T1, on every machine (not a CPU fix): NeMo 2.7 calls Megatron's ``parallel_state.initialize_model_parallel``
+  without a timeout; the function NeMo looks up passes ``distributed_timeout_minutes`` inside
+  ``megatron_groups_timeout(timeout_s)`` (``LongContextStrategy.setup_environment``), nothing otherwise.
+
+Every patch here is a row of NeMo's patch ledger (``patches.py``: target, devices, versions, why), applied in its
+order, once, at an app's entry.
 """
 
 from __future__ import annotations
@@ -147,43 +150,85 @@ def _patch_hf_converter_norm_keys() -> None:
 
 
 def apply(force: bool = False) -> bool:
-    """Apply the Megatron-core CPU fixes, then NeMo's, once, when CUDA is unavailable (or ``force``). Returns True if
-    the patches are active."""
+    """Apply NeMo's patch ledger (``patches.LEDGER``) once: first the Megatron-core ledger, then these CPU fixes when
+    CUDA is unavailable (or ``force``) and the all-device row (``initialize_model_parallel``'s timeout) everywhere.
+    Returns True if the CPU fixes are active."""
     global _APPLIED
+    from .patches import LEDGER
+
+    LEDGER.apply(force_cpu_rows=force)
     if _APPLIED:
         return True
     if not (force or needed()):
         return False
-    megatron_cpu_compat.apply(force=force)
-    _patch_nemo_random_seed()
-    _patch_checkpoint_load_device()
-    _patch_hf_converter_norm_keys()
+    megatron_cpu_compat.apply(force=force)  # (applied by the ledger above: marks the Megatron CPU fixes active)
     _APPLIED = True
     log.info("nemo_longctx.integrations.nemo.compat: CPU patches for NeMo applied")
     return True
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Megatron's process groups created by NeMo's set-up with our timeout (all machines)
-@contextlib.contextmanager
-def megatron_groups_timeout(timeout_s: Optional[float]):
-    """Make NeMo's ``init_model_parallel`` create Megatron's groups with ``timeout_s``.
+# T1: Megatron's process groups created by NeMo's set-up with our timeout (all machines)
+_GROUPS_TIMEOUT_MIN: list = []  # the timeout (minutes) for groups created inside ``megatron_groups_timeout``
 
-    NeMo 2.7 calls ``parallel_state.initialize_model_parallel`` without ``distributed_timeout_minutes`` (Megatron's
+
+def _patch_groups_timeout() -> None:
+    """NeMo 2.7 calls ``parallel_state.initialize_model_parallel`` without ``distributed_timeout_minutes`` (Megatron's
     default: 30 minutes). A group's timeout must be set when it is created: gloo's point-to-point receives (the ring's
-    K/V exchange) keep the timeout of their creation, ``_set_pg_timeout`` later only reaches collectives. So for the
-    duration of NeMo's set-up only, the function NeMo looks up gets that argument bound; it is restored afterwards.
-    """
-    if timeout_s is None:
-        yield
-        return
+    K/V exchange) keep the timeout of their creation, ``_set_pg_timeout`` later only reaches collectives. The function
+    NeMo looks up (``parallel_state.initialize_model_parallel``) passes the timeout of the innermost
+    ``megatron_groups_timeout`` when its caller gives none; outside one it is Megatron's function unchanged."""
     from megatron.core import parallel_state
 
     original = parallel_state.initialize_model_parallel
-    parallel_state.initialize_model_parallel = functools.partial(
-        original, distributed_timeout_minutes=float(timeout_s) / 60.0
-    )
+    if getattr(original, "_nemo_longctx", False):
+        return
+
+    @functools.wraps(original)
+    def initialize_model_parallel(*args: Any, **kwargs: Any) -> Any:
+        if _GROUPS_TIMEOUT_MIN and "distributed_timeout_minutes" not in kwargs:
+            kwargs["distributed_timeout_minutes"] = _GROUPS_TIMEOUT_MIN[-1]
+        return original(*args, **kwargs)
+
+    initialize_model_parallel._nemo_longctx = True  # type: ignore[attr-defined]
+    parallel_state.initialize_model_parallel = initialize_model_parallel
+
+
+@contextlib.contextmanager
+def megatron_groups_timeout(timeout_s: Optional[float]):
+    """Make NeMo's ``init_model_parallel`` create Megatron's groups with ``timeout_s`` (ledger row T1, applied with
+    NeMo's ledger at the app's entry)."""
+    if timeout_s is None:
+        yield
+        return
+    from .patches import LEDGER
+
+    if "T1" not in LEDGER.applied():
+        raise RuntimeError("collective_timeout_s: NeMo's patch ledger (row T1) was not applied at the app's entry "
+                           "(nemo_longctx.integrations.nemo.compat.apply()), so NeMo would create Megatron's process "
+                           "groups without the timeout")
+    _GROUPS_TIMEOUT_MIN.append(float(timeout_s) / 60.0)
     try:
         yield
     finally:
-        parallel_state.initialize_model_parallel = original
+        _GROUPS_TIMEOUT_MIN.pop()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# M1: NeMo's GPT configs build our GPT model class (all machines)
+def _patch_gpt_model_class() -> None:
+    """NeMo's ``GPTConfig.configure_model`` builds ``MCoreGPTModel`` (its name for Megatron's GPTModel, bound in
+    ``nemo.collections.llm.gpt.model.base``) and offers no hook for another class. The name is bound to
+    ``ChunkedLossGPTModel``, Megatron's GPTModel exactly until ``tiling.loss_chunks`` sets a policy on it, so models
+    are built with the chunked loss from the start (NeMo's own exact-type check in ``get_inference_wrapper`` reads the
+    same name). Where that module does not import (a Megatron-core NeMo 2.7 cannot load: nothing builds through it),
+    nothing is bound."""
+    try:
+        from nemo.collections.llm.gpt.model import base
+    except ImportError as e:
+        log.info("nemo_longctx.integrations.nemo.compat: NeMo's GPT model module does not import here (%s): its "
+                 "model class is left as it is", e)
+        return
+    from nemo_longctx.integrations.megatron.gpt_chunked_loss import ChunkedLossGPTModel
+
+    base.MCoreGPTModel = ChunkedLossGPTModel

@@ -6,8 +6,8 @@ built. ``SequenceTiling(options)`` (Lightning callback, added by the app when ti
 - ``setup()`` (after the strategy attached our core attention, before the model is built): ``enable_tiling``: wraps
   ``config.transformer_layer_spec`` in ``TiledMLPLayerSpec`` (every dense MLP -> ``TiledMegatronMLP``) and
   ``config.forward_step_fn`` in ``LossMaskForwardStep`` (makes the batch's loss mask visible to the chunked loss);
-- ``on_fit_start()`` (model built, before step 0): ``use_chunked_loss`` on the Megatron GPTModel(s), and checks
-  that the MLPs were built tiled.
+- ``on_fit_start()`` (model built, before step 0): ``use_chunked_loss`` sets the policy on the GPT model(s), built as
+  ``ChunkedLossGPTModel`` (NeMo's patch ledger, row M1), and checks that the MLPs were built tiled.
 """
 
 from __future__ import annotations

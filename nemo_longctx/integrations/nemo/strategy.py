@@ -49,9 +49,11 @@ class LongContextStrategy(nl.MegatronStrategy):
     def __init__(self, *args: Any, cp_algorithm: str = "ring", cp_algorithm_kwargs: Optional[Dict[str, Any]] = None,
                  collective_timeout_s: Optional[float] = None, long_context_options: Optional[Dict[str, Any]] = None,
                  option_keys: str = "hydra", **kwargs: Any) -> None:
-        from .compat import apply as apply_cpu_fixes
+        from .compat import apply as apply_patch_ledgers
 
-        apply_cpu_fixes()  # CPU-only processes (a recipe run by NeMo-Run builds this first): a no-op with CUDA
+        # NeMo's patch ledger, once per process (a no-op after an app's entry applied it): a NeMo-Run rank runs no
+        # entry of ours -- NeMo-Run builds the recipe, and this strategy first -- so its ledger is applied here
+        apply_patch_ledgers()
         super().__init__(*args, **kwargs)
         if option_keys not in ("hydra", "recipe"):
             raise ValueError(f"LongContextStrategy(option_keys={option_keys!r}): 'hydra' or 'recipe'")
