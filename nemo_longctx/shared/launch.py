@@ -262,7 +262,7 @@ def run_rank(module: str, argv: Sequence[str]) -> None:
     os.setsid()
     pid_dir = os.environ.get(RANK_PIDS_VAR)
     if pid_dir:
-        with open(os.path.join(pid_dir, f"{os.environ.get('LOCAL_RANK', os.getpid())}.pid"), "w") as f:
+        with open(os.path.join(pid_dir, f"{os.environ['LOCAL_RANK']}.pid"), "w") as f:  # the agent sets LOCAL_RANK
             f.write(str(os.getpid()))
     os.environ[FORKED_RANK_VAR] = "1"
     sys.argv = [module, *argv]
