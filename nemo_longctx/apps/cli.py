@@ -22,6 +22,9 @@ model.seq_length=131072 run.dry_run=true
           e.g. nemo-longctx import source=/models/Llama-3.1-8B output=/ckpt/llama31-8b
   export  NeMo checkpoint (trained from an import) -> Hugging Face model dir
           e.g. nemo-longctx export checkpoint=outputs/train output=/models/llama31-8b-128k
+  fuzz    trains drawn parallel compositions (TP, CP, PP, DP, EP, model states, memory options) of tiny models on CPU
+          processes, each against one rank; exit 1 when one differs
+          e.g. nemo-longctx fuzz --seed 1 --cases 40 --max-world 8
   bridge-export  Megatron-Bridge checkpoint (nemo-longctx bridge init_from=<HF dir> checkpoint.save=<dir>) -> Hugging
           Face model dir, through Bridge's AutoBridge (Python 3.12 stack)
           e.g. nemo-longctx bridge-export checkpoint=/ckpt/run1 output=/models/llama-128k
@@ -33,7 +36,7 @@ nemo-longctx --versions: the same, then every third-party name this package patc
 
 COMMANDS = {"train": "nemo_longctx.apps.train", "bridge": "nemo_longctx.apps.bridge", "plan": "nemo_longctx.apps.plan",
             "import": "nemo_longctx.apps.convert:import_main", "export": "nemo_longctx.apps.convert:export_main",
-            "bridge-export": "nemo_longctx.apps.bridge_convert:export_main"}
+            "bridge-export": "nemo_longctx.apps.bridge_convert:export_main", "fuzz": "nemo_longctx.apps.fuzz"}
 
 
 HELP_APPS = ("train", "plan")  # `nemo-longctx <app> --help` answered by nemo_longctx.apps.help (bridge: by its main)

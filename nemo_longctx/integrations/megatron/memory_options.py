@@ -59,6 +59,11 @@ def memory_model_problems(opts: MemoryOptions, model_config: Any, pp: int = 1,
             if on:
                 p.append(f"{option} does not take attention sinks (model.softmax_type={softmax!r}): its attention "
                          "path has no sink term; use recompute=full (without sequence_chunks) or selective")
+    if r == "full_keep_attn" and getattr(model_config, "window_size", None) is not None:
+        # the kept-attention path (memory/keep_attention.py) has no window: refused before any rank builds a layer
+        # (raised in the first forward, one rank's error left the others waiting in the ring)
+        p.append(f"recompute=full_keep_attn does not take sliding windows (model.window_size="
+                 f"{model_config.window_size}): use recompute=full or selective")
     if opts.sequence_chunks != "off":
         key = f"recompute.sequence_chunks={opts.sequence_chunks}"
         if getattr(model_config, "multi_latent_attention", False) and getattr(model_config, "apply_rope_fusion",

@@ -102,10 +102,35 @@ def model_problems(config: Any, options: LongContextOptions, world_size: Optiona
     cp = options.cp
     p = long_context_problems(config, cp.size, cp.algorithm, world_size, tp, pp, cp.attention_kwargs, k)
     p += memory_model_problems(options.memory, config, pp, k)
+    p += mla_tensor_parallel_problems(config, tp, k)
     if options.tiling.active:  # against the model's own sequence length (init_from: the checkpoint's config)
         p += options.tiling.problems(int(config.seq_length), cp.size, tp, bool(getattr(config, "sequence_parallel",
                                                                                         False)), k)
     return p
+
+
+def mla_tensor_parallel_problems(config: Any, tp: int, keys: Optional[Context] = None) -> List[str]:
+    """Multi-latent attention under TP > 1 where Megatron-core's gradient is wrong (found by ``nemo-longctx fuzz``,
+    megatron-core 0.15.3 and 0.19.2, ``MLASelfAttention.get_query_key_value_tensors``): the RoPE part of the key
+    (``k_pos_emb``, shared by all heads) is split off ``linear_kv_down_proj``'s output and used by each TP rank's own
+    heads, and nothing sums its gradient over the TP group -- except ``gather_from_sequence_parallel_region`` on the
+    path of a duplicated (TransformerEngine) down projection with sequence parallelism. Without TransformerEngine the
+    down projection is a ``ColumnParallelLinear`` (that path, with or without sequence parallelism, keeps the partial
+    gradient): the RoPE rows of ``linear_kv_down_proj`` learn from half the heads at TP=2."""
+    if not getattr(config, "multi_latent_attention", False) or not isinstance(tp, int) or tp <= 1:
+        return []
+    k = keys or Context()
+    from .cpu_compat import needed
+
+    if needed():
+        return [f"multi-latent attention with {k.key('tp')}={tp} without CUDA/TransformerEngine: Megatron-core's local "
+                "MLA gives the RoPE part of linear_kv_down_proj only this TP rank's heads' gradient (a silently wrong "
+                f"gradient): use {k.key('tp')}=1 (CP, DP and PP are exact)"]
+    if not getattr(config, "sequence_parallel", False):
+        return [f"multi-latent attention with {k.key('tp')}={tp} needs sequence parallelism: without it Megatron-core "
+                "sums the gradient of the RoPE key part over no TP group (only this rank's heads' share); set "
+                "sequence parallelism on"]
+    return []
 
 
 def built_attention_problems(model: Any, cp_size: int, cp_algorithm: str, pp: int = 1) -> List[str]:
