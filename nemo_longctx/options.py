@@ -486,6 +486,13 @@ class MemoryOptions:
         o = self.offload + (f"[{','.join(self.offload_modules)}]" if self.offload == "modules" else "")
         return f"recompute={r} offload={o}"
 
+    def packed_problems(self, packed_by: str) -> List[str]:
+        """The problems of these options with packed documents (``packed_by``: the key that packs them)."""
+        if self.recompute == "full_keep_attn":
+            return [f"recompute=full_keep_attn does not take packed documents ({packed_by}): its kept attention has "
+                    "no per-document path; use recompute=full or selective"]
+        return []
+
     def problems(self, cp_algorithm: Any = "ring") -> List[str]:
         """Every problem with these options (empty = valid) that needs no model."""
         p: List[str] = []
@@ -904,6 +911,12 @@ class LongContextOptions:
                 p.append(f"recompute.sequence_chunks={self.memory.sequence_chunks} with {' and '.join(redundant)}: "
                          "a sequence-chunked layer's all-to-alls already move one sequence chunk at a time and keep "
                          "nothing gathered for backward; drop " + " and ".join(r.split("=")[0] for r in redundant))
+        if self.tiling.loss_chunks != "off" and self.optim.state.megatron_fsdp:
+            # found by nemo-longctx fuzz: the chunked loss builds the output layer's and embedding's gradients
+            # during forward, and Megatron-FSDP's gradient pipeline asserts at the first step
+            p.append(f"tiling.loss_chunks={self.tiling.loss_chunks} with optim.megatron_fsdp=true: Megatron-FSDP "
+                     "refuses the gradients the chunked loss makes in forward; set tiling.loss_chunks=off (or use "
+                     "optim.use_distributed_optimizer=true without megatron_fsdp)")
         if self.memory.sequence_chunks != "off" and ctx.sequence_parallel and _is_int(ctx.tp) and ctx.tp > 1:
             p.append(f"recompute.sequence_chunks={self.memory.sequence_chunks} with {ctx.key('tp')}={ctx.tp} and "
                      "sequence parallelism: not supported in this version (a chunk of each TP rank's rows is not a "

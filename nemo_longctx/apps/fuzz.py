@@ -174,6 +174,8 @@ def run_case(pool: RankPool, index: int, case: Case, inject: Optional[str], time
     try:
         status, ref = _outcome(pool.run(1, case.words(), True, None, None, timeout))
         if status != "ok":
+            if status == "error":
+                pool.restart()
             row.status = {"refused": "refused (stack)", "refused (options)": status}.get(status, "FAILED")
             row.why = f"reference: {ref}"
             return row
@@ -188,7 +190,8 @@ def run_case(pool: RankPool, index: int, case: Case, inject: Optional[str], time
     if status in ("refused", "refused (options)"):
         row.status, row.why = "refused (stack)" if status == "refused" else status, got
         return row
-    if status == "error":
+    if status == "error":  # a rank failed mid-case: its process state (groups, buffers) is not trusted again
+        pool.restart()
         row.status, row.why = "FAILED", got
         return row
     row.diffs = compare(pickle.loads(got), reference)

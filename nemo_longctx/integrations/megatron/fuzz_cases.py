@@ -190,7 +190,10 @@ def _known_keys() -> List[str]:
 # ------------------------------------------------------------------------------------------------------ drawing
 def option_problems(case: Case) -> List[str]:
     """What the option model refuses in this case (empty: accepted), plus the layout rules the fuzzer itself needs."""
-    p = case.options().problems(case.context())
+    options = case.options()
+    p = options.problems(case.context())
+    if case.data == "packed":
+        p += options.memory.packed_problems("data=packed")
     if case.model != "moe" and case.ep > 1:
         p.append(f"ep={case.ep} needs a MoE model (model=moe)")
     if case.vpp and case.pp < 2:

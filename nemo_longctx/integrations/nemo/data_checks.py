@@ -74,6 +74,12 @@ def _in_hf_cache(repo_id: str) -> bool:
     return False
 
 
+def _memory_options(cfg: DictConfig) -> Any:
+    from nemo_longctx.options import MemoryOptions
+
+    return MemoryOptions(recompute=OmegaConf.select(cfg, "recompute.name", default="none"))
+
+
 def data_problems(cfg: DictConfig) -> List[str]:
     """Every config-level problem of the ``data`` group, each naming its key."""
     data = cfg.data
@@ -92,8 +98,10 @@ def data_problems(cfg: DictConfig) -> List[str]:
                 p.append(f"data.{key}={path!r} must be an existing packed .npy file (NeMo's "
                          "prepare_packed_sequence_data output)")
         tok = None if _missing(data, "tokenizer") else str(data.tokenizer)
-        return p + tokenizer_problems(tok, init_from)
+        return p + _memory_options(cfg).packed_problems("data=packed_sft") + tokenizer_problems(tok, init_from)
     p = packing_problems(data.get("packing", "none"), mbs)
+    if data.get("packing", "none") == "documents":
+        p += _memory_options(cfg).packed_problems("data.packing=documents")
     if kind == "documents":
         from nemo_longctx.integrations.nemo.documents import documents_problems
 
