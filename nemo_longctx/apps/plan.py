@@ -11,8 +11,9 @@ the closest misses) with every memory column and its legend (``format_report``, 
 one line. `plan.write_command=PATH` writes the one-line command to a file, `plan.write_sbatch=PATH` an sbatch script
 for it, `plan.plot=PATH` a PNG of predicted per-GPU memory vs sequence length, `plan.json=true` prints JSON only.
 `plan.checkpoints=true` (the default) plans a run that saves checkpoints: what the train app refuses with saving
-(Megatron-FSDP) is not searched, and the output says so once; `plan.checkpoints=false` searches it too and a chosen
-row that cannot save gets `checkpoint.every_n_steps=0` in its command and a caveat.
+(Megatron-FSDP at fp32 or on the Bridge front end) is not searched, and the output says so once;
+`plan.checkpoints=false` searches it too and a chosen row that cannot save gets `checkpoint.every_n_steps=0` in its
+command and a caveat.
 Exit status 2 (with what is missing) when nothing fits.
 Nothing here imports NeMo or Megatron: planning takes a second.
 """
