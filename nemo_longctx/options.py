@@ -254,6 +254,9 @@ class Context:
     cuda: Optional[bool] = None
     te: Optional[bool] = None
     keys: Mapping[str, str] = field(default_factory=dict)
+    # the front end saves Megatron-FSDP's fsdp_dtensor checkpoints (nemo-longctx train: its optimizer-state hooks,
+    # integrations/megatron/fsdp_checkpoint.py); the others refuse Megatron-FSDP with checkpointing
+    fsdp_checkpoints: bool = False
 
     def key(self, name: str) -> str:
         return self.keys.get(name, _NEUTRAL_KEYS[name])
@@ -706,16 +709,22 @@ class ModelStateOptions:
             if ctx.pp > 1:
                 p.append(f"optim.megatron_fsdp=true with {pp_key}={ctx.pp}: nemo_longctx runs Megatron-FSDP without "
                          "pipeline parallelism only")
-            if ctx.checkpointing:
-                # tried on CPU (gloo, bf16-mixed): NeMo's fsdp_dtensor save fails in megatron-core 0.15.3's SwiGLU
-                # split of linear_fc1 (fsdp_dtensor_checkpoint.handle_swiglu_in_state_dict): a rank whose shard of
-                # fc1 is empty has no Adam state for it (torch AdamW creates state only for parameters with a grad),
-                # so the ranks make different numbers of make_fsdp_dtensor calls, their all_gather_object metadata
-                # collectives pair up wrongly and validate_uneven_dtensor asserts ("DTensor chunk metadata is
-                # invalid"). With fp32 weights it fails earlier in NeMo's _get_fsdp_dtensor_state_dict.
-                p.append(f"optim.megatron_fsdp=true with {ctx.key('checkpointing')} > 0: Megatron-FSDP saves in the "
-                         "fsdp_dtensor format, which nemo_longctx's checkpoint/resume path does not support yet "
-                         f"(set {ctx.key('checkpointing')}=0)")
+            ck = ctx.key("checkpointing")
+            if ctx.checkpointing and not ctx.fsdp_checkpoints:
+                # the fsdp_dtensor save/load makes collective calls per parameter's optimizer state, and Megatron-FSDP
+                # creates no state for a rank's empty shards: nemo-longctx train fills it in (fsdp_checkpoint.py);
+                # the Megatron-Bridge and NeMo-Run front ends have no such hook here (not run with Bridge)
+                p.append(f"optim.megatron_fsdp=true with {ck} > 0: Megatron-FSDP checkpoints (the fsdp_dtensor "
+                         "format) are saved by nemo-longctx train only, which gives every rank the optimizer state "
+                         f"of every parameter that format needs (set {ck}=0, or train with nemo-longctx train)")
+            elif ctx.checkpointing and not precision.startswith("bf16"):
+                # fp32: NeMo 2.7's MegatronStrategy._get_fsdp_dtensor_state_dict looks the SwiGLU fc1 weights up as
+                # "module.<key>" below the mixed-precision wrapper, which an fp32 model lacks (AttributeError);
+                # 16-mixed: not run (its grad scaler state is in the checkpoint too)
+                p.append(f"optim.megatron_fsdp=true with {ck} > 0 and {prec_key}={precision}: Megatron-FSDP "
+                         f"checkpoints are saved and resumed at {prec_key}=bf16-mixed only (with fp32 weights NeMo's "
+                         "save cannot find the weights of a gated (SwiGLU) MLP; 16-mixed is not verified) (use "
+                         f"{prec_key}=bf16-mixed, or set {ck}=0)")
             if o.optimizer_cpu_offload:
                 # unverified, not known broken: with Megatron-FSDP the distributed optimizer skips its shard set-up
                 # and HybridDeviceOptimizer would get Megatron-FSDP's DTensor parameters directly

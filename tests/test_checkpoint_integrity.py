@@ -59,6 +59,23 @@ def test_intact_torch_checkpoint_has_no_problem(dcp_checkpoint):
     assert int(loaded["step"]) == 3
 
 
+def test_nemo_fsdp_dtensor_layout_needs_its_common_state(dcp_checkpoint):
+    """NeMo 2's Megatron-FSDP checkpoint (fsdp_dtensor): the DCP files in the step directory itself beside
+    context/, no metadata.json, then NeMo's common.pt (written after the DCP save): whole = intact; missing or cut
+    off = damaged; without .metadata the DCP save did not finish."""
+    (dcp_checkpoint / "context").mkdir()
+    torch.save({"global_step": 4}, dcp_checkpoint / "common.pt")
+    assert checkpoint_problem(str(dcp_checkpoint)) is None
+    full = (dcp_checkpoint / "common.pt").stat().st_size
+    os.truncate(dcp_checkpoint / "common.pt", full - 10)
+    assert checkpoint_problem(str(dcp_checkpoint)).startswith("common.pt is cut off")
+    (dcp_checkpoint / "common.pt").unlink()
+    assert checkpoint_problem(str(dcp_checkpoint)).startswith("common.pt is missing (NeMo writes it after")
+    torch.save({"global_step": 4}, dcp_checkpoint / "common.pt")
+    (dcp_checkpoint / ".metadata").unlink()
+    assert checkpoint_problem(str(dcp_checkpoint)) == ".metadata is missing"
+
+
 def test_a_truncated_shard_is_named_with_its_size_and_the_size_its_metadata_needs(dcp_checkpoint):
     shard = _shards(dcp_checkpoint)[0]
     full = shard.stat().st_size

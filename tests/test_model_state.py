@@ -188,8 +188,10 @@ def test_refused_combinations_name_their_fields():
     assert "optim.optimizer_offload_fraction=1.5 must be a number in [0, 1]" in p
     p = problems("optim=default", "optim.exp_avg_dtype=bf16")
     assert "optim.exp_avg_dtype=bf16 needs optim.use_precision_aware_optimizer=true" in p
-    p = problems("optim=fsdp", "checkpoint.every_n_steps=5")
-    assert "optim.megatron_fsdp=true with checkpoint.every_n_steps > 0" in p
+    # Megatron-FSDP saves at bf16-mixed (test_megatron_fsdp_resume_equals_the_uninterrupted_run), not with fp32 weights
+    p = problems("optim=fsdp", "checkpoint.every_n_steps=5")  # default precision "32"
+    assert "optim.megatron_fsdp=true with checkpoint.every_n_steps > 0 and trainer.precision=32" in p
+    assert config_problems(_compose(["optim=fsdp", "checkpoint.every_n_steps=5", "trainer.precision=bf16-mixed"])) == []
     p = problems("optim=fsdp", "optim.optimizer_cpu_offload=true")
     assert "optim.megatron_fsdp=true with optim.optimizer_cpu_offload=true" in p
     p = problems("optim=default", "+optim.bogus=1")  # Hydra refuses it without the +
@@ -246,3 +248,55 @@ def test_megatron_fsdp_is_wired_the_way_nemo_recipes_do_it():
     # dp_reshardable one asserts on the host AdamW's per-parameter 'step')
     assert strategy_kwargs(off) == {"ckpt_optim_fully_reshardable": True}
     assert strategy_kwargs(model_state_options(dict(_compose(["optim=distributed"]).optim))) == {}
+
+
+# ------------------------------------------------------------------ Megatron-FSDP checkpoints (fsdp_dtensor)
+FSDP_CKPT = ["optim=fsdp", "trainer.precision=bf16-mixed", "model.seq_length=1024", "trainer.max_steps=4",
+             "checkpoint.every_n_steps=2", "memory.track=false", "run.timeout_s=300"]
+
+
+def _dcp_contents(ckpt):
+    """The model and optimizer tensors of an fsdp_dtensor checkpoint, gathered whole from every rank's shards (torch
+    DCP's own conversion, no process group)."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = ckpt.parent / (ckpt.name + ".whole.pt")
+    dcp_to_torch_save(str(ckpt), str(out))
+    sd = torch.load(out, weights_only=False)
+
+    def flat(d, pre=""):
+        for k, v in d.items():
+            if isinstance(v, dict):
+                yield from flat(v, f"{pre}{k}.")
+            elif isinstance(v, torch.Tensor):
+                yield pre + k, v
+
+    return dict(flat({"model": sd["model"], "optimizer_states": sd["optimizer_states"]}))
+
+
+def test_megatron_fsdp_resume_equals_the_uninterrupted_run(tmp_path):
+    """optim=fsdp at bf16-mixed with checkpoints every 2 of 4 steps (NeMo's fsdp_dtensor format, two gloo ranks
+    sharding the tiny Llama, whose SwiGLU linear_fc1 shards are empty on one rank): rank 1 SIGKILLed at step 3, the
+    same command resumes from the step-2 checkpoint, and steps 3-4 equal the uninterrupted run's bit for bit; so does
+    the step-4 checkpoint, every weight (fp32 main params), Adam moment and step gathered whole from both ranks."""
+    import torch
+    from app_runner import leftover_processes, metrics_rows, run_app
+
+    app = [str(model_state_runs.BIN / "nemo-longctx"), "train"]
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    code, log = run_app(app + [f"output_dir={full}", *FSDP_CKPT], 420)
+    assert code == 0, log[-4000:]
+    code, log = run_app(app + [f"output_dir={cut}", *FSDP_CKPT, "run.fault=kill@3:1"], 420)
+    assert code != 0 and "rank 1 killed by SIGKILL" in log, log[-3000:]
+    assert leftover_processes() == []
+    code, log = run_app(app + [f"output_dir={cut}", *FSDP_CKPT], 420)
+    assert code == 0, log[-4000:]
+    assert "resumed at step 2 from" in log, log[-3000:]
+    ref = [r["loss"] for r in metrics_rows(full)]
+    got = [r["loss"] for r in metrics_rows(cut)]
+    assert len(ref) == 4 and got == ref, (got, ref)
+    a, b = (_dcp_contents(d / "checkpoints" / "step=3-consumed_samples=4.0") for d in (full, cut))
+    assert sorted(a) == sorted(b) and any(k.endswith("linear_fc1.weight_w.exp_avg") for k in a), sorted(a)[:20]
+    unequal = [k for k in a if not torch.equal(a[k], b[k])]
+    assert unequal == [], unequal

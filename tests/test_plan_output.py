@@ -60,8 +60,8 @@ def test_default_view_fits_a_terminal_and_names_the_chosen_layout(views):
     limited = _block(lines, "limited by: ")
     assert "device memory" in limited and "GiB per GPU" in limited and "cheapest: cp=" in limited
     caveats = _block(lines, "caveats:")
-    if "state=fsdp" in lines[chosen]:  # Megatron-FSDP: no checkpoint saving in this app
-        assert "checkpoint saving (checkpoint.every_n_steps > 0): optim.megatron_fsdp=true" in caveats
+    if "state=fsdp" in lines[chosen]:  # Megatron-FSDP saves checkpoints in this app at bf16-mixed
+        assert "saves no checkpoints" not in caveats and "Megatron-FSDP on GPUs is NeMo's own path" in caveats
     assert any(line.startswith("checkpoint: ") for line in lines)
     assert "plan.show=N" in lines[-1]
 
@@ -106,8 +106,8 @@ def test_plan_show_prints_the_full_table_and_the_legend(views):
     assert "device memory" in limited and "GiB per GPU" in limited
     assert any(l.startswith("  chosen row: ") and "GiB host per node" in l for l in lines)
     assert "caveats:" in rest
-    if "state=fsdp" in lines[chosen]:  # Megatron-FSDP: no checkpoint saving in this app
-        assert "checkpoint saving (checkpoint.every_n_steps > 0): optim.megatron_fsdp=true" in rest
+    if "state=fsdp" in lines[chosen]:  # Megatron-FSDP saves checkpoints in this app at bf16-mixed
+        assert "saves no checkpoints" not in rest
 
 
 def test_nothing_fits_says_what_is_over_budget():

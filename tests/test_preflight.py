@@ -250,10 +250,11 @@ LLAMA_8X80 = ["plan=h100", "plan.gpus=8"]  # Llama-3-8B on 8 x 80 GB: Megatron-F
 
 
 def test_the_default_plan_saves_checkpoints_and_train_accepts_it_saving(tmp_path, monkeypatch):
-    """plan.checkpoints=true (the default): Llama-3-8B at 512K and 1M on 8 x 80 GB is planned without Megatron-FSDP
-    (refused by train with checkpoint saving), the output says so once, and the chosen command with
-    checkpoint.every_n_steps=100 passes train's checks for the planner's GPU target (CUDA + TransformerEngine: the
-    NGC image; on this CPU machine the precision-aware optimizer would be refused for the machine)."""
+    """plan.checkpoints=true (the default): Llama-3-8B at 512K and 1M on 8 x 80 GB (bf16-mixed) is planned with
+    Megatron-FSDP searched (train saves its checkpoints at bf16-mixed), nothing is left out of the search, and the
+    chosen command with checkpoint.every_n_steps=100 passes train's checks for the planner's GPU target (CUDA +
+    TransformerEngine: the NGC image; on this CPU machine the precision-aware optimizer would be refused for the
+    machine). For the Bridge front end the planner still refuses Megatron-FSDP rows with saving."""
     from io import StringIO
 
     from hydra import compose, initialize_config_module
@@ -273,42 +274,51 @@ def test_the_default_plan_saves_checkpoints_and_train_accepts_it_saving(tmp_path
         out = StringIO()
         assert plan.run(cfg, out=out) == 0
         text = " ".join(out.getvalue().split())
-        assert text.count("not searched") == 1 and ("Megatron-FSDP not searched (plan.checkpoints=true: the train "
-                                                    "app refuses it with checkpoint saving); plan.checkpoints=false "
-                                                    "searches it too") in text, text
+        assert "not searched" not in text, text
         assert "saves no checkpoints:" not in text and "checkpoint.every_n_steps=0" not in text
         args = _plan("llama3_8b", planned)
-        assert "optim.megatron_fsdp=false" in args and not any(a.startswith("checkpoint.") for a in args), args
+        assert "optim.megatron_fsdp=true" in args and not any(a.startswith("checkpoint.") for a in args), args
         saving = args + [f"output_dir={tmp_path}", "checkpoint.every_n_steps=100", "data=synthetic"]
         assert preflight(saving, target_cuda=True) == [], f"train refuses {saving}"
+    from nemo_longctx.planner.search import ModelState
+
+    row = ("ring", "full", "layer_input", ModelState("fsdp"), "bf16-mixed", "gpu", True)
+    assert plan.app_problems(*row, "nemo") == ()
+    assert "are saved by nemo-longctx train only" in plan.app_problems(*row, "bridge")[0]
 
 
-def test_plan_checkpoints_false_may_choose_megatron_fsdp_and_turns_saving_off(tmp_path):
-    """plan.checkpoints=false: Megatron-FSDP is searched again and chosen for Llama-3-8B at 1M on 8 x 80 GB; the row
-    says it saves no checkpoints, and the printed command, plan.write_command's and the sbatch's turn saving off
-    (checkpoint.every_n_steps=0): train accepts that command, and refuses it with saving on."""
+def test_plan_checkpoints_false_may_choose_megatron_fsdp_and_turns_saving_off(tmp_path, monkeypatch):
+    """plan.checkpoints=false with fp32 weights (where train refuses Megatron-FSDP with saving): Megatron-FSDP is
+    searched again and chosen for Llama-3-8B at 512K on 8 x 80 GB; the row says it saves no checkpoints, and the
+    printed command, plan.write_command's and the sbatch's turn saving off (checkpoint.every_n_steps=0): train
+    accepts that command, and refuses it with saving on."""
     import shlex
 
     from app_runner import printed_command
     from nemo_longctx.integrations.nemo.app import preflight
+    from nemo_longctx.shared import path_checks
+
+    monkeypatch.setattr(path_checks, "free_bytes", lambda path: 1 << 50)  # the cluster's disk, not this machine's
 
     line, sb = tmp_path / "cmd.txt", tmp_path / "job.sbatch"
     r = subprocess.run([sys.executable, "-m", "nemo_longctx.apps.plan", "model=llama3_8b", *LLAMA_8X80,
-                        "plan.seq_length=1048576", "plan.checkpoints=false", f"plan.write_command={line}",
+                        "plan.seq_length=524288", "plan.precision.activation_bytes=4", "plan.precision.param_bytes=4",
+                        "plan.checkpoints=false", f"plan.write_command={line}",
                         f"plan.write_sbatch={sb}"], cwd=Path(__file__).resolve().parents[1], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     text = " ".join(r.stdout.split())
     assert "state=fsdp" in text.split("chosen: ")[1].split(" ")[6] and "not searched" not in text, r.stdout
-    assert ("saves no checkpoints: Megatron-FSDP cannot save in this version; a requeued job starts over (the "
-            "command sets checkpoint.every_n_steps=0)") in text, r.stdout
+    assert ("saves no checkpoints: Megatron-FSDP saves checkpoints at bf16-mixed only; a requeued job starts over "
+            "(the command sets checkpoint.every_n_steps=0)") in text, r.stdout
     args = shlex.split(line.read_text())[2:]
     assert shlex.split(printed_command(r.stdout))[2:] == args
     assert "optim.megatron_fsdp=true" in args and args[-1] == "checkpoint.every_n_steps=0", args
     assert "checkpoint.every_n_steps=0" in sb.read_text() and "saves no checkpoints" in sb.read_text()
     assert preflight(args + [f"output_dir={tmp_path}", "data=synthetic"], target_cuda=True) == []
-    saving = preflight(args[:-1] + [f"output_dir={tmp_path}", "checkpoint.every_n_steps=100", "data=synthetic"],
-                       target_cuda=True)
+    # (the plan's command leaves trainer.precision to the model's recipe; the plan was for fp32 weights)
+    saving = preflight(args[:-1] + [f"output_dir={tmp_path}", "checkpoint.every_n_steps=100", "data=synthetic",
+                                    "trainer.precision=32"], target_cuda=True)
     assert any(p.startswith("optim.megatron_fsdp=true with checkpoint.every_n_steps > 0") for p in saving), saving
 
 

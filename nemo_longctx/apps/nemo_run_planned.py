@@ -181,7 +181,7 @@ def plan_for_recipe(recipe: Any, gpus: int, gpus_per_node: int, gpu: str, seq_le
     raise_problems([re.sub(r"plan\.(seq_length|host_memory_gb)\b", lambda m: names[m.group(0)], p)
                     for p in plan_app.key_problems(cfg)])
     try:
-        shape, seq, hw, precision, coef, cost, search = plan_app.inputs_from_config(cfg)
+        shape, seq, hw, precision, coef, cost, search = plan_app.inputs_from_config(cfg, frontend="nemo_run")
     except ValueError as e:
         raise ConfigError([str(e)]) from None
     p = make_plan(shape, seq, hw, precision, coef, cost, float(cfg.plan.cost_tolerance), **search)

@@ -11,8 +11,9 @@ the closest misses) with every memory column and its legend (``format_report``, 
 one line. `plan.write_command=PATH` writes the one-line command to a file, `plan.write_sbatch=PATH` an sbatch script
 for it, `plan.plot=PATH` a PNG of predicted per-GPU memory vs sequence length, `plan.json=true` prints JSON only.
 `plan.checkpoints=true` (the default) plans a run that saves checkpoints: what the train app refuses with saving
-(Megatron-FSDP) is not searched, and the output says so once; `plan.checkpoints=false` searches it too and a chosen
-row that cannot save gets `checkpoint.every_n_steps=0` in its command and a caveat.
+(Megatron-FSDP at fp32 or on the Bridge front end) is not searched, and the output says so once;
+`plan.checkpoints=false` searches it too and a chosen row that cannot save gets `checkpoint.every_n_steps=0` in its
+command and a caveat.
 Exit status 2 (with what is missing) when nothing fits.
 Nothing here imports NeMo or Megatron: planning takes a second.
 """
@@ -92,25 +93,29 @@ def _model_state_cpu_problems():
 
 @functools.lru_cache(maxsize=None)
 def app_problems(cp_algorithm: str, recompute: str, offload: str, ms: ModelState,
-                 precision: str = "bf16-mixed", target: str = "gpu", checkpointing: bool = False) -> tuple:
+                 precision: str = "bf16-mixed", target: str = "gpu", checkpointing: bool = False,
+                 frontend: str = "nemo") -> tuple:
     """The train app's own option checks (the option model's ``problems``, and on a CPU target the CPU-only
     refusals) for one option combination, on the planner's target: ``gpu`` = GPU nodes running the NGC NeMo image
     (CUDA and TransformerEngine present), ``cpu`` = CPU-only nodes without TransformerEngine. ``checkpointing``: the
-    run saves checkpoints (what the options refuse then is refused too: ``plan.checkpoints``)."""
+    run saves checkpoints (what the options refuse then is refused too: ``plan.checkpoints``); ``frontend``
+    (``plan.frontend``): nemo | bridge, whose refusals with saving differ (Megatron-FSDP saves on nemo only)."""
     gpu = target == "gpu"
     opts = option_model(cp_algorithm, recompute, offload, ms)
-    out = opts.problems(Context(precision=precision, cuda=gpu, te=gpu, checkpointing=checkpointing))
+    out = opts.problems(Context(precision=precision, cuda=gpu, te=gpu, checkpointing=checkpointing,
+                                fsdp_checkpoints=frontend == "nemo"))
     if not gpu:
         out += _model_state_cpu_problems()(opts.optim.state, force=True, checkpointing=checkpointing)
     return tuple(out)
 
 
-def app_accepts(precision: str = "bf16-mixed", target: str = "gpu", checkpointing: bool = False):
+def app_accepts(precision: str = "bf16-mixed", target: str = "gpu", checkpointing: bool = False,
+                frontend: str = "nemo"):
     """``candidate_configs(accept=...)``: keep the option combinations the train app accepts on ``target``
     (``checkpointing``: in a run that saves checkpoints)."""
     if target not in ("gpu", "cpu"):
         raise ValueError(f"plan.target={target!r} must be gpu or cpu")
-    return lambda algo, rc, off, ms: not app_problems(algo, rc, off, ms, precision, target, checkpointing)
+    return lambda algo, rc, off, ms: not app_problems(algo, rc, off, ms, precision, target, checkpointing, frontend)
 
 
 # ------------------------------------------------------------------------------------------------- config
@@ -151,9 +156,10 @@ def checkpointing_of(cfg: Any) -> bool:
     return bool(_get(cfg.plan, "checkpoints", True))
 
 
-def inputs_from_config(cfg: Any):
+def inputs_from_config(cfg: Any, frontend: Optional[str] = None):
     """(shape, seq_length, Hardware, Precision, ActivationCoefficients, CostModel, search kwargs) from `cfg`
-    (``plan.checkpoints``: for a run that saves checkpoints, ``search_space``)."""
+    (``plan.checkpoints``: for a run that saves checkpoints, ``search_space``; ``frontend``: the front end whose
+    refusals filter the search, default ``plan.frontend``; ``nemo_run`` for NeMo-Run recipes)."""
     p = cfg.plan
     name = model_name(cfg)
     shape = shape_from_config(_container(cfg.model), name=name)
@@ -167,12 +173,13 @@ def inputs_from_config(cfg: Any):
     coef = ActivationCoefficients.preset(str(p.activation_model))
     cost = CostModel(**{k: float(v) for k, v in _container(p.cost).items()})
     search = {k: tuple(v) if not isinstance(v, (int, float)) else v for k, v in _container(p.search).items()}
-    search = search_space(search, precision, target=str(_get(p, "target", "gpu")), checkpointing=checkpointing_of(cfg))
+    search = search_space(search, precision, target=str(_get(p, "target", "gpu")), checkpointing=checkpointing_of(cfg),
+                          frontend=frontend or str(_get(p, "frontend", "nemo")))
     return shape, int(seq), hw, precision, coef, cost, search
 
 
 def search_space(search: Dict[str, Any], precision: Precision, target: str = "gpu",
-                 checkpointing: bool = False) -> Dict[str, Any]:
+                 checkpointing: bool = False, frontend: str = "nemo") -> Dict[str, Any]:
     """``plan.search`` -> candidate_configs keywords: the model-state lists become ModelStates, and the train
     app's validation filters every option combination (``app_accepts``; ``checkpointing``: in a run that saves
     checkpoints, ``plan.checkpoints``)."""
@@ -181,18 +188,20 @@ def search_space(search: Dict[str, Any], precision: Precision, target: str = "gp
     fractions = tuple(float(f) for f in search.pop("optimizer_offload", (0.0,)))
     pa = tuple(bool(x) for x in search.pop("precision_aware", (False,)))
     search["model_states"] = tuple(ModelState(sh, f, a) for sh, f, a in itertools.product(sharding, fractions, pa))
-    search["accept"] = app_accepts(train_precision(precision), target, checkpointing)  # both front ends: every option
+    search["accept"] = app_accepts(train_precision(precision), target, checkpointing, frontend)
     return search
 
 
 STATE_NAMES = {"ddp": "Megatron DDP", "distributed": "the distributed optimizer", "fsdp": "Megatron-FSDP"}
 
 
-def not_searched_for_saving(search: Dict[str, Any], precision: Precision, target: str = "gpu") -> List[str]:
+def not_searched_for_saving(search: Dict[str, Any], precision: Precision, target: str = "gpu",
+                            frontend: str = "nemo") -> List[str]:
     """What a run that saves checkpoints leaves out of ``search`` (``search_space``'s keywords): the model-state
     layouts the train app accepts without checkpoint saving and refuses with it, named as users know them (a layout
-    refused with saving only in some option combinations: "some ... rows"). Megatron-FSDP in this version."""
-    without, saving = (app_accepts(train_precision(precision), target, c) for c in (False, True))
+    refused with saving only in some option combinations: "some ... rows"). Megatron-FSDP on the Bridge front end
+    and at fp32 in this version."""
+    without, saving = (app_accepts(train_precision(precision), target, c, frontend) for c in (False, True))
     algorithms = ("none",) + tuple(a for a in search.get("algorithms", CP_ALGORITHMS) if a != "none")
     dropped, kept = set(), set()
     for algo, rc, off, ms in itertools.product(algorithms, search.get("recompute", RECOMPUTE),
@@ -387,7 +396,8 @@ def _base_context(precision: str, target: str, frontend: str):
     from nemo_longctx.shared.app_keys import NEMO_KEYS
 
     gpu = target == "gpu"
-    return _Context(precision=precision, cuda=gpu, te=gpu, keys=NEMO_KEYS if frontend == "nemo" else {})
+    return _Context(precision=precision, cuda=gpu, te=gpu, keys=NEMO_KEYS if frontend == "nemo" else {},
+                    fsdp_checkpoints=frontend == "nemo")
 
 
 def saving_problems(ev: Evaluation, precision: str, target: str = "gpu", frontend: str = "nemo") -> List[str]:
@@ -422,7 +432,8 @@ def caveats(ev: Evaluation, precision: str, target: str = "gpu", frontend: str =
     cannot = saving_problems(ev, precision, target, frontend)
     if cannot:
         sharding = ev.candidate.model_state.sharding
-        why = ("Megatron-FSDP cannot save in this version" if sharding == "fsdp" else
+        why = (("Megatron-FSDP saves checkpoints at bf16-mixed only" if frontend == "nemo" else
+                "Megatron-FSDP checkpoints are saved by nemo-longctx train only") if sharding == "fsdp" else
                "the distributed optimizer cannot save without TransformerEngine (CPU nodes)"
                if sharding == "distributed" and not gpu else "; ".join(cannot))
         how = (f"the command sets {TRAIN_KEYS['checkpointing']}=0" if frontend == "nemo"
@@ -834,7 +845,7 @@ def run(cfg: Any, out=sys.stdout) -> int:
     name = model_name(cfg)
     target, frontend = str(_get(cfg.plan, "target", "gpu")), str(_get(cfg.plan, "frontend", "nemo"))
     # plan.checkpoints=true: what the app refuses with saving is out of the search, said once
-    left_out = not_searched_for_saving(search, precision, target) if checkpointing_of(cfg) else []
+    left_out = not_searched_for_saving(search, precision, target, frontend) if checkpointing_of(cfg) else []
     note = not_searched_line(left_out)
     write_gb_s = float(_get(cfg.plan, "checkpoint_write_gb_s", CHECKPOINT_WRITE_GB_S))
     p = make_plan(shape, seq, hw, precision, coef, cost, float(_get(cfg.plan, "cost_tolerance", 0.01)), **search)

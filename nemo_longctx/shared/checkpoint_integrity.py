@@ -13,6 +13,9 @@ Where that directory is, by layout (as NeMo 2.7 / Megatron-core 0.15 and Megatro
 write them):
   * NeMo 2 app checkpoint ``<dir>/step=N-consumed_samples=M[-last]/``: ``weights/`` (``.metadata``, ``__R_N.distcp``,
     ``common.pt``, ``metadata.json``), beside ``context/``;
+  * NeMo 2 app checkpoint of Megatron-FSDP (the ``fsdp_dtensor`` format, ``MegatronStrategy._save_fsdp_dtensor_
+    checkpoint``): the DCP files (``.metadata``, ``__R_0.distcp``) in the step directory itself, beside ``context/``,
+    then ``common.pt`` (NeMo's non-sharded state, a ``torch.save`` written after the DCP save: required);
   * Megatron-Bridge ``<checkpoint.save>/iter_NNNNNNN/``: the iteration directory itself (``.metadata``,
     ``__R_0.distcp``, ``metadata.json``, ``train_state.pt``, ``run_config.yaml``); which iteration a resume loads is
     Bridge's tracker's (``integrations/bridge/checkpoint.py``);
@@ -44,7 +47,11 @@ def dcp_directory(path: str) -> Tuple[Path, str]:
     root = Path(path)
     if (root / DCP_METADATA).exists() or (root / MCORE_CONFIG).exists() or (root / MCORE_COMMON).exists():
         return root, ""
-    if (root / NEMO_WEIGHTS).is_dir() or (root / "context").is_dir():
+    if (root / NEMO_WEIGHTS).is_dir():
+        return root / NEMO_WEIGHTS, NEMO_WEIGHTS + "/"
+    if (root / "context").is_dir() and any(root.glob("*.distcp")):  # NeMo 2's fsdp_dtensor layout, .metadata missing
+        return root, ""
+    if (root / "context").is_dir():
         return root / NEMO_WEIGHTS, NEMO_WEIGHTS + "/"
     return root, ""
 
@@ -101,7 +108,17 @@ def checkpoint_problem(path: str) -> Optional[str]:
     d, prefix = dcp_directory(path)
     if not d.is_dir():
         return f"{prefix.rstrip('/')} is missing"
-    megatron = bool(prefix) or (d / MCORE_CONFIG).exists() or (d / MCORE_COMMON).exists()
+    if not prefix and (root / "context").is_dir() and not (d / MCORE_CONFIG).exists():
+        # NeMo 2's fsdp_dtensor layout: no metadata.json; common.pt is written after the DCP files
+        if not (d / MCORE_COMMON).exists():
+            return f"{MCORE_COMMON} is missing (NeMo writes it after the distributed checkpoint: the save did not " \
+                   "finish)"
+        why = _torch_file_problem(d / MCORE_COMMON)
+        if why is not None:
+            return f"{MCORE_COMMON} {why}"
+        megatron = False
+    else:
+        megatron = bool(prefix) or (d / MCORE_CONFIG).exists() or (d / MCORE_COMMON).exists()
     if megatron:
         why, dcp = _megatron_problem(d, prefix)
         if why is not None or not dcp:

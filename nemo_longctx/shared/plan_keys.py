@@ -83,8 +83,8 @@ PLAN_OPTIONS: Tuple[Option, ...] = (
                "optimizer CPU offload fractions searched", low=0, high=1),
     ListOption("plan.search.precision_aware", "bools", (False, True), "precision-aware optimizer off / on searched"),
     Option("plan.checkpoints", "bool", True, "true: plan a run that saves checkpoints (what the train app refuses "
-           "with saving on is not searched: Megatron-FSDP); false: search those too, a chosen row that cannot save "
-           "gets checkpoint.every_n_steps=0 in its command"),
+           "with saving on is not searched: Megatron-FSDP on the Bridge front end or at fp32); false: search those "
+           "too, a chosen row that cannot save gets checkpoint.every_n_steps=0 in its command"),
     Option("plan.checkpoint_write_gb_s", "number", 2.0, "GB/s the job writes checkpoints at, all ranks together "
            "(the save-time estimate against run.signal_grace_s)", above=0),
     Option("plan.cost_tolerance", "number", 0.01, "fitting rows within this relative cost of the cheapest count as "

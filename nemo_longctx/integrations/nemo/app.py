@@ -66,7 +66,7 @@ def context_of(cfg: DictConfig, world_size: Optional[int] = None) -> Context:
     return Context(seq_length=seq, tp=s.tensor_model_parallel_size, pp=s.pipeline_model_parallel_size,
                    world_size=world_size, sequence_parallel=s.sequence_parallel,
                    precision=str(cfg.trainer.precision), checkpointing=saves_checkpoints(cfg.get("checkpoint")),
-                   keys=NEMO_KEYS)
+                   keys=NEMO_KEYS, fsdp_checkpoints=True)
 
 
 def parallel_sizes(cfg: DictConfig) -> Dict[str, int]:
@@ -609,7 +609,7 @@ def build(cfg: DictConfig, launch: Optional[Launch] = None, extra_callbacks: Opt
         VerifyLongContextAttention,
     )
     from nemo_longctx.integrations.nemo.memory_callbacks import ActivationMemoryMetrics, MemoryOptionsCallback
-    from nemo_longctx.integrations.nemo.model_state_callback import ModelStateCheck
+    from nemo_longctx.integrations.nemo.model_state_callback import FsdpCheckpointState, ModelStateCheck
     from nemo_longctx.integrations.nemo.sequence_tiling import SequenceTiling
     from nemo_longctx.integrations.nemo.strategy import LongContextStrategy, strategy_kwargs
 
@@ -686,6 +686,8 @@ def build(cfg: DictConfig, launch: Optional[Launch] = None, extra_callbacks: Opt
     if options.tiling.active:
         callbacks.append(SequenceTiling(options.tiling))
     callbacks.append(ModelStateCheck(state, output_dir=str(cfg.output_dir)))
+    if state.megatron_fsdp and ckpt is not None:
+        callbacks.append(FsdpCheckpointState())
     if cfg.run.save_final_params:
         callbacks.append(SaveFinalParameters(os.path.join(str(cfg.output_dir), "final_params.pt")))
     if cfg.run.get("fault"):

@@ -61,3 +61,26 @@ class ModelStateCheck(pl.Callback):
                 json.dump(self.state_bytes, f, indent=1)
         if trainer.global_rank == 0 and "error" not in self.state_bytes:
             print(summary_line(self.state_bytes), flush=True)
+
+
+class FsdpCheckpointState(pl.Callback):
+    """Megatron-FSDP with checkpoints: from fit start (the optimizer exists, Lightning has not restored a checkpoint
+    yet) every rank holds optimizer state for every parameter, in one order, after every optimizer step -- the
+    training steps and the zero-gradient step Megatron takes before a load -- and again before every save
+    (``fsdp_checkpoint``: the fsdp_dtensor format makes collective calls per parameter's state)."""
+
+    @staticmethod
+    def _optimizers(trainer: pl.Trainer) -> list:
+        return [getattr(o, "mcore_optimizer", o) for o in trainer.strategy.optimizers]
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        from nemo_longctx.integrations.megatron.fsdp_checkpoint import keep_fsdp_optimizer_state_complete
+
+        for o in self._optimizers(trainer):
+            keep_fsdp_optimizer_state_complete(o)
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: Any, checkpoint: Any) -> None:
+        from nemo_longctx.integrations.megatron.fsdp_checkpoint import complete_fsdp_optimizer_state
+
+        for o in self._optimizers(trainer):
+            complete_fsdp_optimizer_state(o)
