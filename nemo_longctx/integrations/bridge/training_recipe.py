@@ -5,24 +5,25 @@ the model (``recipe``, the same values as ``recipe`` of ``nemo-longctx train``).
   settings). With ``init_from=<HF dir>`` the model is the HF model's and the training settings are those of the
   Megatron-Bridge pretraining recipe (``megatron.bridge.recipes.<base>_pretrain_config``) whose model has the HF
   model's architecture -- layers, hidden size, FFN size, query heads, KV groups (``ARCH_FIELDS``); among several,
-  the one whose model provider is of the same class, then the one that also shares the most of ``TIE_FIELDS``
-  (vocabulary, RoPE), then the shortest name -- and, of that recipe, the long-context variant Bridge ships
-  (``<base>_<N>k_pretrain_config``) with the longest sequence not above the run's ``model.seq_length`` (a Bridge
-  override; without one the base recipe's sequence length is the run's). The settings are read from the recipe's
-  own ``ConfigContainer`` (``apply_settings``): its optimizer, its scheduler (warm-up, decay), its mixed precision,
-  ``train.train_iters``, its tokens per step (its global batch x its sequence length, as sequences of the run's
-  length: ``global_batch``) and ``checkpoint.save_interval``. A Bridge override (``optimizer.lr=...``) is applied
-  after them and wins. A HF model no recipe has the architecture of is refused, naming ``recipe=<name>`` and
+  the one of the same HF architecture class (``LlamaForCausalLM``) and provider class, then the one that also shares
+  the most of ``TIE_FIELDS`` (vocabulary, RoPE, ...), then the shortest name -- and, of that recipe, the
+  long-context variant Bridge ships (``<base>_<N>k_pretrain_config``) with the longest sequence not above the run's
+  ``model.seq_length`` (a Bridge override; without one the recipe's sequence length is the run's). The settings are
+  read from the recipe's own ``ConfigContainer`` (``apply_settings``): its optimizer, its scheduler (warm-up, decay),
+  its mixed precision, ``train.train_iters``, its tokens per step (its global batch x its sequence length, as
+  sequences of the run's length: ``global_batch``) and ``checkpoint.save_interval``. Bridge's overrides apply after
+  them and win. A HF model no recipe has the architecture of is refused, naming ``recipe=<name>`` and
   ``recipe=demo``.
 - ``recipe=demo``: the CPU demo's settings (with ``init_from``: the HF model trained with them; what the tiny test
   models use).
 - ``recipe=<Bridge recipe function>``: that recipe's whole ``ConfigContainer`` (with ``init_from`` its model stays
   and must have the HF model's architecture).
 
-The recipes' models come from Bridge's recipe functions as Bridge builds them: most read their model's
-``config.json`` from the Hugging Face hub or, offline (``HF_HUB_OFFLINE=1``), from Hugging Face's cache
-(``HF_HOME``); a recipe whose model cannot be read that way cannot be matched (the refusal says how many). Each
-recipe is built once per process.
+Nothing is downloaded to match: most recipes read their model's config.json from the Hugging Face hub
+(``AutoBridge.from_hf_pretrained(<id>)``), and Bridge retries a missing one for seconds, so a recipe is built only
+when its ids (read from the recipe function's source: ``_hub_ids``) have their config.json in Hugging Face's local
+cache (``HF_HOME``), or when it builds its model in code; the others are counted, and named in the refusal. Each
+recipe is built once per process; the launching process hands its choice to the local ranks (``CHOSEN_ENV``).
 """
 
 from __future__ import annotations
