@@ -334,9 +334,12 @@ def settings_line(container: Any, cfg: Any, report: dict) -> str:
              else f"none (checkpoint.save=<dir> saves every {interval} steps)" if interval else "none")
     decay = s.lr_decay_iters if s.lr_decay_iters is not None else t.train_iters
     tokens = t.global_batch_size * container.model.seq_length
+    def g(v: Any) -> str:  # a number as %g, anything else (None) as it is
+        return f"{v:g}" if isinstance(v, (int, float)) else str(v)
+
     return (f"nemo-longctx bridge: recipe {report['recipe']} (Megatron-Bridge, {how}): {precision}, "
-            f"{o.optimizer} lr {o.lr:g} -> {o.min_lr:g} ({s.lr_decay_style} over {decay} steps) after "
-            f"{s.lr_warmup_iters} warm-up steps, weight decay {o.weight_decay:g}, clip {o.clip_grad:g}, "
+            f"{o.optimizer} lr {g(o.lr)} -> {g(o.min_lr)} ({s.lr_decay_style} over {decay} steps) after "
+            f"{s.lr_warmup_iters} warm-up steps, weight decay {g(o.weight_decay)}, clip {g(o.clip_grad)}, "
             f"{t.train_iters} steps of {t.global_batch_size} sequences ({tokens:,} tokens), checkpoints {saves}")
 
 
