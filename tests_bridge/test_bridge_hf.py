@@ -76,7 +76,7 @@ def reference_batches(hf_dir: Path, n: int, out: Path):
 
     from nemo_longctx.apps import bridge as bridge_app
 
-    cfg = bridge_app.compose([f"init_from={hf_dir}", "cp=none"])
+    cfg = bridge_app.compose([f"init_from={hf_dir}", "recipe=demo", "cp=none"])
     container = bridge_app.build(cfg, RUN, bridge_app.options_of(cfg), str(out))
     ds = container.dataset
     ds.finalize()
@@ -113,7 +113,9 @@ def hf_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bridge_hf")
     hf = tmp / "tiny_llama"
     write_tiny_llama(hf)
-    init = [f"init_from={hf}", *RUN]
+    # recipe=demo: the CPU demo's settings (the tiny model has no Megatron-Bridge recipe of its architecture, which
+    # recipe=auto, the default, would look for)
+    init = [f"init_from={hf}", "recipe=demo", *RUN]
     ring_args = [*init, "cp=ring", "cp.size=2", "train.train_iters=2", "scheduler.lr_warmup_iters=0",
                  f"checkpoint.save={tmp / 'ckpt_ring'}", "checkpoint.save_interval=1"]  # a real step (no warm-up)
     # 1 rank: no training (lr 0), saved, for the exact round trip; the control: the same run without init_from
@@ -197,8 +199,8 @@ def test_bad_init_from_and_export_arguments_fail_before_anything_runs(hf_runs, t
     code, log = _run(f"init_from={tmp_path / 'empty'}", f"output_dir={tmp_path}/o2")
     assert code == 2 and f"init_from={tmp_path / 'empty'}: not a Hugging Face model directory (no config.json)" in log
     hf = hf_runs["hf"]
-    code, log = _run(f"init_from={hf}", "cp.size=2", "model.seq_length=250", "model.ffn_hidden_size=512",
-                     f"output_dir={tmp_path}/o3")
+    code, log = _run(f"init_from={hf}", "recipe=demo", "cp.size=2", "model.seq_length=250",
+                     "model.ffn_hidden_size=512", f"output_dir={tmp_path}/o3")
     assert code == 2, log[-3000:]
     assert f"init_from={hf}: model.seq_length=250 must be divisible by 2*cp.size = 4" in log, log[-3000:]
     assert f"model.ffn_hidden_size=512 but init_from={hf} has ffn_hidden_size=256" in log

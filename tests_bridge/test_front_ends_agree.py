@@ -87,8 +87,8 @@ def _start_nemo(out: Path, hf: Path, prefix: Path) -> subprocess.Popen:
     out.mkdir(parents=True)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
     # --verbose: NeMo's own restore line is read below (the quiet console hides NeMo's INFO lines)
-    # recipe=demo: the CPU demo's settings, as the Bridge app gives a model without a recipe (a tiny HF model has no
-    # NeMo recipe)
+    # recipe=demo: the CPU demo's settings, on both front ends (a tiny HF model has no NeMo or Megatron-Bridge recipe
+    # of its architecture)
     cmd = [str(NEMO_CLI), "train", "--verbose", f"init_from={hf}", "recipe=demo", "data=indexed",
            f"data.paths=[{prefix}]", "data.tokenizer=null",
            f"data.split={SPLIT}", "data.num_workers=0", f"model.seq_length={SEQ}", "trainer.max_steps=1", *RING,
@@ -117,9 +117,9 @@ def runs(tmp_path_factory):
     t0 = time.perf_counter()
     nemo = _start_nemo(tmp / "nemo", hf, prefix)  # both front ends at once (each 2 ranks)
     try:
-        bridge = run_bridge(tmp, "bridge", f"init_from={hf}", *RING, "train.train_iters=1", f"model.seq_length={SEQ}",
-                            f"dataset.data_path={prefix}", f"dataset.split={SPLIT}", "validation.eval_iters=0",
-                            "checkpoint.load=null")
+        bridge = run_bridge(tmp, "bridge", f"init_from={hf}", "recipe=demo", *RING, "train.train_iters=1",
+                            f"model.seq_length={SEQ}", f"dataset.data_path={prefix}", f"dataset.split={SPLIT}",
+                            "validation.eval_iters=0", "checkpoint.load=null")
         TIMES["bridge"] = round(time.perf_counter() - t0, 1)
         reference = hf_loss(hf, _batch(doc))  # meanwhile, in this process
         other_order = hf_loss(hf, _batch(doc.flip(0)))

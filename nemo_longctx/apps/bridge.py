@@ -1,7 +1,7 @@
 """``nemo-longctx bridge``: Megatron-Bridge pre-training (Bridge's own ``pretrain`` and ``gpt_step.forward_step``)
 with nemo_longctx's long-context options.
 
-    nemo-longctx bridge [recipe=<Bridge recipe>] [cp=ring cp.size=2 recompute=full optim=distributed ...] \\
+    nemo-longctx bridge [recipe=auto|demo|<Bridge recipe>] [init_from=<HF dir>] [cp=ring cp.size=2 ...] \\
         [Bridge's KEY=VALUE overrides: train.train_iters=3 model.seq_length=4096 checkpoint.save=/ckpt ...]
 
 Arguments whose key is one of ours (``conf/bridge.yaml``: the cp / optim / recompute / offload / tiling groups,
@@ -9,8 +9,10 @@ Arguments whose key is one of ours (``conf/bridge.yaml``: the cp / optim / recom
 Bridge's own override parser (``process_config_with_overrides``) on the recipe's ``ConfigContainer``, so Bridge's
 keys keep their names. The option model is built once and checked before any rank starts
 (``integrations.bridge.config``). Without torchrun/srun the app starts ``launcher.devices`` local ranks (default:
-tp x pp x cp) with PyTorch's elastic agent, like ``nemo-longctx train``. With no ``recipe`` it runs the CPU demo: a
-tiny Llama (``AutoBridge.from_hf_config``, no hub), mock data, ring CP=2 on 2 gloo ranks. Each rank writes nothing
+tp x pp x cp) with PyTorch's elastic agent, like ``nemo-longctx train``. ``recipe=auto`` (the default) without
+``init_from`` runs the CPU demo: a tiny Llama (``AutoBridge.from_hf_config``, no hub), mock data, ring CP=2 on 2 gloo
+ranks; with ``init_from=<HF dir>`` it trains the HF model with the training settings of the Megatron-Bridge recipe of
+its architecture (``integrations.bridge.training_recipe``; ``recipe=demo``: the CPU demo's). Each rank writes nothing
 but Bridge's own log; rank 0 appends one JSON line per step to ``<output_dir>/metrics.jsonl`` (step, loss, tokens/s).
 """
 
@@ -95,8 +97,10 @@ def _app_options() -> Tuple[Any, ...]:
 
     shared = {o.key: o for o in APP_OPTIONS}  # the NeMo 2 app's keys with the same meaning here
     return (
-        Option("recipe", "str", None, "a Bridge recipe function (megatron.bridge.recipes.<name>); null: the CPU demo",
-               nullable=True),
+        Option("recipe", "str", "auto", "where the run takes its training settings (optimizer, schedule, precision, "
+               "steps, tokens per step, checkpoint interval): auto (without init_from: the CPU demo; with init_from: "
+               "the HF model with the settings of the Megatron-Bridge recipe of its architecture) | demo (the CPU "
+               "demo's settings) | a Bridge recipe function (megatron.bridge.recipes.<name>: its whole config)"),
         Option("init_from", "str", None, "a local Hugging Face model directory to start from (AutoBridge)",
                nullable=True),
         Option("output_dir", "str", "outputs/bridge", "run directory (metrics, rank logs, TensorBoard)"),
@@ -197,6 +201,8 @@ def demo_config() -> Any:
 
 
 def recipe_config(name: str) -> Any:
+    """Bridge's recipe function ``name`` called (its ``ConfigContainer``); ``ConfigError`` naming ``recipe`` for a name
+    that is not one."""
     from megatron.bridge import recipes
 
     fn = getattr(recipes, name, None)
@@ -207,8 +213,33 @@ def recipe_config(name: str) -> Any:
     return fn()
 
 
-def build(cfg: Any, bridge_overrides: List[str], options: Any, output_dir: str) -> Any:
-    """The run's ConfigContainer: recipe (or demo) -> Bridge's overrides -> CPU settings (no CUDA) -> our options."""
+def override_value(bridge_overrides: List[str], key: str) -> Optional[str]:
+    """The value the last of Bridge's overrides gives ``key`` (None: none does)."""
+    values = [a.split("=", 1)[1] for a in bridge_overrides if "=" in a and a.lstrip("+~").split("=", 1)[0] == key]
+    return values[-1] if values else None
+
+
+def settings_recipe(cfg: Any, bridge_overrides: List[str]) -> Optional[str]:
+    """The Bridge recipe whose training settings the run takes: ``recipe=<name>``'s, or with ``recipe=auto`` and
+    ``init_from`` the recipe of the HF model's architecture (``training_recipe.choose``: ``ConfigError`` when none
+    has it); None for the CPU demo's settings."""
+    from nemo_longctx.integrations.bridge import training_recipe
+
+    name = str(cfg.recipe)
+    if name == training_recipe.DEMO or (name == training_recipe.AUTO and cfg.get("init_from") is None):
+        return None
+    if name != training_recipe.AUTO:
+        return name
+    seq = override_value(bridge_overrides, "model.seq_length")
+    return training_recipe.choose(cfg.init_from, int(seq) if seq is not None and seq.strip().isdigit() else None)
+
+
+def build(cfg: Any, bridge_overrides: List[str], options: Any, output_dir: str, world_size: Optional[int] = None,
+          report: Optional[dict] = None) -> Any:
+    """The run's ConfigContainer: recipe (or demo) -> Bridge's overrides -> CPU settings (no CUDA) -> our options.
+    ``world_size``: the run's ranks (None: tp x pp x cp), for the global batch of an automatic recipe's tokens per
+    step; ``report``: filled with what the start line says (``recipe``: the recipe whose settings apply or None,
+    ``precision``: its mixed precision before the CPU settings)."""
     import torch
     from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
 
@@ -220,21 +251,40 @@ def build(cfg: Any, bridge_overrides: List[str], options: Any, output_dir: str) 
     from nemo_longctx.integrations.megatron.cp_algorithms import align_cp_comm_type, get_cp_algorithm
     from nemo_longctx.options import raise_problems
 
-    container = demo_config() if cfg.recipe is None else recipe_config(str(cfg.recipe))
-    if cfg.get("init_from") is not None:  # the HF model (no recipe) and Bridge's HF weight loading
-        container = bridge_hf.init_from_hf(container, cfg.init_from, own_model=cfg.recipe is None)
+    from nemo_longctx.integrations.bridge import training_recipe
+
+    explicit = str(cfg.recipe) not in (training_recipe.AUTO, training_recipe.DEMO)  # a Bridge recipe by name
+    settings_of = settings_recipe(cfg, bridge_overrides)
+    container = recipe_config(str(cfg.recipe)) if explicit else demo_config()
+    if cfg.get("init_from") is not None:  # the HF model (unless a recipe by name) and Bridge's HF weight loading
+        container = bridge_hf.init_from_hf(container, cfg.init_from, own_model=not explicit)
+    recipe = None  # the automatic recipe's ConfigContainer: its training settings on the HF model
+    if settings_of is not None and not explicit:
+        recipe = training_recipe.recipe_container(settings_of)
+        training_recipe.apply_settings(container, recipe)
+    if report is not None:
+        report.update(recipe=settings_of, precision=training_recipe.precision_name(container.mixed_precision))
     if not torch.cuda.is_available():
         cpu_compat.cpu_settings(container)  # fp32, local block spec, gloo, fusions off (config, not patches)
     container.logger.tensorboard_dir = os.path.join(output_dir, "tensorboard")
-    if cfg.recipe is None:  # the demo saves and resumes only when asked (checkpoint.save=/checkpoint.load= win below)
+    if not explicit:  # the demo saves and resumes only when asked (checkpoint.save=/checkpoint.load= win below)
         container.checkpoint.save = container.checkpoint.load = None
     if bridge_overrides:
         container = process_config_with_overrides(container, cli_overrides=bridge_overrides)
     if getattr(container.dataset, "seq_length", None) != container.model.seq_length:
         container.dataset.seq_length = container.model.seq_length
+    keys = override_keys(bridge_overrides)
+    if recipe is not None and "train.global_batch_size" not in keys:  # the recipe's tokens per step
+        m = container.model
+        parallel = int(m.tensor_model_parallel_size) * int(m.pipeline_model_parallel_size) * int(options.cp.size)
+        container.train.global_batch_size = training_recipe.global_batch(
+            training_recipe.tokens_per_step(recipe), int(m.seq_length), int(container.train.micro_batch_size),
+            max(1, int(world_size or parallel) // parallel))
+    if report is not None and "mixed_precision" in keys:
+        report["precision"] = training_recipe.precision_name(container.mixed_precision)
     if cfg.get("init_from") is not None:
         raise_problems(bridge_hf.model_problems(container, cfg.init_from, options))
-    keys, on_signal = override_keys(bridge_overrides), cfg.checkpoint.on_signal
+    on_signal = cfg.checkpoint.on_signal
     raise_problems(on_signal_problems(container, on_signal, keys))
     apply_on_signal(container, on_signal, list(cfg.run.signals), keys)
     # a recipe's cp_comm_type is its TransformerEngine hint (gpt_oss: "a2a"), the user's only as a Bridge override:
@@ -253,6 +303,54 @@ def build(cfg: Any, bridge_overrides: List[str], options: Any, output_dir: str) 
               "context parallelism", flush=True)
         m.cp_comm_type = None
     return enable_long_context(container, options)
+
+
+def run_kind(cfg: Any) -> str:
+    """The start line's first words: what runs with whose settings."""
+    from nemo_longctx.integrations.bridge.training_recipe import AUTO, DEMO
+
+    name, init_from = str(cfg.recipe), cfg.get("init_from")
+    if name not in (AUTO, DEMO):
+        return f"recipe {name}" + (f", init_from {init_from}" if init_from is not None else "")
+    if init_from is None:
+        return "CPU demo"
+    return f"init_from {init_from}" + (" with the CPU demo's settings (recipe=demo)" if name == DEMO else "")
+
+
+def settings_line(container: Any, cfg: Any, report: dict) -> str:
+    """The start line of a run with a recipe's training settings (as ``nemo-longctx train``'s): the recipe and the
+    values the run trains with."""
+    import torch
+
+    from nemo_longctx.integrations.bridge.training_recipe import AUTO
+
+    o, s, t = container.optimizer, container.scheduler, container.train
+    how = "by init_from's architecture, on init_from's model" if str(cfg.recipe) == AUTO else "by name"
+    precision = report.get("precision") or "fp32"
+    if not torch.cuda.is_available() and container.mixed_precision is None and precision != "fp32":
+        precision += " (fp32 on this CPU)"
+    interval = container.checkpoint.save_interval
+    saves = (f"every {interval} steps to {container.checkpoint.save}" if container.checkpoint.save and interval
+             else f"none (checkpoint.save=<dir> saves every {interval} steps)" if interval else "none")
+    decay = s.lr_decay_iters if s.lr_decay_iters is not None else t.train_iters
+    tokens = t.global_batch_size * container.model.seq_length
+    def g(v: Any) -> str:  # a number as %g, anything else (None) as it is
+        return f"{v:g}" if isinstance(v, (int, float)) else str(v)
+
+    return (f"nemo-longctx bridge: recipe {report['recipe']} (Megatron-Bridge, {how}): {precision}, "
+            f"{o.optimizer} lr {g(o.lr)} -> {g(o.min_lr)} ({s.lr_decay_style} over {decay} steps) after "
+            f"{s.lr_warmup_iters} warm-up steps, weight decay {g(o.weight_decay)}, clip {g(o.clip_grad)}, "
+            f"{t.train_iters} steps of {t.global_batch_size} sequences ({tokens:,} tokens), checkpoints {saves}")
+
+
+def chosen_env(cfg: Any, report: dict) -> dict:
+    """The local ranks' environment for ``recipe=auto`` with ``init_from``: the recipe this process chose (each rank
+    then builds that one instead of searching again)."""
+    from nemo_longctx.integrations.bridge.training_recipe import AUTO, CHOSEN_ENV
+
+    if str(cfg.recipe) == AUTO and report.get("recipe"):
+        return {CHOSEN_ENV: str(report["recipe"])}
+    return {}
 
 
 def world_of(container: Any) -> int:
@@ -368,7 +466,9 @@ def run_rank(cfg: Any, bridge_overrides: List[str], options: Any, container: Any
 
     console.setup(console.level(), console.rank_from_env())  # again: the libraries are imported now
     output_dir = os.path.abspath(str(cfg.output_dir))
-    container = container if container is not None else build(cfg, bridge_overrides, options, output_dir)
+    world = os.environ.get("WORLD_SIZE")  # the local launcher's ranks (the agent sets it)
+    container = container if container is not None else build(cfg, bridge_overrides, options, output_dir,
+                                                               int(world) if world else None)
     metrics = StepMetrics(os.path.join(output_dir, "metrics.jsonl"),
                           container.train.global_batch_size * container.model.seq_length, options,
                           memory_of(container))
@@ -407,7 +507,7 @@ def external_rank(cfg: Any, bridge_overrides: List[str], options: Any, launch: A
     cpu_compat.apply()
     output_dir = os.path.abspath(str(cfg.output_dir))
     try:
-        container = build(cfg, bridge_overrides, options, output_dir)
+        container = build(cfg, bridge_overrides, options, output_dir, launch.world_size)
         raise_problems(model_problems_of(container, options, launch.world_size)
                        + checkpoint_problems(container, bridge_overrides) + cpu_problems(container, options))
     except ConfigError as e:
@@ -460,8 +560,9 @@ def main(argv: Optional[List[str]] = None) -> None:
 
     cpu_compat.apply()
     output_dir = os.path.abspath(str(cfg.output_dir))
+    report: dict = {}
     try:
-        container = build(cfg, bridge, options, output_dir)
+        container = build(cfg, bridge, options, output_dir, cfg.launcher.devices, report)
         world = int(cfg.launcher.devices or world_of(container))
         raise_problems(model_problems_of(container, options, world) + checkpoint_problems(container, bridge)
                        + cpu_problems(container, options))
@@ -469,8 +570,10 @@ def main(argv: Optional[List[str]] = None) -> None:
         print(f"nemo-longctx bridge: {e}", file=sys.stderr)
         sys.exit(2)
     os.makedirs(output_dir, exist_ok=True)
-    print(f"nemo-longctx bridge: {'recipe ' + str(cfg.recipe) if cfg.recipe else 'CPU demo'}, "
-          f"cp={options.cp.describe()}, {memory_of(container).describe(container)}, world {world}", flush=True)
+    print(f"nemo-longctx bridge: {run_kind(cfg)}, cp={options.cp.describe()}, "
+          f"{memory_of(container).describe(container)}, world {world}", flush=True)
+    if report.get("recipe"):
+        print(settings_line(container, cfg, report), flush=True)
     signals = latched_signals(container, list(cfg.run.signals))
     warning = save_time_warning(container, float(cfg.run.signal_grace_s)) if signals else None
     if warning:
@@ -480,7 +583,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                         max(1, (os.cpu_count() or 1) // world), wall_timeout_s=cfg.run.timeout_s,
                         shutdown_timeout_s=int(cfg.launcher.shutdown_timeout_s),
                         log_dir=os.path.join(output_dir, "rank_logs"), module="nemo_longctx.apps.bridge",
-                        env={"NEMO_LONGCTX_BRIDGE_RANK": "1"}, forward_signals=signals,
+                        env={"NEMO_LONGCTX_BRIDGE_RANK": "1", **chosen_env(cfg, report)},
+                        forward_signals=signals,
                         signal_grace_s=float(cfg.run.signal_grace_s),
                         preload=("megatron.bridge", "megatron.core", "nemo_longctx.integrations.bridge.cpu_compat"),
                         start_method=str(cfg.launcher.start_method))

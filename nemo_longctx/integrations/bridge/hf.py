@@ -64,9 +64,9 @@ def init_from_problems(path: Any) -> List[str]:
     return []
 
 
-def hf_bridge(path: Any, field: str = "init_from") -> Any:
-    """``AutoBridge.from_hf_pretrained`` on a local directory (lazy: weights are read when converted); an unsupported
-    or unreadable model raises ConfigError naming ``field``."""
+def hf_config(path: Any, field: str = "init_from") -> Any:
+    """transformers' config of the local HF directory ``path`` (its config.json alone), one Megatron-Bridge maps; an
+    unsupported or unreadable one raises ConfigError naming ``field``."""
     from megatron.bridge import AutoBridge
     from transformers import AutoConfig
 
@@ -79,6 +79,15 @@ def hf_bridge(path: Any, field: str = "init_from") -> Any:
     if not AutoBridge.supports(config):
         raise ConfigError([f"{field}={path}: architecture {getattr(config, 'architectures', None)} has no "
                            f"Megatron-Bridge mapping (supported: {', '.join(AutoBridge.list_supported_models())})"])
+    return config
+
+
+def hf_bridge(path: Any, field: str = "init_from") -> Any:
+    """``AutoBridge.from_hf_pretrained`` on a local directory (lazy: weights are read when converted); an unsupported
+    or unreadable model raises ConfigError naming ``field``."""
+    from megatron.bridge import AutoBridge
+
+    hf_config(path, field)
     return AutoBridge.from_hf_pretrained(str(path))
 
 
