@@ -277,7 +277,9 @@ def test_the_default_plan_saves_checkpoints_and_train_accepts_it_saving(tmp_path
         assert "not searched" not in text, text
         assert "saves no checkpoints:" not in text and "checkpoint.every_n_steps=0" not in text
         args = _plan("llama3_8b", planned)
-        assert "optim.megatron_fsdp=true" in args and not any(a.startswith("checkpoint.") for a in args), args
+        # (a Megatron-FSDP row is eligible with saving; which row wins depends on the loss chunks, which Megatron-FSDP
+        # refuses: the plan must simply not turn saving off)
+        assert not any(a.startswith("checkpoint.") for a in args), args
         saving = args + [f"output_dir={tmp_path}", "checkpoint.every_n_steps=100", "data=synthetic"]
         assert preflight(saving, target_cuda=True) == [], f"train refuses {saving}"
     from nemo_longctx.planner.search import ModelState

@@ -959,8 +959,10 @@ def candidate_configs(shape: ModelShape, seq_length: int, hw: Hardware,
                         for ms in model_states:
                             if not accept(algo, rc, off, ms):
                                 continue
+                            # Megatron-FSDP refuses the gradients the chunked loss makes in forward (option model)
+                            ms_chunks = [1] if ms.sharding == "fsdp" else chunks
                             for t in tiles:
-                                for ch in chunks:
+                                for ch in ms_chunks:
                                     out.append(Candidate(algo, cp, u, tp, rc, off, t, ch, model_state=ms))
                             if rc != "full":
                                 continue
@@ -972,7 +974,7 @@ def candidate_configs(shape: ModelShape, seq_length: int, hw: Hardware,
                             chunked_ok = seq_chunks and not candidate_options(Candidate(
                                 algo, cp, u, tp, rc, off, model_state=ms, sequence_chunks=2)).problems()
                             for n in (seq_chunks if chunked_ok else ()):
-                                for ch in chunks:
+                                for ch in ms_chunks:
                                     for depth in depths:
                                         for k in ks:
                                             out.append(Candidate(algo, cp, u, tp, rc, off, 1, ch, prefetch_depth=depth,
