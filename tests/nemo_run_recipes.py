@@ -30,13 +30,19 @@ def tiny_model_config() -> Any:
 
 
 def tiny_llama3_recipe(dir: str, name: str = "tiny", steps: int = STEPS) -> Any:
+    from nemo.collections.llm.recipes import llama3_8b
+
+    return shrink_recipe(llama3_8b.pretrain_recipe(dir=dir, name=name, num_nodes=1, num_gpus_per_node=2), steps)
+
+
+def shrink_recipe(r: Any, steps: int = STEPS) -> Any:
+    """A NeMo pretraining recipe as it comes (any GPU count), shrunk in place for a CPU run: the app's tiny model,
+    synthetic data, fp32, ``steps`` steps, no checkpoints (the rest of ``tiny_llama3_recipe``'s list above)."""
     import nemo_run as run
     from nemo import lightning as nl
-    from nemo.collections.llm.recipes import llama3_8b
 
     from nemo_longctx.integrations.nemo.data import SyntheticDataModule
 
-    r = llama3_8b.pretrain_recipe(dir=dir, name=name, num_nodes=1, num_gpus_per_node=2)
     r.model.config = tiny_model_config()
     r.trainer.accelerator = "cpu"
     r.trainer.max_steps = steps
