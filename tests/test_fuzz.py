@@ -81,6 +81,8 @@ def test_every_planted_defect_fails_the_fuzzer(capsys, kind):
     assert code == 1, out + err
     assert any(" FAILED " in r for r in rows), out
     assert "nemo-longctx fuzz --case '" in err  # the failing case's words, to reproduce it
+    if kind == "cp_inactive":  # stopped by the run guard, not only by the comparison
+        assert "run guard (step 0)" in out + err
 
 
 def test_inject_list_and_bad_arguments(capsys):

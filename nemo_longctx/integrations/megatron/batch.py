@@ -23,8 +23,22 @@ def seq_dim_of(key: str) -> int:
     return 2 if key == "attention_mask" else 1
 
 
+# the last sharded micro-batch of this process: one sequence's tokens before sharding and this rank's share of the
+# micro-batch's tokens (the
+# run guards compare them with what the attention saw and what the layout promises); None where unknown (a middle
+# pipeline stage of a dense batch gets no token tensors)
+LAST_SHARD: Dict[str, Any] = {"sequence_tokens": None, "local_tokens": None}
+
+
+def _note_shard(sequence_tokens: Any, local_tokens: Any) -> None:
+    LAST_SHARD["sequence_tokens"], LAST_SHARD["local_tokens"] = sequence_tokens, local_tokens
+
+
 def shard_batch_for_cp(batch: Dict[str, Any], cp_size: int, cp_rank: int) -> Dict[str, Any]:
     """New dict with every tensor value replaced by this CP rank's zigzag shard (None values kept)."""
+    ref = next((v for k, v in batch.items() if k in TOKEN_KEYS and v is not None), None)
+    if ref is not None:  # (tokens of the micro-batch: batch x sequence)
+        _note_shard(int(ref.shape[1]), int(ref.numel()) // max(1, cp_size))
     if cp_size == 1:
         return dict(batch)
     out = {}
@@ -144,6 +158,7 @@ def shard_packed_batch_for_cp(batch: Dict[str, Any], cp_size: int, cp_rank: int)
     cu = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32, device=device)
     cu_padded = torch.tensor(layout, dtype=torch.int32, device=device)
     max_len = max(b - a for a, b in zip(layout, layout[1:]))
+    _note_shard(total, int(idx.numel()))
     out["packed_seq_params"] = PackedSeqParams(
         qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_padded,
         cu_seqlens_kv_padded=cu_padded, max_seqlen_q=max_len, max_seqlen_kv=max_len)

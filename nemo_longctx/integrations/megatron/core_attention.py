@@ -190,6 +190,7 @@ class LongContextCoreAttention(MegatronModule):
             self.algorithm_kwargs = self.algorithm.setup(self.cp_group if cp_size > 1 else None,
                                                          **self.algorithm_kwargs)
         self.cp_size = cp_size
+        self.last_key_tokens: Optional[int] = None  # set by each forward (run_guards)
         # recompute=full_keep_attn (memory_options.attach_memory_options): the model's KeptAttentionCache; the ring
         # then keeps (out, lse) from the no-grad forward for the recompute in backward (memory/keep_attention.py)
         self.kept_attention_cache = None
@@ -327,6 +328,9 @@ class LongContextCoreAttention(MegatronModule):
         k, v = key.transpose(0, 1).contiguous(), value.transpose(0, 1).contiguous()
         if self.window_size is not None:
             thd["window_size"] = self.window_size
+        # this rank's key tokens per call (run_guards: x cp_size, the sequence the attention covers); a
+        # sequence-chunked call sees one chunk, so it records nothing
+        self.last_key_tokens = None if active_sequence_chunking() is not None else int(k.shape[1])
         if active_sequence_chunking() is not None:  # recompute.sequence_chunks: this layer runs chunk by chunk
             self._refuse_sinks("recompute.sequence_chunks")
             if packed_seq_params is not None:

@@ -260,6 +260,8 @@ INJECTIONS = {
     "window_dropped": ("the sliding window is dropped from nemo_longctx's core attention (full causal attention)",
                        lambda c: c.model == "window"),
     "dp_same_data": ("every data-parallel rank reads the first rank's sequences", lambda c: c.dp > 1),
+    "cp_inactive": ("each CP rank's attention runs over itself only (the sequence sharded, the keys never "
+                    "exchanged): the run guard must stop it", lambda c: c.cp > 1 and c.recompute != "full_keep_attn"),
 }
 
 

@@ -16,6 +16,9 @@ starts from the same model. After the steps, every full parameter is rebuilt on 
 shards (each placed where it belongs, with a count of holders and a sum of squares, so replicas that disagree are
 measured too: ``replica_spread``).
 
+Every step also runs the run guards (``run_guards``: CP really active, tokens per step), so no composition may trip
+them falsely.
+
 Returns ``{"losses", "grad_norms", "params", "replica_spread"}`` (+ ``"init"`` when no ``init`` was given).
 """
 
@@ -367,6 +370,11 @@ def train_case(case: Case, init: Optional[Dict[str, torch.Tensor]] = None, injec
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 
+    from nemo_longctx.attention import count_bytes_sent
+
+    from .batch import LAST_SHARD
+    from .run_guards import core_attentions, cp_problems, raise_if, tokens_problems
+
     try:
         ps.initialize_model_parallel(tensor_model_parallel_size=case.tp, pipeline_model_parallel_size=case.pp,
                                      virtual_pipeline_model_parallel_size=case.vpp, context_parallel_size=case.cp,
@@ -401,6 +409,11 @@ def train_case(case: Case, init: Optional[Dict[str, torch.Tensor]] = None, injec
             config.no_sync_func = [m.no_sync for m in models]
         batches = sequences(case)
         forward_step = _forward_step(case, inject)
+        attentions = core_attentions(chunks)
+        if inject == "cp_inactive":  # each rank's attention over its own slice only
+            for m in attentions:
+                m.cp_size = 1
+        LAST_SHARD.update(sequence_tokens=None, local_tokens=None)
         losses, norms = [], []
         for _ in range(steps):
             for m in models:
@@ -408,10 +421,15 @@ def train_case(case: Case, init: Optional[Dict[str, torch.Tensor]] = None, injec
             optimizer.zero_grad()
             mine = _microbatches(case, batches, inject)
             iterators = [iter(mine) for _ in models] if len(models) > 1 else iter(mine)
-            records = get_forward_backward_func()(
-                forward_step_func=forward_step, data_iterator=iterators, model=models if len(models) > 1
-                else models[0], num_microbatches=case.micro_batches, seq_length=SEQ_LENGTH,
-                micro_batch_size=1, forward_only=False)
+            with count_bytes_sent() as sent:
+                records = get_forward_backward_func()(
+                    forward_step_func=forward_step, data_iterator=iterators, model=models if len(models) > 1
+                    else models[0], num_microbatches=case.micro_batches, seq_length=SEQ_LENGTH,
+                    micro_batch_size=1, forward_only=False)
+            step = len(losses)
+            raise_if(cp_problems(attentions, case.cp, LAST_SHARD["sequence_tokens"], sent.bytes_sent, step)
+                     + tokens_problems(LAST_SHARD["local_tokens"], case.micro_batches, case.dp * case.cp,
+                                       case.micro_batches * case.dp * SEQ_LENGTH, step))
             ok, grad_norm, _ = optimizer.step()
             if not ok:
                 raise RuntimeError("fuzz: the optimizer step was skipped")

@@ -605,6 +605,7 @@ def build(cfg: DictConfig, launch: Optional[Launch] = None, extra_callbacks: Opt
         ConfigConsensus,
         FaultInjection,
         SaveFinalParameters,
+        RunGuards,
         StepMetrics,
         VerifyLongContextAttention,
     )
@@ -680,6 +681,7 @@ def build(cfg: DictConfig, launch: Optional[Launch] = None, extra_callbacks: Opt
         mem_metrics,
         StepMetrics(str(cfg.output_dir), tokens_per_step, metrics.print_every, extra=mem_metrics),
         VerifyLongContextAttention(cp.size, cp.algorithm, p["pp"]),
+        RunGuards(cp.size, tokens_per_step, metrics.print_every),
     ]
     if not options.memory.trivial:
         callbacks.append(MemoryOptionsCallback(options.memory))

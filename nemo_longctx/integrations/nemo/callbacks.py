@@ -26,6 +26,8 @@ from typing import Any, Optional
 
 import lightning.pytorch as pl
 
+from nemo_longctx.integrations.megatron.run_guards import (core_attentions, cp_problems, loss_problems,
+                                                           mfu_problems, raise_if, tokens_problems)
 from nemo_longctx.planner.flops import mfu, model_flops_per_token, peak_flops
 from nemo_longctx.shared.app_keys import FAULT_KINDS, parse_fault
 from nemo_longctx.shared.console import archive_metrics, eta_seconds, step_line
@@ -142,6 +144,9 @@ class StepMetrics(pl.Callback):
         utilisation = mfu(self._flops_per_token, rec["tokens_per_s"], self._peak, rec["world_size"])
         if utilisation is not None:
             rec["mfu"] = utilisation
+        # finite loss; MFU <= 100 % (from the second step: the first one's time includes start-up)
+        raise_if(loss_problems(loss, rec["step"]) + mfu_problems(utilisation if len(self._intervals) else None,
+                                                                 rec["step"]))
         if self.extra is not None:
             rec.update(self.extra.metrics())
         with open(self.path, "a") as f:
@@ -178,6 +183,52 @@ class SaveFinalParameters(pl.Callback):
             return
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         torch.save({"initial": self._initial, "final": _unwrapped_named_parameters(pl_module)}, self.path)
+
+
+class RunGuards(pl.Callback):
+    """The run guards every rank checks (``integrations.megatron.run_guards``) at step 0 and every ``every``-th step:
+    context parallelism really active (the attention over the run's CP group, covering the whole sequence, bytes
+    sent) and the tokens the step trained against the layout. ``StepMetrics`` checks the loss and the MFU."""
+
+    def __init__(self, cp_size: int, tokens_per_step: int, every: int = 1) -> None:
+        self.cp_size, self.tokens_per_step, self.every = int(cp_size), int(tokens_per_step), max(1, int(every))
+        self._counter: Any = None
+        self._attentions: list = []
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self._attentions = core_attentions(pl_module)
+
+    def _checked(self, trainer: pl.Trainer) -> bool:
+        step = int(trainer.global_step)
+        return step == 0 or step % self.every == 0
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if not self._checked(trainer):
+            return
+        from nemo_longctx.attention import count_bytes_sent
+        from nemo_longctx.integrations.megatron.batch import LAST_SHARD
+
+        LAST_SHARD.update(sequence_tokens=None, local_tokens=None)
+        self._counter = count_bytes_sent()
+        self._sent = self._counter.__enter__()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._counter is None:
+            return
+        from megatron.core import parallel_state as ps
+
+        from nemo_longctx.integrations.megatron.batch import LAST_SHARD
+
+        self._counter.__exit__(None, None, None)
+        self._counter = None
+        step = int(trainer.global_step) - 1  # (Lightning has counted the step already)
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+        dp_cp = ps.get_data_parallel_world_size(with_context_parallel=True)
+        micro_batches = get_num_microbatches()  # what Megatron's schedule ran
+        raise_if(cp_problems(self._attentions, self.cp_size, LAST_SHARD["sequence_tokens"], self._sent.bytes_sent,
+                             step)
+                 + tokens_problems(LAST_SHARD["local_tokens"], micro_batches, dp_cp, self.tokens_per_step, step))
 
 
 class VerifyLongContextAttention(pl.Callback):
