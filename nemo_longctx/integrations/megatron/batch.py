@@ -158,7 +158,9 @@ def shard_packed_batch_for_cp(batch: Dict[str, Any], cp_size: int, cp_rank: int)
     cu = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32, device=device)
     cu_padded = torch.tensor(layout, dtype=torch.int32, device=device)
     max_len = max(b - a for a, b in zip(layout, layout[1:]))
-    _note_shard(total, int(idx.numel()))
+    # the attention covers the laid-out documents; the tokens guard is not applied to packed rows (their layout pads
+    # each document for CP, and NeMo's packed fine-tuning rows need not fill the sequence)
+    _note_shard(total, None)
     out["packed_seq_params"] = PackedSeqParams(
         qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_padded,
         cu_seqlens_kv_padded=cu_padded, max_seqlen_q=max_len, max_seqlen_kv=max_len)
