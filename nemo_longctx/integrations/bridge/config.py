@@ -113,7 +113,9 @@ def long_context_callbacks(cfg: Any) -> List[Any]:
     memory = memory_of(cfg)
     if memory is None:
         raise ValueError("long_context_callbacks: call enable_long_context(cfg, options) first")
-    return [memory.callback()]
+    from nemo_longctx.integrations.bridge.guards import run_guards_callback
+
+    return [memory.callback(), run_guards_callback(cfg)]
 
 
 def _apply_model_state(cfg: Any, options: LongContextOptions) -> None:

@@ -1,0 +1,46 @@
+"""The run guards on the Megatron-Bridge front end (``integrations.megatron.run_guards``): every step, context
+parallelism really active -- every nemo_longctx attention layer over the run's CP group, covering the whole sequence
+(dense data: ``model.seq_length``; packed datasets are not judged on it), and bytes sent to the other CP ranks.
+Bridge's own ``check_for_nan_in_loss_and_grad`` stops a non-finite loss; the tokens and MFU guards are the NeMo 2
+app's (Bridge's data step and throughput logging are Bridge's)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def run_guards_callback(cfg: Any) -> Any:
+    """A Bridge ``Callback`` running the CP guard at every training step of the run ``cfg`` configures."""
+    from megatron.bridge.training.callbacks import Callback
+
+    from nemo_longctx.integrations.megatron.run_guards import core_attentions, cp_problems, raise_if
+
+    m = cfg.model
+    cp_size = int(m.context_parallel_size or 1)
+    packed = getattr(getattr(cfg, "dataset", None), "packed_sequence_specs", None) is not None
+    sequence_tokens = None if packed else int(m.seq_length)
+
+    class LongContextRunGuards(Callback):
+        def __init__(self) -> None:
+            self.attentions: list = []
+            self.counter: Any = None
+            self.sent: Any = None
+
+        def on_train_start(self, context: Any) -> None:
+            self.attentions = core_attentions(list(context.model))
+
+        def on_train_step_start(self, context: Any) -> None:
+            from nemo_longctx.attention import count_bytes_sent
+
+            self.counter = count_bytes_sent()
+            self.sent = self.counter.__enter__()
+
+        def on_train_step_end(self, context: Any) -> None:
+            if self.counter is None:
+                return
+            self.counter.__exit__(None, None, None)
+            self.counter = None
+            step = int(context.state.train_state.step)
+            raise_if(cp_problems(self.attentions, cp_size, sequence_tokens, self.sent.bytes_sent, step))
+
+    return LongContextRunGuards()
