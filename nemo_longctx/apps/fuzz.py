@@ -129,17 +129,14 @@ class RankPool:
             except queue_module.Empty:
                 dead = [r for r in range(world) if not self.procs[r].is_alive()]
                 if dead or time.monotonic() > deadline:
-                    self.restart()
-                    why = (f"rank {dead[0]} died (exit code {self.procs_exit(dead[0])})" if dead
+                    why = (f"rank {dead[0]} died (exit code {self.procs[dead[0]].exitcode})" if dead
                            else f"timed out after {timeout:.0f} s")
+                    self.restart()
                     raise RuntimeError(why) from None
                 continue
             if tag == self.tag:
                 got[rank] = (status, payload)
         return got
-
-    def procs_exit(self, rank: int) -> Any:
-        return self.procs[rank].exitcode if rank < len(self.procs) else None
 
 
 # ------------------------------------------------------------------------------------------------- the cases
