@@ -5,9 +5,9 @@ CP=2 giving the losses of one rank, every attention layer ours; bad values get t
 
 from __future__ import annotations
 
-import json
 
 import pytest
+from hub_configs import offline_cache
 from runner import ROOT, run_bridge, shared_dir, shared_run
 
 pytest.importorskip("megatron.bridge", reason="the Megatron-Bridge stack (scripts/install_bridge.sh)")
@@ -80,11 +80,7 @@ SHRINK = ["model.num_layers=2", "model.hidden_size=128", "model.ffn_hidden_size=
 def test_a_bridge_recipe_by_name_trains_with_ring_cp2_as_on_one_rank(tmp_path, monkeypatch):
     """NVIDIA's own recipe function, unmodified (``llama32_1b_pretrain_config``), shrunk by Bridge's overrides: the hub
     is replaced by Hugging Face's own offline cache holding the model's config.json (no weights are read)."""
-    snapshot = tmp_path / "hf" / "hub" / "models--meta-llama--Llama-3.2-1B" / "snapshots" / ("0" * 40)
-    snapshot.mkdir(parents=True)
-    (snapshot / "config.json").write_text(json.dumps(LLAMA32_1B_CONFIG))
-    (snapshot.parents[1] / "refs").mkdir()
-    (snapshot.parents[1] / "refs" / "main").write_text("0" * 40)
+    offline_cache(tmp_path / "hf", {"meta-llama/Llama-3.2-1B": LLAMA32_1B_CONFIG})
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     runs = {name: _run(tmp_path, name, "recipe=llama32_1b_pretrain_config", *args, *SHRINK)

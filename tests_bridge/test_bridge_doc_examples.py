@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from hub_configs import LLAMA3_8B, offline_cache
 from runner import ROOT, shared_run
 
 pytest.importorskip("megatron.bridge", reason="the Megatron-Bridge stack (scripts/install_bridge.sh)")
@@ -30,13 +31,7 @@ RECIPE_SHRINK = ["model.num_layers=2", "model.hidden_size=128", "model.ffn_hidde
                  "train.micro_batch_size=1", "dataset.num_workers=0", "validation.eval_iters=0",
                  "checkpoint.save=null", "scheduler.lr_warmup_iters=1", "logger.log_interval=1"]
 HF_CONFIGS = {  # recipe -> (hub id, config.json: the public values the recipe reads)
-    "llama3_8b_pretrain_config": ("meta-llama/Meta-Llama-3-8B", {
-        "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-        "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096,
-        "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 8192,
-        "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
-        "pretraining_tp": 1, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 500000.0,
-        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 128256}),
+    "llama3_8b_pretrain_config": ("meta-llama/Meta-Llama-3-8B", LLAMA3_8B),
 }
 LISTED = {  # commands not run here, with the test that runs what they show
     "--recipe gpt_oss_20b_pretrain_config": "NVIDIA's GPT-OSS recipe (MoE, sinks) needs its own shrink: "
@@ -92,13 +87,7 @@ def shrink_args(args):
 def hf_cache(tmp_path: Path, recipe: str) -> dict:
     """HF_HOME with the recipe model's config.json in Hugging Face's own offline cache layout."""
     hub_id, config = HF_CONFIGS[recipe]
-    repo = tmp_path / "hf" / "hub" / ("models--" + hub_id.replace("/", "--"))
-    snapshot = repo / "snapshots" / ("0" * 40)
-    snapshot.mkdir(parents=True, exist_ok=True)
-    (snapshot / "config.json").write_text(json.dumps(config))
-    (repo / "refs").mkdir(exist_ok=True)
-    (repo / "refs" / "main").write_text("0" * 40)
-    return {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    return {"HF_HOME": str(offline_cache(tmp_path / "hf", {hub_id: config})), "HF_HUB_OFFLINE": "1"}
 
 
 def test_every_bridge_command_is_run_or_listed():

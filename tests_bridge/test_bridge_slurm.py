@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
+from hub_configs import LLAMA3_8B, offline_cache
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ["cp=ring", "cp.size=2", "train.train_iters=2"]
@@ -104,15 +105,6 @@ def test_a_bad_value_under_srun_fails_every_rank_before_training(tmp_path):
     assert "from slurm" not in log and "core attention:" not in log
 
 
-LLAMA3_8B_CONFIG = {  # Meta-Llama-3-8B's config.json (its public values): all the recipe reads from the hub
-    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 128000,
-    "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
-    "intermediate_size": 14336, "max_position_embeddings": 8192, "model_type": "llama", "num_attention_heads": 32,
-    "num_hidden_layers": 32, "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
-    "rope_scaling": None, "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-    "use_cache": True, "vocab_size": 128256}
-
-
 def _example_args(tmp_path, **data):
     """The `nemo-longctx bridge` arguments examples/slurm/bridge_llama3_8b_128k.sbatch starts (bash runs the script,
     a stub records srun's arguments); ``data``: its data variables (DATA_PREFIX + TOKENIZER, or DATA=synthetic)."""
@@ -134,11 +126,7 @@ def test_example_sbatch_arguments_build_the_real_bridge_recipe(tmp_path):
     """Every argument of the example job in its DATA_PREFIX + TOKENIZER form is taken: ours by the option model,
     Bridge's by Bridge's own parser on ``llama3_8b_pretrain_config`` (its config.json from the offline cache); the
     built container has the planned layout, the data and tokenizer, and no problem for 8 ranks."""
-    snapshot = tmp_path / "hf" / "hub" / "models--meta-llama--Meta-Llama-3-8B" / "snapshots" / ("0" * 40)
-    snapshot.mkdir(parents=True)
-    (snapshot / "config.json").write_text(json.dumps(LLAMA3_8B_CONFIG))
-    (snapshot.parents[1] / "refs").mkdir()
-    (snapshot.parents[1] / "refs" / "main").write_text("0" * 40)
+    offline_cache(tmp_path / "hf", {"meta-llama/Meta-Llama-3-8B": LLAMA3_8B})
     prefix, tok = tmp_path / "data" / "llama3_text_document", tmp_path / "tokenizer"
     tok.mkdir()
     args = _example_args(tmp_path, DATA_PREFIX=str(prefix), TOKENIZER=str(tok))

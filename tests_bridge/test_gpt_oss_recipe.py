@@ -23,9 +23,9 @@ Not smoke: 7 app runs of 2 ranks (measured in docs/benchmarks.md)."""
 
 from __future__ import annotations
 
-import json
 
 import pytest
+from hub_configs import offline_cache
 from runner import ROOT, run_bridge
 
 pytest.importorskip("megatron.bridge", reason="the Megatron-Bridge stack (scripts/install_bridge.sh)")
@@ -74,12 +74,7 @@ LAYERS_LINE = ("core attention: 2 layers run LongContextCoreAttention ({cp}); at
 
 @pytest.fixture(scope="module")
 def hf_cache(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hf")
-    snapshot = root / "hub" / "models--openai--gpt-oss-20b" / "snapshots" / ("0" * 40)
-    snapshot.mkdir(parents=True)
-    (snapshot / "config.json").write_text(json.dumps(GPT_OSS_20B_CONFIG))
-    (snapshot.parents[1] / "refs").mkdir()
-    (snapshot.parents[1] / "refs" / "main").write_text("0" * 40)
+    root = offline_cache(tmp_path_factory.mktemp("hf"), {"openai/gpt-oss-20b": GPT_OSS_20B_CONFIG})
     return {"HF_HOME": str(root), "HF_HUB_OFFLINE": "1"}
 
 
