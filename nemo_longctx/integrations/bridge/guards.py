@@ -13,7 +13,7 @@ def run_guards_callback(cfg: Any) -> Any:
     """A Bridge ``Callback`` running the CP guard at every training step of the run ``cfg`` configures."""
     from megatron.bridge.training.callbacks import Callback
 
-    from nemo_longctx.integrations.megatron.run_guards import core_attentions, cp_problems, raise_if
+    from nemo_longctx.integrations.megatron.run_guards import StepBytes, core_attentions, cp_problems, raise_if
 
     m = cfg.model
     cp_size = int(m.context_parallel_size or 1)
@@ -23,24 +23,18 @@ def run_guards_callback(cfg: Any) -> Any:
     class LongContextRunGuards(Callback):
         def __init__(self) -> None:
             self.attentions: list = []
-            self.counter: Any = None
-            self.sent: Any = None
+            self.bytes = StepBytes()
 
         def on_train_start(self, context: Any) -> None:
             self.attentions = core_attentions(list(context.model))
 
         def on_train_step_start(self, context: Any) -> None:
-            from nemo_longctx.attention import count_bytes_sent
-
-            self.counter = count_bytes_sent()
-            self.sent = self.counter.__enter__()
+            self.bytes.start()
 
         def on_train_step_end(self, context: Any) -> None:
-            if self.counter is None:
-                return
-            self.counter.__exit__(None, None, None)
-            self.counter = None
-            step = int(context.state.train_state.step)
-            raise_if(cp_problems(self.attentions, cp_size, sequence_tokens, self.sent.bytes_sent, step))
+            sent = self.bytes.stop()
+            if sent is not None:
+                raise_if(cp_problems(self.attentions, cp_size, sequence_tokens, sent,
+                                     int(context.state.train_state.step)))
 
     return LongContextRunGuards()

@@ -24,9 +24,8 @@ def seq_dim_of(key: str) -> int:
 
 
 # the last sharded micro-batch of this process: one sequence's tokens before sharding and this rank's share of the
-# micro-batch's tokens (the
-# run guards compare them with what the attention saw and what the layout promises); None where unknown (a middle
-# pipeline stage of a dense batch gets no token tensors)
+# micro-batch's tokens (the run guards compare them with what the attention saw and what the layout promises); None
+# where unknown (a middle pipeline stage of a dense batch gets no token tensors)
 LAST_SHARD: Dict[str, Any] = {"sequence_tokens": None, "local_tokens": None}
 
 

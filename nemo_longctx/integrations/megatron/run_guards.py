@@ -25,6 +25,28 @@ class GuardTripped(RuntimeError):
     """A run guard found the run training wrong; the message names the check and the likely cause."""
 
 
+class StepBytes:
+    """The bytes this process's CP attention sends during one step (``attention.count_bytes_sent``), for a front
+    end's step-start / step-end hooks: ``start()``, then ``stop()`` returns the count (None if not started)."""
+
+    def __init__(self) -> None:
+        self._counter: Any = None
+        self._sent: Any = None
+
+    def start(self) -> None:
+        from nemo_longctx.attention import count_bytes_sent
+
+        self._counter = count_bytes_sent()
+        self._sent = self._counter.__enter__()
+
+    def stop(self) -> Optional[int]:
+        if self._counter is None:
+            return None
+        self._counter.__exit__(None, None, None)
+        self._counter = None
+        return int(self._sent.bytes_sent)
+
+
 def core_attentions(model: Any) -> List[Any]:
     """Every nemo_longctx core attention inside ``model`` (a module or a list of model chunks)."""
     from .core_attention import LongContextCoreAttention

@@ -26,7 +26,8 @@ from typing import Any, Optional
 
 import lightning.pytorch as pl
 
-from nemo_longctx.integrations.megatron.run_guards import (core_attentions, cp_problems, loss_problems,
+from nemo_longctx.integrations.megatron.batch import LAST_SHARD
+from nemo_longctx.integrations.megatron.run_guards import (StepBytes, core_attentions, cp_problems, loss_problems,
                                                            mfu_problems, raise_if, tokens_problems)
 from nemo_longctx.planner.flops import mfu, model_flops_per_token, peak_flops
 from nemo_longctx.shared.app_keys import FAULT_KINDS, parse_fault
@@ -192,43 +193,30 @@ class RunGuards(pl.Callback):
 
     def __init__(self, cp_size: int, tokens_per_step: int, every: int = 1) -> None:
         self.cp_size, self.tokens_per_step, self.every = int(cp_size), int(tokens_per_step), max(1, int(every))
-        self._counter: Any = None
+        self._bytes = StepBytes()
         self._attentions: list = []
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
         self._attentions = core_attentions(pl_module)
 
-    def _checked(self, trainer: pl.Trainer) -> bool:
-        step = int(trainer.global_step)
-        return step == 0 or step % self.every == 0
-
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        if not self._checked(trainer):
-            return
-        from nemo_longctx.attention import count_bytes_sent
-        from nemo_longctx.integrations.megatron.batch import LAST_SHARD
-
-        LAST_SHARD.update(sequence_tokens=None, local_tokens=None)
-        self._counter = count_bytes_sent()
-        self._sent = self._counter.__enter__()
+        step = int(trainer.global_step)
+        if step == 0 or step % self.every == 0:
+            LAST_SHARD.update(sequence_tokens=None, local_tokens=None)
+            self._bytes.start()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self._counter is None:
+        sent = self._bytes.stop()
+        if sent is None:  # not a checked step
             return
         from megatron.core import parallel_state as ps
-
-        from nemo_longctx.integrations.megatron.batch import LAST_SHARD
-
-        self._counter.__exit__(None, None, None)
-        self._counter = None
-        step = int(trainer.global_step) - 1  # (Lightning has counted the step already)
         from megatron.core.num_microbatches_calculator import get_num_microbatches
 
+        step = int(trainer.global_step) - 1  # (Lightning has counted the step already)
         dp_cp = ps.get_data_parallel_world_size(with_context_parallel=True)
-        micro_batches = get_num_microbatches()  # what Megatron's schedule ran
-        raise_if(cp_problems(self._attentions, self.cp_size, LAST_SHARD["sequence_tokens"], self._sent.bytes_sent,
-                             step)
-                 + tokens_problems(LAST_SHARD["local_tokens"], micro_batches, dp_cp, self.tokens_per_step, step))
+        raise_if(cp_problems(self._attentions, self.cp_size, LAST_SHARD["sequence_tokens"], sent, step)
+                 + tokens_problems(LAST_SHARD["local_tokens"], get_num_microbatches(), dp_cp, self.tokens_per_step,
+                                   step))
 
 
 class VerifyLongContextAttention(pl.Callback):

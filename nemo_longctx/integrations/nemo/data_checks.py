@@ -75,9 +75,10 @@ def _in_hf_cache(repo_id: str) -> bool:
 
 
 def _memory_options(cfg: DictConfig) -> Any:
+    """The run's recompute/offload options, read by the option model's own reader."""
     from nemo_longctx.options import MemoryOptions
 
-    return MemoryOptions(recompute=OmegaConf.select(cfg, "recompute.name", default="none"))
+    return MemoryOptions.from_dict(cfg.get("recompute"), cfg.get("offload"))
 
 
 def data_problems(cfg: DictConfig) -> List[str]:
