@@ -16,8 +16,8 @@ fuzzer counts and reports (never skipped silently). What only Megatron can refus
 from __future__ import annotations
 
 import random
-from dataclasses import asdict, dataclass, fields, replace
-from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
 from nemo_longctx.options import CP_ALGORITHMS, Context, LongContextOptions
 
@@ -239,14 +239,6 @@ def draw_cases(seed: int, count: int, max_world: int, accept: Any = None) -> Lis
     """``count`` cases drawn from ``seed`` (the same seed draws the same cases)."""
     rng = random.Random(seed)
     return [draw_case(rng, max_world, accept) for _ in range(count)]
-
-
-def case_fields() -> Sequence[str]:
-    return [f.name for f in fields(Case)]
-
-
-def case_dict(case: Case) -> Dict[str, Any]:
-    return asdict(case)
 
 
 # ---------------------------------------------------------------------------------------------- injected defects

@@ -43,6 +43,7 @@ STEPS, LR = 3, 0.5
 ADAM_LR, ADAM_EPS = 0.01, 1e-4
 GROUPS = {"gqa": 4, "mqa": 1, "mha": 8, "moe": 4, "mla": 8, "window": 4}
 WINDOW = (8, 0)
+EXPERTS = 4
 
 
 def first_line(e: BaseException) -> str:
@@ -76,7 +77,7 @@ def model_config(case: Case) -> Any:
         persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False, init_method_std=0.05, use_cpu_initialization=True)
     if case.model == "moe":
-        kw.update(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=FFN // 2, moe_aux_loss_coeff=1e-2,
+        kw.update(num_moe_experts=EXPERTS, moe_router_topk=2, moe_ffn_hidden_size=FFN // 2, moe_aux_loss_coeff=1e-2,
                   moe_router_load_balancing_type="aux_loss", moe_token_dispatcher_type="allgather",
                   moe_grouped_gemm=False)
     if case.model == "window":
@@ -95,7 +96,7 @@ def _layer_spec(case: Case, config: Any) -> Any:
     from .spec import long_context_layer_spec
     from .tiled_mlp_layer import with_tiled_mlp
 
-    base = get_gpt_layer_local_spec(num_experts=4 if case.model == "moe" else None, moe_grouped_gemm=False,
+    base = get_gpt_layer_local_spec(num_experts=EXPERTS if case.model == "moe" else None, moe_grouped_gemm=False,
                                     multi_latent_attention=case.model == "mla", normalization="RMSNorm")
     kwargs = {"ulysses_size": case.ulysses_size} if case.cp > 1 and case.cp_algorithm == "hybrid" else {}
     spec = long_context_layer_spec(base, case.cp_algorithm if case.cp > 1 else "ring",
@@ -148,17 +149,16 @@ def global_names(chunk: Any, case: Case) -> Dict[str, Tuple[str, Any]]:
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     numbers = {name: m.layer_number for name, m in chunk.named_modules() if isinstance(m, TransformerLayer)}
-    first_expert = ps.get_expert_model_parallel_rank() * (4 // case.ep) if case.model == "moe" else 0
+    first_expert = ps.get_expert_model_parallel_rank() * (EXPERTS // case.ep) if case.model == "moe" else 0
     out = {}
     for name, p in chunk.named_parameters():
-        g = name.replace("module.", "") if name.startswith("module.") else name
-        m = _LAYER.match(g)
+        g = name
+        m = _LAYER.match(name)
         if m:
-            local = name[: name.index(m.group(1)) + len(m.group(1))] + m.group(2)
-            key = next((k for k in numbers if local.endswith(k)), None)
-            if key is None:
+            layer = numbers.get(m.group(1) + m.group(2))
+            if layer is None:
                 raise RuntimeError(f"fuzz: no TransformerLayer found for parameter {name}")
-            g = f"{m.group(1)}{numbers[key] - 1}.{m.group(3)}"
+            g = f"{m.group(1)}{layer - 1}.{m.group(3)}"
         e = _EXPERT.match(g)
         if e:
             g = f"{e.group(1)}{int(e.group(2)) + first_expert}.{e.group(3)}"
