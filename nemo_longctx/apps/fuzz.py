@@ -70,7 +70,7 @@ def _rank_main(rank: int, tasks: Any, results: Any) -> None:
         except fuzz_harness.OptionsRefused as e:
             results.put((tag, rank, "refused (options)", str(e)))
         except fuzz_harness.StackRefused as e:
-            results.put((tag, rank, "refused", str(e)))
+            results.put((tag, rank, "refused (stack)", str(e)))
         except BaseException as e:  # noqa: BLE001 - reported as the case's failure
             results.put((tag, rank, "error", f"{fuzz_harness.first_line(e)}\n{traceback.format_exc()}"))
     results.close()
@@ -152,12 +152,22 @@ class Row:
 
 def _outcome(results: Dict[int, tuple]) -> tuple:
     """(status, payload or message) of one task's ranks: an error beats a refusal beats ok."""
-    for wanted in ("error", "refused (options)", "refused"):
+    for wanted in ("error", "refused (options)", "refused (stack)"):
         for rank in sorted(results):
             status, payload = results[rank]
             if status == wanted:
                 return wanted, f"rank {rank}: {payload}"
     return "ok", results[0][1]
+
+
+def _run(pool: RankPool, world: int, words: str, reference: bool, init: Optional[bytes], inject: Optional[str],
+         timeout: float) -> tuple:
+    """(status, payload) of one run of a case on the pool; after a rank's error the ranks are started again (a rank
+    that failed mid-case leaves process groups and buffers behind that no later case may meet)."""
+    status, payload = _outcome(pool.run(world, words, reference, init, inject, timeout))
+    if status == "error":
+        pool.restart()
+    return status, payload
 
 
 def run_case(pool: RankPool, index: int, case: Case, inject: Optional[str], timeout: float) -> Row:
@@ -169,27 +179,18 @@ def run_case(pool: RankPool, index: int, case: Case, inject: Optional[str], time
         return row
     start = time.monotonic()
     try:
-        status, ref = _outcome(pool.run(1, case.words(), True, None, None, timeout))
-        if status != "ok":
-            if status == "error":
-                pool.restart()
-            row.status = {"refused": "refused (stack)", "refused (options)": status}.get(status, "FAILED")
-            row.why = f"reference: {ref}"
-            return row
-        reference = pickle.loads(ref)
-        init = pickle.dumps(reference["init"])
-        status, got = _outcome(pool.run(case.world, case.words(), False, init, inject, timeout))
-    except RuntimeError as e:
-        row.status, row.why = "FAILED", str(e)
-        return row
-    finally:
-        row.seconds = time.monotonic() - start
-    if status in ("refused", "refused (options)"):
-        row.status, row.why = "refused (stack)" if status == "refused" else status, got
-        return row
-    if status == "error":  # a rank failed mid-case: its process state (groups, buffers) is not trusted again
-        pool.restart()
-        row.status, row.why = "FAILED", got
+        status, ref = _run(pool, 1, case.words(), True, None, None, timeout)
+        if status == "ok":
+            reference = pickle.loads(ref)
+            status, got = _run(pool, case.world, case.words(), False, pickle.dumps(reference["init"]), inject,
+                               timeout)
+        else:
+            got = f"reference: {ref}"
+    except RuntimeError as e:  # a dead rank or the timeout
+        status, got = "error", str(e)
+    row.seconds = time.monotonic() - start
+    if status != "ok":  # a refusal is reported as it is; an error fails the case
+        row.status, row.why = "FAILED" if status == "error" else status, got
         return row
     row.diffs = compare(pickle.loads(got), reference)
     over = [k for k, v in row.diffs.items() if not v <= TOLERANCES[k]]
