@@ -82,7 +82,7 @@ def test_what_the_user_sets_stays_and_one_interval_measure_wins():
 
 
 def test_the_recipes_tokens_per_step_as_sequences():
-    from nemo_longctx.integrations.nemo.training_recipe import recipe_global_batch
+    from nemo_longctx.shared.app_keys import recipe_global_batch
 
     assert recipe_global_batch(512 * 8192, 1 << 20, 1, 1) == 4
     assert recipe_global_batch(512 * 8192, 1 << 20, 1, 8) == 8  # at least one sequence per data-parallel rank

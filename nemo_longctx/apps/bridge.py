@@ -275,9 +275,11 @@ def build(cfg: Any, bridge_overrides: List[str], options: Any, output_dir: str, 
         container.dataset.seq_length = container.model.seq_length
     keys = override_keys(bridge_overrides)
     if recipe is not None and "train.global_batch_size" not in keys:  # the recipe's tokens per step
+        from nemo_longctx.shared.app_keys import recipe_global_batch
+
         m = container.model
         parallel = int(m.tensor_model_parallel_size) * int(m.pipeline_model_parallel_size) * int(options.cp.size)
-        container.train.global_batch_size = training_recipe.global_batch(
+        container.train.global_batch_size = recipe_global_batch(
             training_recipe.tokens_per_step(recipe), int(m.seq_length), int(container.train.micro_batch_size),
             max(1, int(world_size or parallel) // parallel))
     if report is not None and "mixed_precision" in keys:

@@ -89,6 +89,14 @@ DEMO_SETTINGS = {
 }
 
 
+
+def recipe_global_batch(tokens_per_step: int, seq_length: int, micro_batch: int, data_parallel: int) -> int:
+    """A recipe's tokens per step as sequences of the run's ``seq_length`` (both front ends): a multiple of micro
+    batch x data-parallel size, at least one."""
+    unit = max(1, micro_batch * data_parallel)
+    return max(unit, tokens_per_step // seq_length // unit * unit)
+
+
 FAULT_KINDS = ("raise", "kill", "hang", "abort", "SIGTERM", "SIGUSR1", "SIGINT")
 
 

@@ -283,13 +283,6 @@ def tokens_per_step(recipe: Any) -> int:
     return int(recipe.train.global_batch_size) * int(recipe.model.seq_length)
 
 
-def global_batch(tokens: int, seq_length: int, micro_batch: int, data_parallel: int) -> int:
-    """``tokens`` per step as sequences of ``seq_length``: a multiple of micro batch x data-parallel size, at least
-    one such multiple."""
-    unit = max(1, micro_batch * data_parallel)
-    return max(unit, tokens // seq_length // unit * unit)
-
-
 def precision_name(mixed_precision: Any) -> str:
     """A ``mixed_precision`` value as a name (``bf16_mixed``; a config object: its precision flags)."""
     if mixed_precision is None:

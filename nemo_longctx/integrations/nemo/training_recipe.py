@@ -32,7 +32,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from nemo_longctx.options import ConfigError
-from nemo_longctx.shared.app_keys import DEMO_SETTINGS
+from nemo_longctx.shared.app_keys import DEMO_SETTINGS, recipe_global_batch
 from nemo_longctx.shared.overrides import is_demo_model
 
 DEMO = "demo"
@@ -207,13 +207,6 @@ def choose_recipe(cfg: DictConfig, model_choice: Optional[str]) -> str:
                            "settings)"])
     seq = cfg.model.get("seq_length")
     return long_context_variant(base, int(seq)) if isinstance(seq, int) else base
-
-
-def recipe_global_batch(tokens_per_step: int, seq_length: int, micro_batch: int, data_parallel: int) -> int:
-    """The recipe's tokens per step as sequences of ``seq_length``: a multiple of micro batch x data-parallel size,
-    at least one."""
-    unit = max(1, micro_batch * data_parallel)
-    return max(unit, tokens_per_step // seq_length // unit * unit)
 
 
 def resolve(cfg: DictConfig, model_choice: Optional[str], world_size: Optional[int] = None) -> Dict[str, Any]:
