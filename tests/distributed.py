@@ -12,7 +12,8 @@ the test process), and does not pay those imports again (about half the time of 
 from __future__ import annotations
 
 import os
-import socket
+import shutil
+import tempfile
 import traceback
 from typing import Any, Callable, List
 
@@ -23,17 +24,12 @@ import torch.multiprocessing as mp
 from nemo_longctx.shared.process_exit import exit_process
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue, threads: int) -> None:
+def _worker(rank: int, world_size: int, store: str, fn: Callable, args: tuple, queue, threads: int) -> None:
     try:
         torch.set_num_threads(threads)
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        # the ranks meet in a file (torch's FileStore), not on a TCP port: a port found free and then bound by the
+        # first rank can be taken in between by another test process (EADDRINUSE)
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
         try:
             result = fn(rank, world_size, *args)
         finally:
@@ -64,9 +60,10 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, threads: int = 1,
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the results by rank."""
     ctx = _context()
     queue = ctx.Queue()
-    port = free_port()
+    store_dir = tempfile.mkdtemp(prefix="nemo_longctx_store_")
+    store = os.path.join(store_dir, "store")
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, threads), daemon=True)
+        ctx.Process(target=_worker, args=(r, world_size, store, fn, args, queue, threads), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:
@@ -86,6 +83,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, threads: int = 1,
             p.join(timeout=5 if errors else 60)
             if p.is_alive():
                 p.kill()
+        shutil.rmtree(store_dir, ignore_errors=True)
     if errors:
         raise RuntimeError("\n".join(errors))
     return [results[r] for r in range(world_size)]
