@@ -9,9 +9,10 @@ trains on; the launcher (ours, or torchrun's agent) passes it to every rank. Run
     same command again;
   * ``torchrun``: ring under ``torchrun --standalone``, SIGTERM to torchrun at step 2 (its agent sends SIGTERM to the
     ranks) -> checkpoint of step 2; ``torchrun_resumed``: the same arguments through our local launcher;
-  * ``second``: ring, checkpoints every 2 steps, SIGTERM at step 3 and a second SIGTERM as soon as the launcher says it
-    forwarded the first -> exit 143 at once, no complete checkpoint of step 3; an ``-unfinished`` checkpoint of step 4
-    is planted; ``second_resumed``: skips it, naming it, and resumes from step 2.
+  * ``second``: ring, checkpoints every 2 steps, SIGTERM at step 3 and a second SIGTERM a second later, before the step
+    can end (``run.fault=SIGTERM_TWICE``: no race against the ranks' save) -> exit 143 at once, no complete checkpoint
+    of step 3; an ``-unfinished`` checkpoint of step 4 is planted; ``second_resumed``: skips it, naming it, and
+    resumes from step 2.
 Every resumed run's per-step losses equal ``full``'s (<= 1e-6 relative).
 """
 
@@ -50,20 +51,20 @@ def _complete(out_dir: Path) -> list:
 
 
 def _second_signal_run(cmd: list, timeout: float = 420) -> tuple:
-    """Run ``cmd``; when the launcher reports that it forwarded the first signal, send it a second SIGTERM."""
+    """Run ``cmd`` (its drill sends the launcher two SIGTERMs a second apart); return the exit code, the output and
+    the seconds from the launcher's line about the first signal to the end of the run."""
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    lines, sent, deadline = [], None, time.monotonic() + timeout
+    lines, seen, deadline = [], None, time.monotonic() + timeout
     for line in p.stdout:  # type: ignore[union-attr]
         lines.append(line)
-        if sent is None and line.startswith("nemo-longctx: SIGTERM: 2 rank(s) save"):
-            os.kill(p.pid, signal.SIGTERM)
-            sent = time.monotonic()
+        if seen is None and line.startswith("nemo-longctx: SIGTERM: 2 rank(s) save"):
+            seen = time.monotonic()
         if time.monotonic() > deadline:
             p.kill()
             break
     code = p.wait(timeout=60)
-    return code, "".join(lines), (time.monotonic() - sent) if sent else None
+    return code, "".join(lines), (time.monotonic() - seen) if seen else None
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +87,8 @@ def runs(tmp_path_factory):
     assert code == 0, out["torchrun_resumed"][-3000:]
 
     second = APP + [f"output_dir={d['second']}", *COMMON, "checkpoint.every_n_steps=2"]
-    out["second_code"], out["second"], out["second_stop_s"] = _second_signal_run(second + ["run.fault=SIGTERM@3:0"])
+    out["second_code"], out["second"], out["second_stop_s"] = _second_signal_run(
+        second + ["run.fault=SIGTERM_TWICE@3:0"])
     out["second_left"] = leftover_processes()
     out["second_ckpts"] = _complete(d["second"])
     planted = d["second"] / "checkpoints" / "step=3-consumed_samples=4.0"  # NeMo's name after 4 steps

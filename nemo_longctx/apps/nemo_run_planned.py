@@ -208,6 +208,18 @@ def candidate_arguments(candidate: Any) -> Dict[str, Any]:
     return out
 
 
+def global_batch_problems(global_batch: Any, gpus: int, candidate: Any) -> List[str]:
+    """The recipe's ``data.global_batch_size`` must split evenly over the data-parallel ranks the chosen layout
+    leaves (one sequence per micro batch): refused before the recipe is rewritten or anything launches."""
+    dp = max(1, gpus // (candidate.tp * candidate.cp_size))
+    if not isinstance(global_batch, int) or global_batch % dp == 0:
+        return []
+    lower, upper = global_batch - global_batch % dp, global_batch - global_batch % dp + dp
+    return [f"data.global_batch_size={global_batch} does not split over the {dp} data-parallel ranks of the chosen "
+            f"layout ({candidate.label()} on {gpus} GPUs, one sequence per micro batch): use "
+            + (f"{lower} or {upper}" if lower else f"{upper}")]
+
+
 def _set_layout(recipe: Any, tp: int, devices: int, nodes: int) -> List[str]:
     """The parallel layout the planner assumes: TP with sequence parallelism, pipeline size 1, all executor GPUs.
     Returns the recipe's values it changed (``key old -> new``) for the log line."""
@@ -262,6 +274,7 @@ class PlannedLongContextPlugin(run.Plugin):
         if p.chosen is None:
             raise ConfigError([f"no fitting plan: {missing}"])
         c, hw = p.chosen.candidate, p.hardware
+        raise_problems(global_batch_problems(recipe_value(task, "data.global_batch_size"), nodes * per_node, c))
         if given:
             task.model.config.seq_length = seq
             data = recipe_value(task, "data")

@@ -97,7 +97,7 @@ def recipe_global_batch(tokens_per_step: int, seq_length: int, micro_batch: int,
     return max(unit, tokens_per_step // seq_length // unit * unit)
 
 
-FAULT_KINDS = ("raise", "kill", "hang", "abort", "SIGTERM", "SIGUSR1", "SIGINT")
+FAULT_KINDS = ("raise", "kill", "hang", "abort", "SIGTERM", "SIGUSR1", "SIGINT", "SIGTERM_TWICE")
 
 
 def parse_fault(spec: str) -> Tuple[str, int, int]:

@@ -591,7 +591,9 @@ def inject_fault(kind: str, step: int, rank: int) -> None:
     itself with SIGKILL, ``abort`` like a C++ fatal error (a marker on stderr, then SIGABRT), ``hang`` (the peers
     block in their next collective until the collective timeout or the launcher stops the run), or ``SIGTERM`` /
     ``SIGUSR1``: send that signal to its launcher (the local launcher, or torchrun's agent: ``launcher_pid``), as
-    a scheduler would, and train on (a preemption drill)."""
+    a scheduler would, and train on (a preemption drill); ``SIGTERM_TWICE``: SIGTERM to the launcher, and a second
+    one a second later, before this step can end (the launcher's stop-at-once path, without a race against the
+    ranks' save)."""
     import time
 
     print(f"run.fault: rank {rank} injects '{kind}' at step {step} (unix time {time.time():.2f})", flush=True)
@@ -602,6 +604,12 @@ def inject_fault(kind: str, step: int, rank: int) -> None:
     if kind == "abort":
         print(f"run.fault: rank {rank} aborts now (C++-style fatal error marker)", file=sys.stderr, flush=True)
         os.abort()
+    if kind == "SIGTERM_TWICE":
+        os.kill(launcher_pid(), signal.SIGTERM)
+        time.sleep(1.0)  # forwarded to every rank (each now saves at the end of this step) ...
+        os.kill(launcher_pid(), signal.SIGTERM)  # ... which the second signal prevents: the ranks are stopped
+        time.sleep(1.0)
+        return
     if kind.startswith("SIG"):  # a preemption drill: the signal comes to the launcher from outside, as from
         os.kill(launcher_pid(), signal.Signals[kind])  # scancel/kill; the launcher forwards it, and
         time.sleep(1.0)  # it reaches every rank before this step ends
