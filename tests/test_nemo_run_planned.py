@@ -312,25 +312,31 @@ def test_the_layout_the_planner_assumes_replaces_the_recipes_and_the_log_says_so
 
 
 def test_a_global_batch_the_chosen_layout_cannot_split_is_refused_before_the_recipe_changes(P):
-    """At 8K tokens the plan leaves data-parallel ranks (no CP needed): a global batch that is no multiple of them is
-    refused in setup, naming the key, the layout and the nearest values; the recipe keeps its layout. A multiple of
-    them is accepted."""
+    """Llama-3-8B at 8K tokens on 2 nodes x 8 H200: the plan leaves data-parallel ranks; a global batch that is no
+    multiple of them is refused in setup, naming the key, the layout and the nearest values, and the recipe keeps its
+    layout; a multiple of them is accepted."""
+    import nemo_run as run
+
     from nemo_longctx.options import ConfigError
 
-    p, missing, _ = P.plan_for_recipe(_recipe(), 8, 8, "h200", 8192)
+    p, missing, _ = P.plan_for_recipe(_recipe(), 16, 8, "h200", 8192)
     assert p.chosen is not None, missing
     c = p.chosen.candidate
-    dp = 8 // (c.tp * c.cp_size)
+    dp = 16 // (c.tp * c.cp_size)
     assert dp > 1, c.label()  # (else the case would not test the rule)
+
+    def executor():
+        return run.SlurmExecutor(account="", nodes=2, ntasks_per_node=8, gres="gpu:h200:8")
+
     recipe = _recipe()
     recipe.data.global_batch_size = 2 * dp + 1
     with pytest.raises(ConfigError) as e:
-        P.PlannedLongContextPlugin(gpu="h200", seq_length=8192).setup(recipe, _executor())
+        P.PlannedLongContextPlugin(gpu="h200", seq_length=8192).setup(recipe, executor())
     assert e.value.problems == [
         f"data.global_batch_size={2 * dp + 1} does not split over the {dp} data-parallel ranks of the chosen layout "
-        f"({c.label()} on 8 GPUs, one sequence per micro batch): use {2 * dp} or {3 * dp}"]
-    assert recipe.trainer.strategy.tensor_model_parallel_size == 1 and recipe.model.config.seq_length == 8192
+        f"({c.label()} on 16 GPUs, one sequence per micro batch): use {2 * dp} or {3 * dp}"]
+    assert recipe.trainer.num_nodes == 1 and recipe.model.config.seq_length == 8192  # unchanged
     ok = _recipe()
     ok.data.global_batch_size = 4 * dp
-    P.PlannedLongContextPlugin(gpu="h200", seq_length=8192).setup(ok, _executor())
-    assert ok.data.global_batch_size == 4 * dp
+    P.PlannedLongContextPlugin(gpu="h200", seq_length=8192).setup(ok, executor())
+    assert (ok.trainer.num_nodes, ok.data.global_batch_size) == (2, 4 * dp)
