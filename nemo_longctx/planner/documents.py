@@ -9,20 +9,20 @@ the long ones are split.
 
 The layout (``place_documents``), the same arithmetic on every rank (the result depends on the lengths only):
 
-- Every rank keeps the local length of the per-document zigzag layout, ``local_len = sum(pad(L_i, 2P)) / P``, so
-  the model's shapes do not change with the placement.
 - Split documents are laid out as before (per-document zigzag over the P ranks, padded to 2P): ``split_local``
   tokens on every rank, the first part of each rank's shard, in packed order.
-- The rest of a rank's shard (capacity ``C = local_len - split_local``) holds its kept documents in two halves of
-  ``half`` tokens each (half A, half B; each half's documents in packed order, the shorter half padded), then
-  padding. The two halves exist for Megatron's RoPE: it applies rotary positions to a packed shard per document with
-  the zigzag formula (``rope_layout``: the kept region is declared as one document of padded length 2P*half, whose
-  two halves get contiguous position ranges), so every kept document sees contiguous positions shifted by a constant
-  -- attention with rotary embeddings depends only on the distance between tokens, so it is unchanged. A kept
-  document therefore needs ``2 * max(A, B) <= C`` on its rank.
-- Kept documents are assigned largest cost first to the least-loaded rank (attention cost: quadratic in length,
-  ``AttentionCostModel``) among those with room, each to the smaller half; a document that fits nowhere is split
-  instead and the assignment starts over (splitting every document -- the default layout -- always fits).
+- The rest of a rank's shard holds its kept documents in two halves of ``half`` tokens each (half A, half B; each
+  half's documents in packed order, the shorter half padded), then padding up to the longest rank's, so every rank
+  has the same ``local_len = split_local + 2 * max(half)``. The two halves exist for Megatron's RoPE: it applies
+  rotary positions to a packed shard per document with the zigzag formula (``rope_layout``: the kept region is
+  declared as one document of padded length 2P*half, whose two halves get contiguous position ranges), so every kept
+  document sees contiguous positions shifted by a constant -- attention with rotary embeddings depends only on the
+  distance between tokens, so it is unchanged. On the last rank the two ranges are neighbours, so its kept documents
+  lie back to back with no halves (``contiguous``).
+- Kept documents are assigned longest first, each to the rank (and there to the shorter half) that minimizes the
+  predicted step time: the slowest rank's attention cost (quadratic in length, ``AttentionCostModel``) plus the
+  per-token cost of the local length (the rest of the model computes on every position, padding included); ties go
+  to the least-loaded rank. Splitting every document (``split_min_tokens`` None) is the per-document zigzag layout.
 
 ``balance`` = max / mean of the ranks' predicted attention costs (1.0 = perfect). ``choose_split_min_tokens``
 picks the threshold with the lowest predicted step time for a batch (``cp.split_min_tokens=auto``), and
@@ -40,13 +40,15 @@ class AttentionCostModel:
     """Relative time of one rank's attention (forward + backward), in units of one (query, key) pair.
 
     ``call``: one kernel call (a dense sub-block of one document), as many pairs' worth of time; ``send``: one K/V
-    token a split document moves to another rank (per ring step or all-to-all), in pairs' worth. The default (pairs
-    only) balances the quadratic work; ``bench/documents_cp.py`` measures the CPU's figures, the planner derives a
-    GPU's from the model's head dims."""
+    token a split document moves to another rank (per ring step or all-to-all), in pairs' worth; ``token``: one
+    position of a rank's shard in the rest of the model (projections, MLP: the price of padding), in pairs' worth.
+    The default (pairs only) balances the quadratic work; ``bench/documents_cp.py`` measures the CPU's figures,
+    ``cost_model_for`` derives a model's from its shape."""
 
     pair: float = 1.0
     call: float = 0.0
     send: float = 0.0
+    token: float = 0.0
 
 
 def pairs(n: int, causal: bool = True) -> int:
@@ -130,29 +132,38 @@ class DocumentPlacement:
             cup.append(cup[-1] + p)
         return cu, cup
 
-    def kept_layout(self, rank: int) -> Tuple[List[int], List[int]]:
-        """(cu_seqlens, cu_seqlens_padded) of rank ``rank``'s kept region (local positions ``split_local`` to
-        ``local_len``, attended locally): each kept document one entry, the padding of a half and the remainder
-        entries of 0 real tokens."""
-        real, padded = [], []
+    def _kept_segments(self, rank: int) -> List[Tuple[int, int]]:
+        """Rank ``rank``'s kept region as (document or -1 for padding, tokens), in local order: half A's documents,
+        padding to ``half``, half B's, padding to ``half`` -- on the last rank (whose two halves have contiguous
+        rotary positions) its documents back to back, then padding to 2 * ``half`` -- then the remaining padding."""
         s = self.half[rank]
-        for docs in self.halves[rank]:
+        out: List[Tuple[int, int]] = []
+        halves = self.halves[rank]
+        spans = [(halves[0] + halves[1], 2 * s)] if self.contiguous(rank) else [(halves[0], s), (halves[1], s)]
+        for docs, size in spans:
             used = 0
             for i in docs:
-                real.append(self.lengths[i])
-                padded.append(self.lengths[i])
+                out.append((i, self.lengths[i]))
                 used += self.lengths[i]
-            if s > used:
-                real.append(0)
-                padded.append(s - used)
+            if size > used:
+                out.append((-1, size - used))
         rest = self.local_len - self.split_local - 2 * s
         if rest > 0:
-            real.append(0)
-            padded.append(rest)
+            out.append((-1, rest))
+        return out
+
+    def contiguous(self, rank: int) -> bool:
+        """Whether rank ``rank``'s kept region has contiguous rotary positions across its two halves (the last rank
+        of the zigzag: chunks P-1 and P of the declared document are neighbours), so its documents need no halves."""
+        return self.cp_size > 1 and rank == self.cp_size - 1
+
+    def kept_layout(self, rank: int) -> Tuple[List[int], List[int]]:
+        """(cu_seqlens, cu_seqlens_padded) of rank ``rank``'s kept region (local positions ``split_local`` to
+        ``local_len``, attended locally): each kept document one entry, each padding an entry of 0 real tokens."""
         cu, cup = [0], [0]
-        for n, p in zip(real, padded):
-            cu.append(cu[-1] + n)
-            cup.append(cup[-1] + p)
+        for i, n in self._kept_segments(rank):
+            cu.append(cu[-1] + (n if i >= 0 else 0))
+            cup.append(cup[-1] + n)
         return cu, cup
 
     def rope_layout(self, rank: int) -> List[int]:
@@ -185,18 +196,9 @@ class DocumentPlacement:
                 for o in range(a * c, (a + 1) * c):
                     docs.append(i if o < n else -1)
                     offs.append(o)
-        s = self.half[rank]
-        for half_docs in self.halves[rank]:
-            used = 0
-            for i in half_docs:
-                docs += [i] * self.lengths[i]
-                offs += range(self.lengths[i])
-                used += self.lengths[i]
-            docs += [-1] * (s - used)
-            offs += [0] * (s - used)
-        rest = self.local_len - len(docs)
-        docs += [-1] * rest
-        offs += [0] * rest
+        for i, n in self._kept_segments(rank):
+            docs += [i] * n
+            offs += range(n) if i >= 0 else [0] * n
         return docs, offs
 
     def describe(self) -> str:
@@ -222,69 +224,75 @@ def _check_lengths(lengths: Sequence[int], cp_size: int) -> List[int]:
     return out
 
 
+def _need(a: int, b: int, contiguous: bool) -> int:
+    """Local positions a kept region of halves a, b takes (even): 2 x the longer half; back to back on the last
+    rank."""
+    return a + b + (a + b) % 2 if contiguous else 2 * max(a, b)
+
+
 def place_documents(lengths: Sequence[int], cp_size: int, split_min_tokens: Optional[int],
                     cost: AttentionCostModel = AttentionCostModel(), causal: bool = True) -> DocumentPlacement:
     """The placement of documents of real ``lengths`` (packed order) over ``cp_size`` ranks: documents of at least
-    ``split_min_tokens`` tokens (every document when None) are split, the others kept whole where they fit (module
-    docstring). Deterministic: every rank computes the same placement from the same lengths."""
+    ``split_min_tokens`` tokens (every document when None) are split, the others kept whole (module docstring).
+    Deterministic: every rank computes the same placement from the same lengths."""
     check_split_min_tokens(split_min_tokens)
     if split_min_tokens == "auto":
         raise ValueError("place_documents: resolve split_min_tokens='auto' first (choose_split_min_tokens)")
     lengths = _check_lengths(lengths, cp_size)
     P = cp_size
     padded = [zigzag_padded(n, P) for n in lengths]
-    local_len = sum(padded) // P
-    split = {i for i, n in enumerate(lengths)
-             if P == 1 or split_min_tokens is None or n >= split_min_tokens or n == 0}
-    while True:
-        split_local = sum(padded[i] for i in split) // P
-        cap = local_len - split_local
-        loads = [0.0] * P
-        for i in split:
-            for r in range(P):
-                work, calls = split_work(lengths[i], padded[i], P, r, causal)
-                loads[r] += cost.pair * work + cost.call * calls + cost.send * (P - 1) * padded[i] / P
-        kept = sorted((i for i in range(len(lengths)) if i not in split),
-                      key=lambda i: (-lengths[i], i))
-        A, B = [0] * P, [0] * P
-        members: List[Tuple[List[int], List[int]]] = [([], []) for _ in range(P)]
-        failed = None
-        for i in kept:
-            n = lengths[i]
-            for r in sorted(range(P), key=lambda r: (loads[r], r)):
-                to_a = A[r] <= B[r]
-                if 2 * max(A[r] + n if to_a else A[r], B[r] if to_a else B[r] + n) <= cap:
-                    if to_a:
-                        A[r] += n
-                        members[r][0].append(i)
-                    else:
-                        B[r] += n
-                        members[r][1].append(i)
-                    loads[r] += cost.pair * pairs(n, causal) + cost.call
-                    break
+    split = [i for i, n in enumerate(lengths) if P == 1 or split_min_tokens is None or n >= split_min_tokens or n == 0]
+    split_set = set(split)
+    split_local = sum(padded[i] for i in split) // P
+    loads = [0.0] * P
+    for i in split:
+        for r in range(P):
+            work, calls = split_work(lengths[i], padded[i], P, r, causal)
+            loads[r] += cost.pair * work + cost.call * calls + cost.send * (P - 1) * padded[i] / P
+    kept = sorted((i for i in range(len(lengths)) if i not in split_set), key=lambda i: (-lengths[i], i))
+    A, B = [0] * P, [0] * P
+    members: List[Tuple[List[int], List[int]]] = [([], []) for _ in range(P)]
+    for i in kept:
+        n = lengths[i]
+        add = cost.pair * pairs(n, causal) + cost.call
+        best = None
+        for r in range(P):
+            if r == P - 1:  # contiguous halves (DocumentPlacement.contiguous): documents back to back
+                need = A[r] + n + (A[r] + n) % 2
             else:
-                failed = i
-                break
-        if failed is None:
-            break
-        split.add(failed)  # fits nowhere: split it (always feasible: with every document split the layout is today's)
+                need = 2 * max(A[r] + n, B[r]) if A[r] <= B[r] else 2 * max(A[r], B[r] + n)
+            top_load = max(max(loads[x] for x in range(P) if x != r) if P > 1 else 0.0, loads[r] + add)
+            top_need = max(max(_need(A[x], B[x], x == P - 1) for x in range(P) if x != r) if P > 1 else 0, need)
+            key = (top_load + cost.token * top_need, loads[r], need, r)
+            if best is None or key < best[0]:
+                best = (key, r)
+        r = best[1]
+        if r == P - 1 or A[r] <= B[r]:
+            A[r] += n
+            members[r][0].append(i)
+        else:
+            B[r] += n
+            members[r][1].append(i)
+        loads[r] += add
     owner = [-1] * len(lengths)
     halves = []
     for r in range(P):
         a, b = sorted(members[r][0]), sorted(members[r][1])
-        if sum(lengths[i] for i in b) > sum(lengths[i] for i in a):
+        if r < P - 1 and sum(lengths[i] for i in b) > sum(lengths[i] for i in a):
             a, b = b, a  # half A is the longer one (the shorter half is padded)
         for i in a + b:
             owner[i] = r
         halves.append((tuple(a), tuple(b)))
-    half = tuple(max(A[r], B[r]) for r in range(P))
+    half = tuple(_need(A[r], B[r], r == P - 1 and P > 1) // 2 for r in range(P))
+    local_len = split_local + 2 * max(half)
     return DocumentPlacement(cp_size=P, lengths=tuple(lengths), owner=tuple(owner), halves=tuple(halves), half=half,
                              local_len=local_len, costs=tuple(loads), split_min_tokens=split_min_tokens)
 
 
-def predicted_time(placement: DocumentPlacement) -> float:
-    """The step's predicted attention time: the slowest rank's cost (ranks wait for each other)."""
-    return max(placement.costs)
+def predicted_time(placement: DocumentPlacement, cost: AttentionCostModel) -> float:
+    """The step's predicted time: the slowest rank's attention cost (ranks wait for each other) plus the per-token
+    cost of the local length (every rank computes the rest of the model on ``local_len`` positions)."""
+    return max(placement.costs) + cost.token * placement.local_len
 
 
 def threshold_candidates(lengths: Sequence[int], most: int = 16) -> List[Optional[int]]:
@@ -303,7 +311,7 @@ def choose_split_min_tokens(lengths: Sequence[int], cp_size: int, cost: Attentio
     best = None
     for t in threshold_candidates(lengths):
         p = place_documents(lengths, cp_size, t, cost, causal)
-        key = (predicted_time(p), -(t or 0))
+        key = (predicted_time(p, cost), -(t or 0))
         if best is None or key < best[0]:
             best = (key, p)
     return best[1]
@@ -349,10 +357,39 @@ def predict_gain(batches: Iterable[Sequence[int]], cp_size: int, split_min_token
     for lengths in batches:
         a = place_documents(lengths, cp_size, None, cost, causal)
         b = resolve_placement(lengths, cp_size, split_min_tokens, cost, causal)
-        za += predicted_time(a)
-        zb += predicted_time(b)
-        zc += sum(b.costs) / len(b.costs)
+        za += predicted_time(a, cost)
+        zb += predicted_time(b, cost)
+        zc += sum(b.costs) / len(b.costs) + cost.token * b.local_len
         bal_a.append(a.balance)
         bal_b.append(b.balance)
     n = max(1, len(bal_a))
     return GainPrediction(za, zb, zc, sum(bal_a) / n, sum(bal_b) / n)
+
+
+def layer_token_pairs(hidden: int, num_heads: int, kv_heads: int, head_dim: int, ffn_hidden: int,
+                      gated: bool = True) -> float:
+    """The rest of a transformer layer per token (QKV and output projections, the MLP; forward + backward), in
+    causal attention pairs' worth of FLOPs (one pair: QK and PV, 4 x heads x head_dim forward, x 3.5 with the
+    backward's recomputed scores): the price of one padding position (``AttentionCostModel.token``)."""
+    for name, v in (("hidden", hidden), ("num_heads", num_heads), ("kv_heads", kv_heads), ("head_dim", head_dim),
+                    ("ffn_hidden", ffn_hidden)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"layer_token_pairs: {name}={v!r} must be a positive int")
+    linear = hidden * (num_heads + 2 * kv_heads) * head_dim + num_heads * head_dim * hidden
+    linear += (3 if gated else 2) * hidden * ffn_hidden
+    return 6.0 * linear / (4.0 * num_heads * head_dim * 3.5)
+
+
+def cost_model_for(hidden: int, num_heads: int, kv_heads: int, head_dim: int, ffn_hidden: int, *,
+                   gated: bool = True, device_flops: float = 400e12, call_seconds: float = 10e-6,
+                   link_bytes_per_s: float = 100e9, dtype_bytes: int = 2) -> AttentionCostModel:
+    """A GPU's cost model from a model's shape (``cp.split_min_tokens=auto``): one pair at ``device_flops``
+    (achieved, not peak), one kernel call ``call_seconds`` (launch and the short block's inefficiency), one K/V token
+    per exchange at ``link_bytes_per_s`` (forward K and V, backward K, V and fp32 dK, dV: about 4 x the K/V bytes),
+    and the rest of the layer per token (``layer_token_pairs``). Rough by design: it ranks thresholds, it does not
+    promise times."""
+    token = layer_token_pairs(hidden, num_heads, kv_heads, head_dim, ffn_hidden, gated)
+    pair_seconds = 4.0 * num_heads * head_dim * 3.5 / device_flops
+    send_seconds = 4.0 * 2 * kv_heads * head_dim * dtype_bytes / link_bytes_per_s
+    return AttentionCostModel(pair=1.0, call=call_seconds / pair_seconds, send=send_seconds / pair_seconds,
+                              token=token)
