@@ -256,6 +256,9 @@ class Context:
     keys: Mapping[str, str] = field(default_factory=dict)
     # whether the run's data are packed documents (cu_seqlens: per-document attention); None: not known here
     packed_data: Optional[bool] = None
+    # whether the front end places packed documents per document (cp.split_min_tokens): the NeMo 2 app's data step
+    # does; Megatron-Bridge's own data step does not
+    document_placement: bool = True
     # the front end saves Megatron-FSDP's fsdp_dtensor checkpoints (nemo-longctx train: its optimizer-state hooks,
     # integrations/megatron/fsdp_checkpoint.py); the others refuse Megatron-FSDP with checkpointing
     fsdp_checkpoints: bool = False
@@ -377,7 +380,9 @@ class CPOptions:
         if self.size == 1:
             return f"none ({self.algorithm} attention on 1 rank: no context parallelism)"
         if self.document_aware:
-            return f"{self.algorithm} x {self.size}, documents shorter than {self.split_min_tokens} tokens kept whole"
+            kept = ("short documents kept whole (threshold per micro-batch: auto)" if self.split_min_tokens == "auto"
+                    else f"documents shorter than {self.split_min_tokens} tokens kept whole")
+            return f"{self.algorithm} x {self.size}, {kept}"
         return f"{self.algorithm} x {self.size}"
 
 
@@ -941,6 +946,10 @@ class LongContextOptions:
                          "nothing gathered for backward; drop " + " and ".join(r.split("=")[0] for r in redundant))
         if cp_ok and self.cp.document_aware:
             v = self.cp.split_min_tokens
+            if not ctx.document_placement:
+                p.append(f"cp.split_min_tokens={v!r}: document-aware placement is not available on this front end "
+                         "in this version (its own data step lays packed sequences out, every document split); use "
+                         "the NeMo 2 app (nemo-longctx train) for it, or set cp.split_min_tokens=off")
             if ctx.packed_data is False:
                 p.append(f"cp.split_min_tokens={v!r} places packed documents, but {ctx.key('packed_data')} are "
                          "dense sequences (no document boundaries): use packed documents or drop it")

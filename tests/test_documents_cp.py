@@ -356,3 +356,34 @@ def test_document_attention_bad_inputs():
         document_attention(torch.randn(2, 8, 2, 4), x, x, shard, None)
     with pytest.raises(ValueError, match="real <= padded"):
         document_attention(x, x, x, DocumentShard(0, [0], [0], [0, 5, 6], [0, 4, 8]), None)
+
+
+def test_option_values_and_problems():
+    from nemo_longctx.options import Context, LongContextOptions
+
+    def problems(d, ctx=None):
+        return LongContextOptions.from_dict(d).problems(ctx)
+
+    for ok in (2048, "auto", "off", False):  # (YAML reads a bare off as false)
+        assert problems({"cp": {"size": 2, "split_min_tokens": ok}}) == []
+    for bad in (0, -1, 2.5, True, "many", None):
+        (msg,) = problems({"cp": {"size": 2, "split_min_tokens": bad}})
+        assert msg.startswith("cp.split_min_tokens") and "'off'" in msg and "'auto'" in msg, msg
+    cases = {
+        "needs context parallelism": ({"cp": {"size": 1, "split_min_tokens": 64}}, None),
+        "dense sequences": ({"cp": {"size": 2, "split_min_tokens": 64}}, Context(packed_data=False)),
+        "recompute.sequence_chunks=2": ({"cp": {"size": 2, "split_min_tokens": 64},
+                                         "recompute": {"name": "full", "sequence_chunks": 2}}, None),
+        "recompute=full_keep_attn": ({"cp": {"size": 2, "split_min_tokens": "auto"},
+                                      "recompute": {"name": "full_keep_attn"}}, None),
+        "not available on this front end": ({"cp": {"size": 2, "split_min_tokens": 64}},
+                                            Context(document_placement=False)),
+    }
+    for what, (d, ctx) in cases.items():
+        (msg,) = problems(d, ctx)
+        assert what in msg and msg.startswith("cp.split_min_tokens="), (what, msg)
+    assert problems({"cp": {"size": 2, "split_min_tokens": 64}}, Context(packed_data=True)) == []
+    options = LongContextOptions.from_dict({"cp": {"size": 4, "split_min_tokens": 512}})
+    assert "cp.split_min_tokens=512" in options.to_overrides()
+    assert "kept whole" in options.describe()["cp"]
+    assert not any("split_min" in o for o in LongContextOptions.from_dict({"cp": {"size": 4}}).to_overrides())

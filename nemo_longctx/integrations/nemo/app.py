@@ -66,7 +66,7 @@ def context_of(cfg: DictConfig, world_size: Optional[int] = None) -> Context:
     return Context(seq_length=seq, tp=s.tensor_model_parallel_size, pp=s.pipeline_model_parallel_size,
                    world_size=world_size, sequence_parallel=s.sequence_parallel,
                    precision=str(cfg.trainer.precision), checkpointing=saves_checkpoints(cfg.get("checkpoint")),
-                   keys=NEMO_KEYS, fsdp_checkpoints=True)
+                   keys=NEMO_KEYS, fsdp_checkpoints=True, packed_data=packed_data(cfg))
 
 
 def parallel_sizes(cfg: DictConfig) -> Dict[str, int]:
@@ -633,6 +633,10 @@ def build(cfg: DictConfig, launch: Optional[Launch] = None, extra_callbacks: Opt
         problems += model_problems(model_config, options, world, p["tp"], p["pp"], Context(keys=NEMO_KEYS))
         problems += vocabulary_problems(cfg, model_config)
     raise_problems(problems)
+    from nemo_longctx.integrations.megatron.batch import cost_model_of, set_document_placement
+
+    # how this process's data step lays packed documents out over the CP ranks (cp.split_min_tokens)
+    set_document_placement(cp.split_min_tokens if cp.document_aware else "off", cost_model_of(model_config))
 
     backend = str(cfg.launcher.get("backend", "auto"))
     state = options.optim.state
