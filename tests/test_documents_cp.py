@@ -387,3 +387,37 @@ def test_option_values_and_problems():
     assert "cp.split_min_tokens=512" in options.to_overrides()
     assert "kept whole" in options.describe()["cp"]
     assert not any("split_min" in o for o in LongContextOptions.from_dict({"cp": {"size": 4}}).to_overrides())
+
+
+def test_planner_predicts_the_gain_and_adds_the_option(tmp_path):
+    """``nemo-longctx plan ... plan.document_lengths=FILE``: the chosen CP plan's predicted gain from keeping short
+    documents whole, and ``cp.split_min_tokens=auto`` in the command when it pays; a bad file is refused naming the
+    key."""
+    import io
+    import json
+
+    from hydra import compose, initialize_config_dir
+
+    from nemo_longctx.apps.plan import conf_dir, run
+
+    rng = random.Random(7)
+    lengths = [int(min(131072, 1024 / (1 - rng.random()) ** (1 / 1.3))) for _ in range(1200)]
+    (tmp_path / "lengths.json").write_text(json.dumps(lengths))
+    (tmp_path / "bad.txt").write_text("100\nabc\n")
+    outputs = {}
+    with initialize_config_dir(config_dir=conf_dir(), version_base=None):
+        for name in ("nemo", "bad"):
+            path = tmp_path / ("bad.txt" if name == "bad" else "lengths.json")
+            cfg = compose("plan", overrides=["model=llama3_8b", "plan.seq_length=131072", "plan.gpus=16",
+                                              "plan.json=true", f"plan.document_lengths={path}"])
+            buf = io.StringIO()
+            try:
+                outputs[name] = (run(cfg, out=buf), json.loads(buf.getvalue()))
+            except ValueError as e:
+                outputs[name] = (2, str(e))
+    rc, d = outputs["nemo"]
+    assert rc == 0 and d["documents"]["cp_size"] > 1 and d["documents"]["speedup"] > 1.01, d["documents"]
+    assert d["documents"]["perfect_speedup"] >= d["documents"]["speedup"]
+    assert d["overrides"][-1] == "cp.split_min_tokens=auto" and d["documents"]["add"]
+    rc, msg = outputs["bad"]
+    assert rc == 2 and "plan.document_lengths" in msg and "bad.txt:2: 'abc' is not a document length" in msg

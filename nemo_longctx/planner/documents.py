@@ -393,3 +393,53 @@ def cost_model_for(hidden: int, num_heads: int, kv_heads: int, head_dim: int, ff
     send_seconds = 4.0 * 2 * kv_heads * head_dim * dtype_bytes / link_bytes_per_s
     return AttentionCostModel(pair=1.0, call=call_seconds / pair_seconds, send=send_seconds / pair_seconds,
                               token=token)
+
+
+def pack_documents(lengths: Iterable[int], seq_length: int) -> List[List[int]]:
+    """Documents of ``lengths`` concatenated and cut into packed sequences of ``seq_length`` tokens, as Megatron's
+    GPT dataset cuts its token stream (a document crossing a boundary continues in the next sequence); each sequence
+    a list of its document pieces' lengths. The last, incomplete sequence is dropped."""
+    if isinstance(seq_length, bool) or not isinstance(seq_length, int) or seq_length < 1:
+        raise ValueError(f"pack_documents: seq_length={seq_length!r} must be a positive int")
+    out: List[List[int]] = []
+    cur: List[int] = []
+    room = seq_length
+    for i, n in enumerate(lengths):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"pack_documents: document {i} has length {n!r}: lengths must be ints >= 0")
+        while n > 0:
+            take = min(n, room)
+            cur.append(take)
+            n -= take
+            room -= take
+            if room == 0:
+                out.append(cur)
+                cur, room = [], seq_length
+    return out
+
+
+def read_document_lengths(path: str) -> List[int]:
+    """Document lengths from a file: a JSON list of ints, or one int per line (blank lines and ``#`` comments
+    skipped). ValueError naming the file and line on anything else."""
+    import json
+
+    with open(path) as f:
+        text = f.read()
+    if text.lstrip().startswith("["):
+        try:
+            values = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"{path}: not a JSON list of document lengths ({e})") from None
+        bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int) or v < 0]
+        if bad:
+            raise ValueError(f"{path}: document lengths must be ints >= 0, got {bad[:3]}")
+        return list(values)
+    out = []
+    for n, line in enumerate(text.splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        if not line.isdigit():
+            raise ValueError(f"{path}:{n}: {line!r} is not a document length (an int >= 0)")
+        out.append(int(line))
+    return out
