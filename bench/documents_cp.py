@@ -202,6 +202,10 @@ def run(world, args, alpha, cost):
     return res
 
 
+def fmt(x):
+    return "-" if x is None else f"{x:.2f}"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
@@ -244,17 +248,17 @@ def main(argv=None):
                 kept, total = sum(r["kept"] for r in rb), sum(r["docs"] for r in rb)
                 # the cost model's attention-only prediction (ring's per-document blocks): what this bench times
                 pa = sum(r["cost_max"] for r in ra)
-                pred = pa / sum(r["cost_max"] for r in rb) if algo == "ring" else float("nan")
-                bound = pa / sum(r["cost_mean"] for r in rb) if algo == "ring" else float("nan")
+                pred = pa / sum(r["cost_max"] for r in rb) if algo == "ring" else None
+                bound = pa / sum(r["cost_mean"] for r in rb) if algo == "ring" else None
                 la, lb = sum(r["zigzag_local"] for r in rb), sum(r["local"] for r in rb)
                 print(f"| {dist_name} | {world} | {algo} | (a) zigzag | {tokens / ta:,.0f} | 1.00 | 1.00 | "
                       f"{mean(ra, 'balance'):.3f} | {mean(ra, 'measured'):.3f} | 0 / {total} | 1.00 | "
                       f"{max(r['err'] for r in ra):.1e} |")
                 print(f"| {dist_name} | {world} | {algo} | (b) documents | {tokens / tb:,.0f} | {ta / tb:.2f} | "
-                      f"{pred:.2f} | {mean(rb, 'balance'):.3f} | {mean(rb, 'measured'):.3f} | {kept} / {total} | "
+                      f"{fmt(pred)} | {mean(rb, 'balance'):.3f} | {mean(rb, 'measured'):.3f} | {kept} / {total} | "
                       f"{lb / la:.2f} | {max(r['err'] for r in rb):.1e} |")
                 print(f"| {dist_name} | {world} | {algo} | (c) bound | {tokens / tc:,.0f} | {ta / tc:.2f} | "
-                      f"{bound:.2f} | 1.000 | - | - | - | - |")
+                      f"{fmt(bound)} | 1.000 | - | - | - | - |")
             print(f"  ({dist_name}, P={world}: one K/V token sent = {res['model'].send:.0f} pairs, one padding "
                   f"position {res['model'].token:.0f}; predicted whole-layer gain {gain.speedup:.2f} (bound "
                   f"{gain.perfect_speedup:.2f}); thresholds chosen: "
