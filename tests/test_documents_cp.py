@@ -421,3 +421,49 @@ def test_planner_predicts_the_gain_and_adds_the_option(tmp_path):
     assert d["overrides"][-1] == "cp.split_min_tokens=auto" and d["documents"]["add"]
     rc, msg = outputs["bad"]
     assert rc == 2 and "plan.document_lengths" in msg and "bad.txt:2: 'abc' is not a document length" in msg
+
+
+def test_data_parallel_schedule_balances_each_global_batch():
+    """``schedule_global_batch`` / ``data.CostBalancedBatches``: a permutation within each global batch (the same
+    samples make each optimizer step), every data-parallel rank's attention work within the stated bound (mean +
+    the costliest sample), more even than the sampler's own order on long-tail rows, deterministic."""
+    from nemo_longctx.planner.documents import pack_documents, schedule_global_batch, sequence_cost
+
+    rng = random.Random(3)
+    lengths = [int(min(4096, 64 / (1 - rng.random()) ** (1 / 1.1))) for _ in range(3000)]
+    seqs = pack_documents(lengths, 4096)
+    G, dp = 16, 4
+    worse = 0
+    for g in range(len(seqs) // G):
+        costs = [sequence_cost(s) for s in seqs[g * G:(g + 1) * G]]
+        order = schedule_global_batch(costs, dp)
+        assert sorted(order) == list(range(G)) and order == schedule_global_batch(costs, dp)
+        per_rank = [sum(costs[order[s]] for s in range(d, G, dp)) for d in range(dp)]
+        mean = sum(costs) / dp
+        assert max(per_rank) <= mean + max(costs)
+        before = [sum(costs[s] for s in range(d, G, dp)) for d in range(dp)]
+        worse += max(per_rank) > max(before)
+    assert worse == 0 and len(seqs) // G >= 4
+    with pytest.raises(ValueError, match="do not split over 3"):
+        schedule_global_batch([1.0] * 4, 3)
+
+    torch_data = pytest.importorskip("torch.utils.data")
+
+    class Rows(torch_data.Dataset):  # PerDocumentPacking's format: cu_seqlens (-1 filled) + its argmin
+        def __len__(self):
+            return len(seqs)
+
+        def __getitem__(self, i):
+            cu = [0]
+            for n in seqs[i]:
+                cu.append(cu[-1] + n)
+            return {"id": i, "cu_seqlens": torch.tensor(cu + [-1] * 3, dtype=torch.int32),
+                    "cu_seqlens_argmin": torch.tensor([len(cu)])}
+
+    from nemo_longctx.integrations.nemo.data import CostBalancedBatches
+
+    balanced = CostBalancedBatches(Rows(), G, dp)
+    ids = [balanced[i]["id"] for i in range(len(seqs))]
+    for g in range(len(seqs) // G):
+        assert sorted(ids[g * G:(g + 1) * G]) == list(range(g * G, (g + 1) * G))
+    assert ids != list(range(len(seqs)))

@@ -75,3 +75,21 @@ def test_document_aware_cp_trains_with_cp_none_losses(runs, documents_run):
         assert a == pytest.approx(b, rel=1e-5), (rows, none)
     assert all(1.0 <= r["balance"] < 2.0 for r in rows), rows
     assert "documents shorter than 100 tokens kept whole" in text
+
+
+@pytest.mark.slow  # two more app runs, one of 4 processes (~3 min of both cores)
+def test_document_aware_cp_with_data_parallel_schedule(tmp_path):
+    """DP=2 x ring CP=2 with ``cp.split_min_tokens=100``: each global batch's 4 rows are spread over the two
+    data-parallel ranks by attention cost (``data.CostBalancedBatches``) and each row's short documents stay whole on
+    a CP rank; the per-step losses equal one process running the same 4 rows per step at cp=none."""
+    rows = {}
+    for name, extra in (("none", ["cp=none", "trainer.devices=1"]),
+                        ("dp_cp", ["cp=ring", "cp.split_min_tokens=100", "trainer.devices=4"])):
+        code, text = run_app([sys.executable, "-m", "nemo_longctx.apps.train", f"output_dir={tmp_path / name}",
+                              *COMMON, "trainer.global_batch_size=4", *extra], timeout=600)
+        assert code == 0, text[-4000:]
+        rows[name] = metrics_rows(tmp_path / name)
+    assert len(rows["none"]) == len(rows["dp_cp"]) == 3
+    for a, b in zip(rows["dp_cp"], rows["none"]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), rows
+        assert 1.0 <= a["balance"] < 1.5, rows

@@ -443,3 +443,33 @@ def read_document_lengths(path: str) -> List[int]:
             raise ValueError(f"{path}:{n}: {line!r} is not a document length (an int >= 0)")
         out.append(int(line))
     return out
+
+
+def schedule_global_batch(costs: Sequence[float], dp_size: int) -> List[int]:
+    """The order of one global batch's sequences over the data-parallel ranks that evens out their attention cost:
+    ``order[s]`` is the sequence for slot ``s`` (micro-batch ``s // dp_size`` of DP rank ``s % dp_size``, Megatron's
+    sampler order at micro-batch size 1). Costliest first, each to the least-loaded rank with a free slot
+    (deterministic); every rank's total is then at most the mean plus the costliest sequence's cost. The sequences of
+    each rank keep their original relative order."""
+    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
+        raise ValueError(f"schedule_global_batch: dp size must be a positive int, got {dp_size!r}")
+    n = len(costs)
+    if n % dp_size:
+        raise ValueError(f"schedule_global_batch: {n} sequences do not split over {dp_size} data-parallel ranks")
+    per_rank = n // dp_size
+    load = [0.0] * dp_size
+    members: List[List[int]] = [[] for _ in range(dp_size)]
+    for i in sorted(range(n), key=lambda i: (-costs[i], i)):
+        d = min((d for d in range(dp_size) if len(members[d]) < per_rank), key=lambda d: (load[d], d))
+        members[d].append(i)
+        load[d] += costs[i]
+    order = [0] * n
+    for d in range(dp_size):
+        for j, i in enumerate(sorted(members[d])):
+            order[j * dp_size + d] = i
+    return order
+
+
+def sequence_cost(lengths: Sequence[int], causal: bool = True) -> int:
+    """A packed sequence's attention work: the (query, key) pairs of its documents."""
+    return sum(pairs(n, causal) for n in lengths)

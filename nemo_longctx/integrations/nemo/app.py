@@ -403,10 +403,12 @@ def packed_data(cfg: DictConfig) -> bool:
     return str(cfg.data.get("kind")) == "packed_sft" or str(cfg.data.get("packing", "none")) == "documents"
 
 
-def build_data(cfg: DictConfig, model_config: Any, gbs: int) -> Any:
+def build_data(cfg: DictConfig, model_config: Any, gbs: int, balance: bool = False) -> Any:
     """The data module of ``data.kind``: synthetic | indexed (Megatron indexed dataset; both take
     ``data.packing=documents``: per-document attention, documents from the reset position ids) | packed_sft (NeMo's
-    packed fine-tuning data: ``PackedSequenceSpecs`` with the packed ``.npy`` files)."""
+    packed fine-tuning data: ``PackedSequenceSpecs`` with the packed ``.npy`` files). ``balance`` (document-aware
+    CP): with ``data.packing=documents`` each global batch's samples are spread over the data-parallel ranks by
+    attention cost (``data.CostBalancedBatches``)."""
     from nemo_longctx.integrations.nemo.data import check_packing
 
     kind = cfg.data.kind
@@ -422,7 +424,7 @@ def build_data(cfg: DictConfig, model_config: Any, gbs: int) -> Any:
             global_batch_size=gbs, num_train_samples=int(cfg.data.num_train_samples),
             num_val_samples=int(cfg.data.get("num_val_samples", 64)), period=int(cfg.data.period),
             skew=float(cfg.data.skew), seed=int(cfg.data.seed), packing=packing,
-            doc_length=int(cfg.data.get("doc_length", 512)),
+            doc_length=int(cfg.data.get("doc_length", 512)), balance_data_parallel=balance,
         )
     if kind in ("indexed", "documents"):
         from nemo.collections.common.tokenizers.huggingface.auto_tokenizer import AutoTokenizer
@@ -437,8 +439,8 @@ def build_data(cfg: DictConfig, model_config: Any, gbs: int) -> Any:
         documents = packing == "documents"
         tokenizer = AutoTokenizer(str(tokenizer_dir(cfg)))  # data.tokenizer, else init_from's
         return pretraining_data_module(
-            documents, paths=paths, seq_length=model_config.seq_length, tokenizer=tokenizer,
-            micro_batch_size=mbs, global_batch_size=gbs, split=str(cfg.data.split),
+            documents, balance_data_parallel=balance, paths=paths, seq_length=model_config.seq_length,
+            tokenizer=tokenizer, micro_batch_size=mbs, global_batch_size=gbs, split=str(cfg.data.split),
             num_workers=int(cfg.data.num_workers), seed=int(cfg.data.seed), reset_attention_mask=documents,
             reset_position_ids=documents, create_attention_mask=False,
         )
@@ -664,7 +666,7 @@ def build(cfg: DictConfig, launch: Optional[Launch] = None, extra_callbacks: Opt
 
         model_cls, _, tokenizer = pretrained_model(checkpoint_path(cfg))
     model = model_cls(model_config, optim=build_optimizer(cfg, options, precision), tokenizer=tokenizer)
-    data = build_data(cfg, model_config, gbs)
+    data = build_data(cfg, model_config, gbs, balance=cp.document_aware)
     log, resume, ckpt = build_checkpointing(cfg, tensorboard=options.metrics.tensorboard)
 
     accelerator = cfg.trainer.accelerator
