@@ -252,17 +252,25 @@ def place_documents(lengths: Sequence[int], cp_size: int, split_min_tokens: Opti
     kept = sorted((i for i in range(len(lengths)) if i not in split_set), key=lambda i: (-lengths[i], i))
     A, B = [0] * P, [0] * P
     members: List[Tuple[List[int], List[int]]] = [([], []) for _ in range(P)]
+    def top_two(values: List[float]) -> Tuple[float, float, int]:
+        """(largest, second largest, index of the largest) of ``values`` (P >= 2)."""
+        k = max(range(len(values)), key=lambda x: (values[x], -x))
+        return values[k], max(v for x, v in enumerate(values) if x != k), k
+
     for i in kept:
         n = lengths[i]
         add = cost.pair * pairs(n, causal) + cost.call
+        load1, load2, load_k = top_two(loads)
+        needs = [_need(A[x], B[x], x == P - 1) for x in range(P)]
+        need1, need2, need_k = top_two(needs)
         best = None
         for r in range(P):
             if r == P - 1:  # contiguous halves (DocumentPlacement.contiguous): documents back to back
                 need = A[r] + n + (A[r] + n) % 2
             else:
                 need = 2 * max(A[r] + n, B[r]) if A[r] <= B[r] else 2 * max(A[r], B[r] + n)
-            top_load = max(max(loads[x] for x in range(P) if x != r) if P > 1 else 0.0, loads[r] + add)
-            top_need = max(max(_need(A[x], B[x], x == P - 1) for x in range(P) if x != r) if P > 1 else 0, need)
+            top_load = max(load2 if r == load_k else load1, loads[r] + add)
+            top_need = max(need2 if r == need_k else need1, need)
             key = (top_load + cost.token * top_need, loads[r], need, r)
             if best is None or key < best[0]:
                 best = (key, r)
