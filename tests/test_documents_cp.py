@@ -424,9 +424,9 @@ def test_planner_predicts_the_gain_and_adds_the_option(tmp_path):
 
 
 def test_data_parallel_schedule_balances_each_global_batch():
-    """``schedule_global_batch`` / ``data.CostBalancedBatches``: a permutation within each global batch (the same
-    samples make each optimizer step), every data-parallel rank's attention work within the stated bound (mean +
-    the costliest sample), more even than the sampler's own order on long-tail rows, deterministic."""
+    """``schedule_global_batch`` / ``data_balance.CostBalancedBatches``: a permutation within each global batch (the
+    same samples make each optimizer step), every data-parallel rank's attention work within the stated bound (mean
+    + the costliest sample), more even than the sampler's own order on long-tail rows, deterministic."""
     from nemo_longctx.planner.documents import pack_documents, schedule_global_batch, sequence_cost
 
     rng = random.Random(3)
@@ -460,7 +460,7 @@ def test_data_parallel_schedule_balances_each_global_batch():
             return {"id": i, "cu_seqlens": torch.tensor(cu + [-1] * 3, dtype=torch.int32),
                     "cu_seqlens_argmin": torch.tensor([len(cu)])}
 
-    from nemo_longctx.integrations.nemo.data import CostBalancedBatches
+    from nemo_longctx.integrations.megatron.data_balance import CostBalancedBatches
 
     balanced = CostBalancedBatches(Rows(), G, dp)
     ids = [balanced[i]["id"] for i in range(len(seqs))]

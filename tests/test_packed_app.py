@@ -80,8 +80,8 @@ def test_document_aware_cp_trains_with_cp_none_losses(runs, documents_run):
 @pytest.mark.slow  # two more app runs, one of 4 processes (~3 min of both cores)
 def test_document_aware_cp_with_data_parallel_schedule(tmp_path):
     """DP=2 x ring CP=2 with ``cp.split_min_tokens=100``: each global batch's 4 rows are spread over the two
-    data-parallel ranks by attention cost (``data.CostBalancedBatches``) and each row's short documents stay whole on
-    a CP rank; the per-step losses equal one process running the same 4 rows per step at cp=none."""
+    data-parallel ranks by attention cost (``data_balance.CostBalancedBatches``) and each row's short documents stay
+    whole on a CP rank; the per-step losses equal one process running the same 4 rows per step at cp=none."""
     rows = {}
     for name, extra in (("none", ["cp=none", "trainer.devices=1"]),
                         ("dp_cp", ["cp=ring", "cp.split_min_tokens=100", "trainer.devices=4"])):

@@ -408,7 +408,7 @@ def build_data(cfg: DictConfig, model_config: Any, gbs: int, balance: bool = Fal
     ``data.packing=documents``: per-document attention, documents from the reset position ids) | packed_sft (NeMo's
     packed fine-tuning data: ``PackedSequenceSpecs`` with the packed ``.npy`` files). ``balance`` (document-aware
     CP): with ``data.packing=documents`` each global batch's samples are spread over the data-parallel ranks by
-    attention cost (``data.CostBalancedBatches``)."""
+    attention cost (``data_balance.CostBalancedBatches``)."""
     from nemo_longctx.integrations.nemo.data import check_packing
 
     kind = cfg.data.kind
