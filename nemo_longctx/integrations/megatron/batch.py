@@ -13,8 +13,8 @@ per document (each padded to a multiple of 2*cp) and sharded per document like M
 rank and only the long ones are split (``planner.documents``); the model then gets ``DocumentPackedSeqParams``.
 
 Per step (``STEP_COSTS``): each CP rank's predicted attention cost summed over the step's micro-batches (the front
-ends reset it at step start and report ``balance``, ``step_balance``) and whether any micro-batch split a document
-over the CP group (the run guards expect CP traffic only then).
+ends reset it at step start and report ``balance`` from it) and whether any micro-batch split a document over the CP
+group (the run guards expect CP traffic only then).
 """
 
 from __future__ import annotations
@@ -55,14 +55,6 @@ def _note_costs(costs: Sequence[float], split: bool) -> None:
     old = STEP_COSTS["costs"]
     STEP_COSTS["costs"] = list(costs) if old is None else [a + b for a, b in zip(old, costs)]
     STEP_COSTS["split"] = bool(STEP_COSTS["split"] or split)
-
-
-def step_balance(costs: Optional[Sequence[float]]) -> Optional[float]:
-    """max / mean of per-rank costs (None when nothing was recorded or every cost is 0)."""
-    if not costs:
-        return None
-    mean = sum(costs) / len(costs)
-    return max(costs) / mean if mean > 0 else None
 
 
 @dataclass(frozen=True)
