@@ -246,6 +246,21 @@ class RunGuards(pl.Callback):
                                    step))
 
 
+class DocumentPlacementPolicy(pl.Callback):
+    """Document-aware CP (``cp.split_min_tokens``) for runs whose data step is ours but whose build is not the app's
+    (NeMo-Run recipes): at setup, on every rank, the data step's placement policy with the cost model of the model's
+    config (``batch.set_document_placement``)."""
+
+    def __init__(self, split_min_tokens: Any) -> None:
+        self.split_min_tokens = split_min_tokens
+
+    def setup(self, trainer: pl.Trainer, pl_module: Any, stage: str) -> None:
+        from nemo_longctx.integrations.megatron.batch import cost_model_of, set_document_placement
+
+        config = getattr(pl_module, "config", None)
+        set_document_placement(self.split_min_tokens, cost_model_of(config) if config is not None else None)
+
+
 class VerifyLongContextAttention(pl.Callback):
     """At fit start, fail if any built attention layer does not run nemo_longctx attention with the configured CP
     size and algorithm (``validation.built_attention_problems``): CP must never be disabled silently."""
