@@ -173,7 +173,8 @@ def step_balance_over_ranks() -> Optional[float]:
     costs = STEP_COSTS["costs"]
     local = torch.tensor([max(costs) if costs else 0.0, sum(costs) if costs else 0.0, len(costs) if costs else 0.0],
                          dtype=torch.float64)
-    if torch.distributed.is_initialized() and ps.get_data_parallel_world_size() > 1:
+    if (torch.distributed.is_initialized() and ps.model_parallel_is_initialized()
+            and ps.get_data_parallel_world_size() > 1):
         group = ps.get_data_parallel_group()
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else local.device
         local = local.to(device)
