@@ -1,7 +1,7 @@
 """Document-aware CP (``cp.split_min_tokens``): short documents stay whole on one CP rank, long ones are split.
 
 The placement alone (plain Python, ``planner.documents``): every real token placed exactly once, every rank's shard
-the zigzag layout's length, kept documents shorter than the threshold, determinism, the all-split placement equal to
+of one length, kept documents shorter than the threshold, determinism, the all-split placement equal to
 the per-document zigzag layout, Megatron's THD RoPE slicing giving every kept document contiguous positions, bad
 inputs. The attention (``attention.documents``) on 2 and 4 gloo ranks against an fp64 per-document reference of the
 whole packed sequence (``cp=none``), forward and backward, with documents kept and split in one batch: ring, Ulysses,
