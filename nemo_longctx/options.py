@@ -117,7 +117,7 @@ class Option:
                 what = "module(s)" if self.name == "modules" else "value(s)"
                 return f"{self.key}: unknown {what} {bad} (choose from {list(self.choices)})"
         if self.kind == "tiles" and _is_int(value):
-            what = "chunks" if self.name.endswith("chunks") else "tiles"
+            what = "chunks" if self.name.endswith("chunks") else "tokens" if self.name.endswith("tokens") else "tiles"
             return f"{self.key} must be a positive number of {what} (or 'off'/'auto'), got {value}"
         return f"{self.key}={_show(value)} must be {self.expectation()}"
 
@@ -254,6 +254,11 @@ class Context:
     cuda: Optional[bool] = None
     te: Optional[bool] = None
     keys: Mapping[str, str] = field(default_factory=dict)
+    # whether the run's data are packed documents (cu_seqlens: per-document attention); None: not known here
+    packed_data: Optional[bool] = None
+    # whether the front end places packed documents per document (cp.split_min_tokens): the NeMo 2 app's data step
+    # does; Megatron-Bridge's own data step does not
+    document_placement: bool = True
     # the front end saves Megatron-FSDP's fsdp_dtensor checkpoints (nemo-longctx train: its optimizer-state hooks,
     # integrations/megatron/fsdp_checkpoint.py); the others refuse Megatron-FSDP with checkpointing
     fsdp_checkpoints: bool = False
@@ -265,7 +270,7 @@ class Context:
 _NEUTRAL_KEYS = {"seq_length": "seq_length", "tp": "tensor_model_parallel_size",
                  "pp": "pipeline_model_parallel_size", "sequence_parallel": "sequence_parallel",
                  "precision": "precision", "checkpointing": "checkpoint interval",
-                 "world_size": "world size", "num_layers": "num_layers"}
+                 "world_size": "world size", "num_layers": "num_layers", "packed_data": "the data"}
 
 
 # ---------------------------------------------------------------------------------------------------- cp
@@ -286,6 +291,7 @@ class CPOptions:
     ulysses_size: Any = None
     head_chunks: Any = 1
     kwargs: Any = field(default_factory=dict)
+    split_min_tokens: Any = "off"
     given: Tuple[str, ...] = field(default=(), compare=False, repr=False)
 
     OPTIONS: ClassVar[Tuple[Option, ...]] = (
@@ -299,6 +305,9 @@ class CPOptions:
                "(less memory per exchange)", low=1, requires=("cp=ulysses",)),
         Option("cp.kwargs", "mapping", {}, "extra options of the attention function: kernel (ring, ulysses, "
                "hybrid), regather_in_backward (ulysses, hybrid)"),
+        Option("cp.split_min_tokens", "tiles", "off", "packed documents: those shorter than this stay whole on one CP "
+               "rank (no communication), longer ones are split over the CP group | auto: the cost model picks it per "
+               "micro-batch | off: every document split"),
     )
 
     @classmethod
@@ -307,6 +316,8 @@ class CPOptions:
         kw = {o.name: _plain(d[o.name]) for o in cls.OPTIONS if o.name in d}
         if isinstance(kw.get("kwargs"), Mapping):
             kw["kwargs"] = dict(kw["kwargs"])
+        if "split_min_tokens" in kw:
+            kw["split_min_tokens"] = normalize_tiles(kw["split_min_tokens"])
         return cls(**kw, given=tuple(d))
 
     def problems(self) -> List[str]:
@@ -329,6 +340,10 @@ class CPOptions:
                      "(cp=hybrid: Ulysses over cp.ulysses_size consecutive CP ranks, ring over cp.size / "
                      "cp.ulysses_size of those groups)")
         p += option_problems(self.OPTIONS[4:], values)
+        if self.split_min_tokens != "off" and _is_int(self.size) and self.size == 1 and self.OPTIONS[5].problem(
+                self.split_min_tokens) is None:
+            p.append(f"cp.split_min_tokens={self.split_min_tokens!r} needs context parallelism (cp.size > 1): with "
+                     "one CP rank every document is already whole; drop it or set cp.size")
         if isinstance(self.kwargs, Mapping):
             for k in ("ulysses_size", "head_chunks"):
                 if k in self.kwargs:
@@ -346,6 +361,11 @@ class CPOptions:
         return p
 
     @property
+    def document_aware(self) -> bool:
+        """Whether packed documents are placed per document (``cp.split_min_tokens`` other than off) under CP."""
+        return self.split_min_tokens != "off" and _is_int(self.size) and self.size > 1
+
+    @property
     def attention_kwargs(self) -> Dict[str, Any]:
         """What the algorithm's attention function receives (``cp_algorithm_kwargs`` of the layer spec)."""
         out: Dict[str, Any] = {}
@@ -359,6 +379,10 @@ class CPOptions:
     def describe(self) -> str:
         if self.size == 1:
             return f"none ({self.algorithm} attention on 1 rank: no context parallelism)"
+        if self.document_aware:
+            kept = ("short documents kept whole (threshold per micro-batch: auto)" if self.split_min_tokens == "auto"
+                    else f"documents shorter than {self.split_min_tokens} tokens kept whole")
+            return f"{self.algorithm} x {self.size}, {kept}"
         return f"{self.algorithm} x {self.size}"
 
 
@@ -920,6 +944,21 @@ class LongContextOptions:
                 p.append(f"recompute.sequence_chunks={self.memory.sequence_chunks} with {' and '.join(redundant)}: "
                          "a sequence-chunked layer's all-to-alls already move one sequence chunk at a time and keep "
                          "nothing gathered for backward; drop " + " and ".join(r.split("=")[0] for r in redundant))
+        if cp_ok and self.cp.document_aware:
+            v = self.cp.split_min_tokens
+            if not ctx.document_placement:
+                p.append(f"cp.split_min_tokens={v!r}: document-aware placement is not available on this front end "
+                         "in this version (its own data step lays packed sequences out, every document split); use "
+                         "the NeMo 2 app (nemo-longctx train) for it, or set cp.split_min_tokens=off")
+            if ctx.packed_data is False:
+                p.append(f"cp.split_min_tokens={v!r} places packed documents, but {ctx.key('packed_data')} are "
+                         "dense sequences (no document boundaries): use packed documents or drop it")
+            if self.memory.sequence_chunks != "off":
+                p.append(f"cp.split_min_tokens={v!r} with recompute.sequence_chunks={self.memory.sequence_chunks}: "
+                         "sequence-chunked layers run the per-document zigzag layout only; drop one of them")
+            if self.memory.recompute == "full_keep_attn":
+                p.append(f"cp.split_min_tokens={v!r} with recompute=full_keep_attn: that recompute takes no packed "
+                         "documents; use recompute=full or selective")
         if self.tiling.loss_chunks != "off" and self.optim.state.megatron_fsdp:
             # found by nemo-longctx fuzz: the chunked loss builds the output layer's and embedding's gradients
             # during forward, and Megatron-FSDP's gradient pipeline asserts at the first step
@@ -949,6 +988,8 @@ class LongContextOptions:
             out.append(f"cp.ulysses_size={c.ulysses_size}")
         if c.size > 1 and c.algorithm in ("ulysses", "hybrid") and c.head_chunks != 1:
             out.append(f"cp.head_chunks={c.head_chunks}")
+        if c.document_aware:
+            out.append(f"cp.split_min_tokens={c.split_min_tokens}")
         out.append(f"recompute={m.recompute}")
         if m.recompute == "selective":
             out.append(f"recompute.modules=[{','.join(m.recompute_modules)}]")

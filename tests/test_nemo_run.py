@@ -232,3 +232,18 @@ def fdl_equal(a, b) -> bool:
     import fiddle as fdl
 
     return fdl.get_callable(a) is fdl.get_callable(b) and fdl.ordered_arguments(a) == fdl.ordered_arguments(b)
+
+
+def test_recipe_with_document_aware_cp_sets_the_placement_on_every_rank(R):
+    """``cp_split_min_tokens`` on a recipe: the rewritten recipe carries the callback that sets each rank's document
+    placement at setup (the recipe's build is NeMo's, not the app's), with the argument's value ("256" from the CLI
+    as 256)."""
+    import fiddle as fdl
+
+    from nemo_longctx.integrations.nemo.callbacks import DocumentPlacementPolicy
+
+    recipe = R.long_context_recipe(_llama3_8b(), cp_size=8, cp_split_min_tokens="256")
+    placed = [c for c in recipe.trainer.callbacks if fdl.get_callable(c) is DocumentPlacementPolicy]
+    assert len(placed) == 1 and placed[0].split_min_tokens == 256
+    plain = R.long_context_recipe(_llama3_8b(), cp_size=8)
+    assert not [c for c in plain.trainer.callbacks if fdl.get_callable(c) is DocumentPlacementPolicy]

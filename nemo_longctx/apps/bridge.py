@@ -536,7 +536,7 @@ def main(argv: Optional[List[str]] = None) -> None:
 
     maybe_print_help("bridge", args, app_options=_app_options())  # -h/--help: our groups and keys, exit 0
     from nemo_longctx.integrations.bridge.hf import init_from_problems
-    from nemo_longctx.options import ConfigError, raise_problems
+    from nemo_longctx.options import ConfigError, Context, raise_problems
     from nemo_longctx.shared.launch import detect_external_launch, launch_local
 
     try:
@@ -544,7 +544,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         ours, bridge = split_args(args)
         cfg = compose(ours)
         options = options_of(cfg)
-        raise_problems(options.problems() + app_problems(ours, options, cfg) + init_from_problems(cfg.get("init_from")))
+        raise_problems(options.problems(Context(document_placement=False)) + app_problems(ours, options, cfg)
+                       + init_from_problems(cfg.get("init_from")))
     except ConfigError as e:
         print(f"nemo-longctx bridge: {e}", file=sys.stderr)
         sys.exit(2)

@@ -839,8 +839,56 @@ def output_path_problems(plan_node: Dict[str, Any]) -> List[str]:
     return out
 
 
+def document_prediction(cfg: Any, p: Plan, ev: Evaluation, frontend: str, c: CostModel) -> Optional[Dict[str, Any]]:
+    """``plan.document_lengths``: the chosen row's predicted gain from keeping short documents whole on one CP rank
+    (``planner.documents.predict_gain`` over the lengths packed into sequences of the plan's length, the cost model of
+    the model's shape on this hardware); None without the key. ``add``: the command gets
+    ``cp.split_min_tokens=auto`` (CP > 1, the NeMo 2 app, a predicted gain of at least 1 %)."""
+    path = _get(cfg.plan, "document_lengths", None)
+    if not path:
+        return None
+    from nemo_longctx.planner.documents import cost_model_for, pack_documents, predict_gain, read_document_lengths
+
+    lengths = read_document_lengths(os.path.expanduser(str(path)))
+    seqs = pack_documents(lengths, p.seq_length)
+    cp = ev.candidate.cp_size
+    out: Dict[str, Any] = {"documents": len(lengths), "sequences": len(seqs), "cp_size": cp, "add": False}
+    if not seqs:
+        out["line"] = (f"plan.document_lengths: {len(lengths)} documents fill no sequence of {p.seq_length} tokens: "
+                       "no prediction")
+        return out
+    if cp == 1:
+        out["line"] = "plan.document_lengths: the chosen plan has no context parallelism: every document stays whole"
+        return out
+    s = p.shape
+    link = c.nvlink_gbps if cp <= p.hardware.gpus_per_node else c.network_gbps
+    model = cost_model_for(s.hidden_size, s.num_attention_heads, s.num_query_groups, s.head_dim, s.ffn_hidden_size,
+                           gated=s.gated_mlp, device_flops=c.gpu_tflops * 1e12 * c.mfu,
+                           link_bytes_per_s=link * 1e9)
+    gain = predict_gain(seqs, cp, "auto", model)
+    out.update(speedup=gain.speedup, perfect_speedup=gain.perfect_speedup, zigzag_balance=gain.zigzag_balance,
+               documents_balance=gain.documents_balance)
+    out["add"] = frontend == "nemo" and gain.speedup >= 1.01
+    verdict = ("added cp.split_min_tokens=auto (for packed documents: data.packing=documents or data=packed_sft)"
+               if out["add"] else
+               "not worth it: every document split" if gain.speedup < 1.01 else
+               "the Bridge front end splits every document")
+    out["line"] = (f"packed documents ({len(lengths)} documents in {len(seqs)} sequences of {p.seq_length}): keeping "
+                   f"short ones whole on one of the {cp} CP ranks predicts {gain.speedup:.2f}x the layer time's "
+                   f"speed (perfect balance {gain.perfect_speedup:.2f}x; balance {gain.zigzag_balance:.3f} -> "
+                   f"{gain.documents_balance:.3f}): {verdict}")
+    return out
+
+
 def run(cfg: Any, out=sys.stdout) -> int:
     raise_problems(key_problems(cfg))  # ConfigError: every bad plan.* value at once (main: exit 2)
+    if _get(cfg.plan, "document_lengths", None):  # a bad file is refused before planning
+        from nemo_longctx.planner.documents import read_document_lengths
+
+        try:
+            read_document_lengths(os.path.expanduser(str(cfg.plan.document_lengths)))
+        except (OSError, ValueError) as e:
+            raise ConfigError([f"plan.document_lengths: {e}"]) from None
     shape, seq, hw, precision, coef, cost, search = inputs_from_config(cfg)
     name = model_name(cfg)
     target, frontend = str(_get(cfg.plan, "target", "gpu")), str(_get(cfg.plan, "frontend", "nemo"))
@@ -855,6 +903,12 @@ def run(cfg: Any, out=sys.stdout) -> int:
     # plan.checkpoints=false may choose a row that cannot save: its command turns saving off
     saves = not (chosen and saving_problems(chosen, train_precision(p.precision), target, frontend))
     command = frontend_overrides(cfg, p, chosen, name, saves) if chosen else None  # (train or bridge, arguments)
+    try:
+        documents = document_prediction(cfg, p, chosen, frontend, cost) if chosen else None
+    except (OSError, ValueError) as e:
+        raise ConfigError([f"plan.document_lengths: {e}"]) from None
+    if documents is not None and documents["add"]:
+        command = (command[0], command[1] + ["cp.split_min_tokens=auto"])
     items = caveats(chosen, train_precision(p.precision), target, frontend) if chosen else None
     estimate = checkpoint_estimate(shape, precision, write_gb_s)
     if as_json:
@@ -867,6 +921,7 @@ def run(cfg: Any, out=sys.stdout) -> int:
         d["checkpoint"] = estimate
         d["checkpoints"] = checkpointing_of(cfg)
         d["not_searched"] = left_out
+        d["documents"] = documents
         d["candidates"] = d["candidates"][: int(_get(cfg.plan, "json_candidates", 50))]
         print(json.dumps(d, indent=1), file=out)
     else:
@@ -885,6 +940,8 @@ def run(cfg: Any, out=sys.stdout) -> int:
             if chosen:
                 print(format_caveats(items), file=out, flush=True)
             print(ckpt_line, file=out, flush=True)
+        if documents is not None:
+            print("\n".join(wrap(documents["line"], indent="  ")), file=out, flush=True)
     if chosen is None:
         if as_json:
             print(f"\nno fitting plan: {missing}", file=sys.stderr)

@@ -18,7 +18,7 @@ NEMO_KEYS = {"seq_length": "model.seq_length", "tp": "trainer.strategy.tensor_mo
              "pp": "trainer.strategy.pipeline_model_parallel_size", "sequence_parallel":
              "trainer.strategy.sequence_parallel", "precision": "trainer.precision",
              "checkpointing": "checkpoint.every_n_steps", "world_size": "trainer.devices x trainer.num_nodes",
-             "num_layers": "model.num_layers"}
+             "num_layers": "model.num_layers", "packed_data": "the data (data.packing / data.kind)"}
 PRECISIONS = ("32", 32, "bf16-mixed", "16-mixed")
 # the app's own keys (trainer, checkpoint, launcher, run): typed and checked like the option model's
 APP_OPTIONS = (

@@ -94,6 +94,9 @@ PLAN_OPTIONS: Tuple[Option, ...] = (
            low=0),
     Option("plan.frontend", "choice", "nemo", "print `nemo-longctx train` (nemo) or `nemo-longctx bridge` (bridge) "
            "arguments", choices=("nemo", "bridge")),
+    Option("plan.document_lengths", "str", None, "path: the document lengths of packed training data (a JSON list, or "
+           "one int per line): the plan predicts what keeping short documents whole on one CP rank gains and adds "
+           "cp.split_min_tokens=auto to the command when it pays", nullable=True),
     Option("plan.json", "bool", False, "print machine-readable JSON instead of the report"),
     Option("plan.json_candidates", "int", 50, "candidates in the JSON output", low=0),
     Option("plan.write_command", "str", None, "path: write the chosen plan's command on one line (for scripts)",

@@ -67,7 +67,7 @@ def context_of(cfg: Any) -> Context:
     interval = getattr(cfg.checkpoint, "save_interval", None)
     return Context(seq_length=m.seq_length, tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
                    sequence_parallel=bool(m.sequence_parallel), precision=precision_of(cfg),
-                   checkpointing=bool(save) and bool(interval), keys=BRIDGE_KEYS)
+                   checkpointing=bool(save) and bool(interval), keys=BRIDGE_KEYS, document_placement=False)
 
 
 def as_options(options: Union[LongContextOptions, Mapping[str, Any], None]) -> LongContextOptions:

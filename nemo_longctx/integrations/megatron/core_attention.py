@@ -14,10 +14,12 @@ the attention layer's ``[b, s, h, d]`` is a transpose view (no copy when b == 1)
 Packed documents (THD): Megatron's ``PackedSeqParams`` (qkv_format 'thd'; ``cu_seqlens_q`` = cumulative real
 document lengths, ``cu_seqlens_q_padded`` = the layout, every document padded to a multiple of 2*cp and
 zigzag-sharded per document, as ``batch.shard_packed_batch_for_cp`` lays it out and Megatron's RoPE slices it) go to
-the algorithm's THD path: attention only within each document, padding never a key. Sliding windows: the layer's
-window comes from ``config.window_size`` / ``window_attn_skip_freq`` exactly as Megatron's DotProductAttention
-decides it (``is_layer_window_attention``) and is passed as ``window_size=(left, right)``; with THD the window
-applies within each document.
+the algorithm's THD path: attention only within each document, padding never a key. Document-aware placement
+(``cp.split_min_tokens``: ``batch.DocumentPackedSeqParams`` carrying this rank's ``documents``) runs the split
+documents through the algorithm and the documents kept on this rank locally (``attention.documents``).
+Sliding windows: the layer's window comes from ``config.window_size`` / ``window_attn_skip_freq`` exactly as Megatron's
+DotProductAttention decides it (``is_layer_window_attention``) and is passed as ``window_size=(left, right)``; with THD
+the window applies within each document.
 
 Attention sinks (GPT-OSS): ``config.softmax_type`` "off-by-one" or "learnable" (Megatron-core's field) exactly as
 Megatron's ``DotProductAttention`` (0.19) holds them: ``softmax_offset``, [attention heads per TP partition] in
@@ -283,6 +285,24 @@ class LongContextCoreAttention(MegatronModule):
             return None, self.cp_group
         return self.algorithm_kwargs["ring_group"], self.algorithm_kwargs["ulysses_group"]
 
+    def _document_attention(self, q: Tensor, k: Tensor, v: Tensor, documents: Any, causal: bool) -> Tensor:
+        """Document-aware packed documents (``attention.documents``): the split documents through this layer's CP
+        algorithm, the kept ones with the local kernel on this rank (all heads, no communication)."""
+        from nemo_longctx.attention.documents import document_attention
+
+        window = {"window_size": self.window_size} if self.window_size is not None else {}
+        sinks = self._sink_kwargs()
+        group = self.cp_group if self.cp_size > 1 else None
+
+        def split(q_, k_, v_, **thd):
+            return self.algorithm.attention(q_, k_, v_, group=group, causal=causal, softmax_scale=self.softmax_scale,
+                                            **thd, **window, **sinks, **self.algorithm_kwargs)
+
+        return document_attention(q, k, v, documents, split, causal=causal, softmax_scale=self.softmax_scale,
+                                  kernel=self.algorithm_kwargs.get("kernel"), window_size=self.window_size,
+                                  sinks=sinks.get("sinks"), softmax_type=sinks.get("softmax_type"),
+                                  fn="nemo_longctx core attention")
+
     def forward(
         self,
         query: Tensor,
@@ -307,9 +327,11 @@ class LongContextCoreAttention(MegatronModule):
                 "packed fine-tuning data), with attention_mask=None"
             )
         thd = {}
+        documents = getattr(packed_seq_params, "documents", None)  # document-aware placement (batch.py)
         if packed_seq_params is not None:
-            cu, cu_padded = packed_seq_layout(packed_seq_params)
-            thd = {"cu_seqlens": cu, "cu_seqlens_padded": cu_padded}
+            if documents is None:
+                cu, cu_padded = packed_seq_layout(packed_seq_params)
+                thd = {"cu_seqlens": cu, "cu_seqlens_padded": cu_padded}
             if query.dim() == 3:  # [t, h, d] -> [t, 1, h, d] (views)
                 query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
             if query.shape[1] != 1:
@@ -331,6 +353,12 @@ class LongContextCoreAttention(MegatronModule):
         # this rank's key tokens per call (run_guards: x cp_size, the sequence the attention covers); a
         # sequence-chunked call sees one chunk, so it records nothing
         self.last_key_tokens = None if active_sequence_chunking() is not None else int(k.shape[1])
+        if documents is not None:
+            if active_sequence_chunking() is not None or self.kept_attention_cache is not None:
+                raise ValueError("cp.split_min_tokens (document-aware packed documents) runs neither with "
+                                 "recompute.sequence_chunks nor with recompute=full_keep_attn; drop one of them")
+            out = self._document_attention(q, k, v, documents, mask_type == AttnMaskType.causal)
+            return out.transpose(0, 1).reshape(sq, b, hq * dv).squeeze(1)
         if active_sequence_chunking() is not None:  # recompute.sequence_chunks: this layer runs chunk by chunk
             self._refuse_sinks("recompute.sequence_chunks")
             if packed_seq_params is not None:

@@ -6,7 +6,8 @@ which stops the run:
 - ``cp_problems``: context parallelism is really active. Every nemo_longctx core attention of the model was built
   over the run's CP group (``cp_size``), this rank's attention saw ``seq_len / cp`` key tokens per call (times the CP
   size: the whole sequence the data step sharded), and with CP > 1 the step sent bytes to the other CP ranks
-  (``attention.count_bytes_sent``). The failure this catches: a layout that shards the sequence over ranks whose
+  (``attention.count_bytes_sent``) -- unless document-aware placement kept every document of the step whole. The
+  failure this catches: a layout that shards the sequence over ranks whose
   attention never sees the other ranks' keys -- every loss finite, every rank training on its own slice.
 - ``tokens_problems``: the tokens a step trained (this rank's share of each micro-batch, times the data- and
   context-parallel ranks and the micro-batches) equal what the layout says (global batch x sequence length).
@@ -56,8 +57,10 @@ def core_attentions(model: Any) -> List[Any]:
 
 
 def cp_problems(attentions: List[Any], cp_size: int, sequence_tokens: Optional[int], bytes_sent: Optional[int],
-                step: int) -> List[str]:
-    """Problems of the CP layout as the last step ran it (see the module docstring)."""
+                step: int, expect_traffic: bool = True) -> List[str]:
+    """Problems of the CP layout as the last step ran it (see the module docstring). ``expect_traffic`` False: no
+    micro-batch of the step split a document over the CP group (document-aware placement kept every document
+    whole), so no bytes are expected."""
     p: List[str] = []
     for m in attentions:
         if m.cp_size != cp_size:
@@ -73,7 +76,7 @@ def cp_problems(attentions: List[Any], cp_size: int, sequence_tokens: Optional[i
             p.append(f"run guard (step {step}): layer {layer}'s attention covered {n} key tokens per sequence over "
                      f"its CP group, the data step's sequence has {sequence_tokens}: the attention does not see the "
                      "whole sequence")
-    if cp_size > 1 and seen and bytes_sent is not None and bytes_sent <= 0:
+    if cp_size > 1 and seen and expect_traffic and bytes_sent is not None and bytes_sent <= 0:
         p.append(f"run guard (step {step}): CP size {cp_size} but the attention sent no bytes to the other CP ranks "
                  "in this step: context parallelism is not active")
     return p

@@ -66,7 +66,7 @@ def context_of(cfg: DictConfig, world_size: Optional[int] = None) -> Context:
     return Context(seq_length=seq, tp=s.tensor_model_parallel_size, pp=s.pipeline_model_parallel_size,
                    world_size=world_size, sequence_parallel=s.sequence_parallel,
                    precision=str(cfg.trainer.precision), checkpointing=saves_checkpoints(cfg.get("checkpoint")),
-                   keys=NEMO_KEYS, fsdp_checkpoints=True)
+                   keys=NEMO_KEYS, fsdp_checkpoints=True, packed_data=packed_data(cfg))
 
 
 def parallel_sizes(cfg: DictConfig) -> Dict[str, int]:
@@ -403,10 +403,12 @@ def packed_data(cfg: DictConfig) -> bool:
     return str(cfg.data.get("kind")) == "packed_sft" or str(cfg.data.get("packing", "none")) == "documents"
 
 
-def build_data(cfg: DictConfig, model_config: Any, gbs: int) -> Any:
+def build_data(cfg: DictConfig, model_config: Any, gbs: int, balance: bool = False) -> Any:
     """The data module of ``data.kind``: synthetic | indexed (Megatron indexed dataset; both take
     ``data.packing=documents``: per-document attention, documents from the reset position ids) | packed_sft (NeMo's
-    packed fine-tuning data: ``PackedSequenceSpecs`` with the packed ``.npy`` files)."""
+    packed fine-tuning data: ``PackedSequenceSpecs`` with the packed ``.npy`` files). ``balance`` (document-aware
+    CP): with ``data.packing=documents`` each global batch's samples are spread over the data-parallel ranks by
+    attention cost (``data_balance.CostBalancedBatches``)."""
     from nemo_longctx.integrations.nemo.data import check_packing
 
     kind = cfg.data.kind
@@ -422,7 +424,7 @@ def build_data(cfg: DictConfig, model_config: Any, gbs: int) -> Any:
             global_batch_size=gbs, num_train_samples=int(cfg.data.num_train_samples),
             num_val_samples=int(cfg.data.get("num_val_samples", 64)), period=int(cfg.data.period),
             skew=float(cfg.data.skew), seed=int(cfg.data.seed), packing=packing,
-            doc_length=int(cfg.data.get("doc_length", 512)),
+            doc_length=int(cfg.data.get("doc_length", 512)), balance_data_parallel=balance,
         )
     if kind in ("indexed", "documents"):
         from nemo.collections.common.tokenizers.huggingface.auto_tokenizer import AutoTokenizer
@@ -437,8 +439,8 @@ def build_data(cfg: DictConfig, model_config: Any, gbs: int) -> Any:
         documents = packing == "documents"
         tokenizer = AutoTokenizer(str(tokenizer_dir(cfg)))  # data.tokenizer, else init_from's
         return pretraining_data_module(
-            documents, paths=paths, seq_length=model_config.seq_length, tokenizer=tokenizer,
-            micro_batch_size=mbs, global_batch_size=gbs, split=str(cfg.data.split),
+            documents, balance_data_parallel=balance, paths=paths, seq_length=model_config.seq_length,
+            tokenizer=tokenizer, micro_batch_size=mbs, global_batch_size=gbs, split=str(cfg.data.split),
             num_workers=int(cfg.data.num_workers), seed=int(cfg.data.seed), reset_attention_mask=documents,
             reset_position_ids=documents, create_attention_mask=False,
         )
@@ -633,6 +635,10 @@ def build(cfg: DictConfig, launch: Optional[Launch] = None, extra_callbacks: Opt
         problems += model_problems(model_config, options, world, p["tp"], p["pp"], Context(keys=NEMO_KEYS))
         problems += vocabulary_problems(cfg, model_config)
     raise_problems(problems)
+    from nemo_longctx.integrations.megatron.batch import cost_model_of, set_document_placement
+
+    # how this process's data step lays packed documents out over the CP ranks (cp.split_min_tokens)
+    set_document_placement(cp.split_min_tokens if cp.document_aware else "off", cost_model_of(model_config))
 
     backend = str(cfg.launcher.get("backend", "auto"))
     state = options.optim.state
@@ -660,7 +666,7 @@ def build(cfg: DictConfig, launch: Optional[Launch] = None, extra_callbacks: Opt
 
         model_cls, _, tokenizer = pretrained_model(checkpoint_path(cfg))
     model = model_cls(model_config, optim=build_optimizer(cfg, options, precision), tokenizer=tokenizer)
-    data = build_data(cfg, model_config, gbs)
+    data = build_data(cfg, model_config, gbs, balance=cp.document_aware)
     log, resume, ckpt = build_checkpointing(cfg, tensorboard=options.metrics.tensorboard)
 
     accelerator = cfg.trainer.accelerator

@@ -1,20 +1,20 @@
 """Lightning callbacks of the Hydra app.
 
 ``StepMetrics``: after every optimizer step, on the one rank that owns the reduced loss (last pipeline stage, TP
-rank 0, data+context-parallel rank 0), prints ``step N/M | loss L | tokens/s T | step S s | elapsed E s | eta 3h12m |
-mfu 38.5%`` and appends one JSON object per step to ``<output_dir>/metrics.jsonl``: step, loss (NeMo's
+rank 0, data+context-parallel rank 0), prints ``step N/M | loss L | tokens/s T | step S s | elapsed E s | eta 3h12m
+| mfu 38.5%`` and appends one JSON object per step to ``<output_dir>/metrics.jsonl``: step, loss (NeMo's
 MaskedTokenLossReduction: token-weighted mean over the global batch, all-reduced over the data- and context-parallel
 ranks), tokens_per_s (global tokens of the step / step wall time), step_time_s, elapsed_s, tokens (global tokens of
 the step), cp_size, world_size, eta_s (remaining steps x the median wall time between the last ``ETA_WINDOW`` step
-ends of this process: from its second step on), mfu (model FLOPs per token x tokens/s / the dense peak of every
-device, ``planner.flops``: only on a named GPU at bf16/fp16 and for a dense model the formula describes), plus
-what ``extra.metrics()`` returns (the app passes ``ActivationMemoryMetrics``: activation_bytes_device,
-activation_bytes_host, peak_bytes of this rank), with ``extra.summary()`` appended to the printed line. The same
-scalars go to the trainer's loggers as ``train/<key>`` (TensorBoard). After each validation run a row
-``{"step", "val_loss"}`` is appended (NeMo's ``val_loss``, reduced over CP like the training loss). A resumed run
-keeps the rows up to the restored step; a fresh run first moves the previous run's file to
-``<output_dir>/runs/run_<N>/metrics.jsonl`` (``console.archive_metrics``).
-"""
+ends of this process: from its second step on), balance (max / mean predicted attention cost over the data- and
+context-parallel ranks for the step's micro-batches: 1.0 is perfect; ``step_balance_over_ranks``), mfu (model FLOPs
+per token x tokens/s / the dense peak of every device, ``planner.flops``: only on a named GPU at bf16/fp16 and for a
+dense model the formula describes), plus what ``extra.metrics()`` returns (the app passes
+``ActivationMemoryMetrics``: activation_bytes_device, activation_bytes_host, peak_bytes of this rank), with
+``extra.summary()`` appended to the printed line. The same scalars go to the trainer's loggers as ``train/<key>``
+(TensorBoard). After each validation run a row ``{"step", "val_loss"}`` is appended (NeMo's ``val_loss``, reduced
+over CP like the training loss). A resumed run keeps the rows up to the restored step; a fresh run first moves the
+previous run's file to ``<output_dir>/runs/run_<N>/metrics.jsonl`` (``console.archive_metrics``)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 import lightning.pytorch as pl
 
-from nemo_longctx.integrations.megatron.batch import LAST_SHARD
+from nemo_longctx.integrations.megatron.batch import LAST_SHARD, STEP_COSTS, reset_step_costs
 from nemo_longctx.integrations.megatron.run_guards import (StepBytes, core_attentions, cp_problems, loss_problems,
                                                            mfu_problems, raise_if, tokens_problems)
 from nemo_longctx.planner.flops import mfu, model_flops_per_token, peak_flops
@@ -116,8 +116,10 @@ class StepMetrics(pl.Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self._step_start = time.perf_counter()
+        reset_step_costs()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        balance = step_balance_over_ranks()  # (a collective: every rank, before the metrics rank alone goes on)
         if not self._active:
             return
         now = time.perf_counter()
@@ -145,6 +147,8 @@ class StepMetrics(pl.Callback):
         utilisation = mfu(self._flops_per_token, rec["tokens_per_s"], self._peak, rec["world_size"])
         if utilisation is not None:
             rec["mfu"] = utilisation
+        if balance is not None:
+            rec["balance"] = balance
         # finite loss; MFU <= 100 % (from the second step: the first one's time includes start-up)
         raise_if(loss_problems(loss, rec["step"]) + mfu_problems(utilisation if len(self._intervals) else None,
                                                                  rec["step"]))
@@ -157,6 +161,29 @@ class StepMetrics(pl.Callback):
         if rec["step"] % self.print_every == 0 or rec["step"] == trainer.max_steps:
             print(step_line(rec, int(trainer.max_steps), self.extra.summary() if self.extra is not None else None),
                   flush=True)
+
+
+def step_balance_over_ranks() -> Optional[float]:
+    """``balance`` of the step that just ran: max / mean of the predicted attention cost of every data- and
+    context-parallel rank (``batch.STEP_COSTS``: each CP rank's, summed over the step's micro-batches; every rank of
+    a CP group computes the whole group's), reduced over the data-parallel ranks of this pipeline stage. A
+    collective: every rank calls it at every step. None when no micro-batch recorded a cost."""
+    from megatron.core import parallel_state as ps
+
+    costs = STEP_COSTS["costs"]
+    local = torch.tensor([max(costs) if costs else 0.0, sum(costs) if costs else 0.0, len(costs) if costs else 0.0],
+                         dtype=torch.float64)
+    if (torch.distributed.is_initialized() and ps.model_parallel_is_initialized()
+            and ps.get_data_parallel_world_size() > 1):
+        group = ps.get_data_parallel_group()
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else local.device
+        local = local.to(device)
+        top = local[:1].clone()
+        torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX, group=group)
+        torch.distributed.all_reduce(local, group=group)
+        local[0] = top[0]
+    top, total, count = (float(x) for x in local.cpu())
+    return top / (total / count) if count and total > 0 else None
 
 
 def _unwrapped_named_parameters(pl_module: Any) -> dict:
@@ -214,9 +241,25 @@ class RunGuards(pl.Callback):
 
         step = int(trainer.global_step) - 1  # (Lightning has counted the step already)
         dp_cp = ps.get_data_parallel_world_size(with_context_parallel=True)
-        raise_if(cp_problems(self._attentions, self.cp_size, LAST_SHARD["sequence_tokens"], sent, step)
+        traffic = STEP_COSTS["split"] if STEP_COSTS["costs"] is not None else True
+        raise_if(cp_problems(self._attentions, self.cp_size, LAST_SHARD["sequence_tokens"], sent, step, traffic)
                  + tokens_problems(LAST_SHARD["local_tokens"], get_num_microbatches(), dp_cp, self.tokens_per_step,
                                    step))
+
+
+class DocumentPlacementPolicy(pl.Callback):
+    """Document-aware CP (``cp.split_min_tokens``) for runs whose data step is ours but whose build is not the app's
+    (NeMo-Run recipes): at setup, on every rank, the data step's placement policy with the cost model of the model's
+    config (``batch.set_document_placement``)."""
+
+    def __init__(self, split_min_tokens: Any) -> None:
+        self.split_min_tokens = split_min_tokens
+
+    def setup(self, trainer: pl.Trainer, pl_module: Any, stage: str) -> None:
+        from nemo_longctx.integrations.megatron.batch import cost_model_of, set_document_placement
+
+        config = getattr(pl_module, "config", None)
+        set_document_placement(self.split_min_tokens, cost_model_of(config) if config is not None else None)
 
 
 class VerifyLongContextAttention(pl.Callback):

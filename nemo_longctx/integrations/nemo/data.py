@@ -23,6 +23,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from nemo_longctx.integrations.megatron.data_balance import balance_over_data_parallel
 from nemo_longctx.integrations.nemo.data_checks import PACKING_MODES, packing_problems  # noqa: F401  (re-exported)
 
 
@@ -114,12 +115,14 @@ class SyntheticDataModule(pl.LightningDataModule):
         seed: int = 1234,
         packing: str = "none",
         doc_length: int = 512,
+        balance_data_parallel: bool = False,
     ) -> None:
         super().__init__()
         from nemo.lightning.pytorch.plugins import MegatronDataSampler
 
         self.packing = check_packing(packing, micro_batch_size)
         self.doc_length = doc_length if packing == "documents" else None
+        self.balance_data_parallel = bool(balance_data_parallel) and packing == "documents"
         self.seq_length, self.vocab_size = seq_length, vocab_size
         self.micro_batch_size, self.global_batch_size = micro_batch_size, global_batch_size
         self.num_train_samples, self.period, self.skew, self.seed = num_train_samples, period, skew, seed
@@ -142,6 +145,8 @@ class SyntheticDataModule(pl.LightningDataModule):
         )
         if self.packing == "documents":
             self._train_ds, self._val_ds = PerDocumentPacking(self._train_ds), PerDocumentPacking(self._val_ds)
+            if self.balance_data_parallel:
+                self._train_ds = balance_over_data_parallel(self._train_ds, self.global_batch_size)
 
     def _loader(self, dataset: Dataset, mode: str) -> DataLoader:
         from nemo.lightning.data import WrappedDataLoader
@@ -175,9 +180,11 @@ class SyntheticDataModule(pl.LightningDataModule):
         self.data_sampler.if_first_step = 1
 
 
-def pretraining_data_module(documents: bool, **kwargs: Any) -> Any:
+def pretraining_data_module(documents: bool, balance_data_parallel: bool = False, **kwargs: Any) -> Any:
     """NeMo's ``PreTrainingDataModule`` (Megatron indexed data); with ``documents`` its samples (built with
-    ``reset_position_ids``/``reset_attention_mask``) go through ``PerDocumentPacking``: per-document attention."""
+    ``reset_position_ids``/``reset_attention_mask``) go through ``PerDocumentPacking``: per-document attention; with
+    ``balance_data_parallel`` the training samples of each global batch are spread over the data-parallel ranks by
+    attention cost (``CostBalancedBatches``)."""
     from nemo.collections.llm.gpt.data.pre_training import PreTrainingDataModule
 
     if not documents:
@@ -185,7 +192,10 @@ def pretraining_data_module(documents: bool, **kwargs: Any) -> Any:
 
     class DocumentPackedPreTrainingDataModule(PreTrainingDataModule):
         def _create_dataloader(self, dataset, mode, **kw):
-            return super()._create_dataloader(PerDocumentPacking(dataset), mode, **kw)
+            packed = PerDocumentPacking(dataset)
+            if balance_data_parallel and mode == "train":
+                packed = balance_over_data_parallel(packed, int(self.global_batch_size))
+            return super()._create_dataloader(packed, mode, **kw)
 
     return DocumentPackedPreTrainingDataModule(**kwargs)
 

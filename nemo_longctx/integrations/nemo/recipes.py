@@ -240,7 +240,8 @@ def as_config(value: Any) -> Any:
 
 
 def _callback_configs(recipe: Any, options: LongContextOptions) -> List[Any]:
-    from nemo_longctx.integrations.nemo.callbacks import StepMetrics, VerifyLongContextAttention
+    from nemo_longctx.integrations.nemo.callbacks import (
+        DocumentPlacementPolicy, StepMetrics, VerifyLongContextAttention)
     from nemo_longctx.integrations.nemo.memory_callbacks import ActivationMemoryMetrics, MemoryOptionsCallback
     from nemo_longctx.integrations.nemo.model_state_callback import ModelStateCheck
     from nemo_longctx.integrations.nemo.sequence_tiling import SequenceTiling
@@ -257,6 +258,8 @@ def _callback_configs(recipe: Any, options: LongContextOptions) -> List[Any]:
                       pp=recipe_value(recipe, "trainer.strategy.pipeline_model_parallel_size", 1))]
     if not options.memory.trivial:
         out.append(run.Config(MemoryOptionsCallback, options=as_config(options.memory)))
+    if options.cp.document_aware:
+        out.append(run.Config(DocumentPlacementPolicy, split_min_tokens=options.cp.split_min_tokens))
     if options.tiling.active:
         out.append(run.Config(SequenceTiling, options=as_config(options.tiling)))
     out.append(run.Config(ModelStateCheck, options=as_config(options.optim.state), output_dir=output_dir))
