@@ -236,6 +236,9 @@ def layout_problems(seq_length: Any, cp_size: Any, tp: Any = 1, pp: Any = 1, wor
 
 
 # ---------------------------------------------------------------------------------------------------- context
+PRECISIONS = ("32", 32, "bf16-mixed", "16-mixed")  # the run's precision (trainer.precision): fp32 | bf16 | fp16 mixed
+
+
 @dataclass(frozen=True)
 class Context:
     """What the option checks need from the rest of the run, and how the front end spells those keys.
@@ -270,6 +273,7 @@ _NEUTRAL_KEYS = {"seq_length": "seq_length", "tp": "tensor_model_parallel_size",
 
 # ---------------------------------------------------------------------------------------------------- cp
 CP_ALGORITHMS = ("ring", "ulysses", "hybrid")
+CP_CHOICES = ("none",) + CP_ALGORITHMS  # the cp group's choices (cp=none: ring attention on one rank)
 # per algorithm: the cp keys it uses besides size/algorithm, and the extra options cp.kwargs may pass to it
 CP_ALGORITHM_KEYS = {"ring": (), "ulysses": ("head_chunks",), "hybrid": ("ulysses_size", "head_chunks")}
 CP_ALGORITHM_KWARGS = {"ring": ("kernel",), "ulysses": ("kernel", "regather_in_backward"),
@@ -371,11 +375,17 @@ def _is_int(v: Any) -> bool:
 # kernels and the chunk's matmuls efficient on a GPU; the planner searches larger chunks too)
 DEFAULT_SEQUENCE_CHUNK_TOKENS = 16384
 RECOMPUTE_MODES = ("none", "selective", "full", "full_keep_attn")
+# the planner's recompute modes -> (the recompute group's choice, its selective modules); "selective" alone would be
+# ambiguous: the config's recompute=selective recomputes recompute.modules (default [core_attn])
+PLANNED_RECOMPUTE = {"none": ("none", None), "selective_mlp": ("selective", ("mlp",)),
+                     "selective_attn": ("selective", ("core_attn",)), "full": ("full", None),
+                     "full_keep_attn": ("full_keep_attn", None)}
 RECOMPUTE_METHODS = ("uniform", "block")
 # recompute_modules of megatron-core that apply to dense GPT layers (moe, moe_act, shared_experts and mla_up_proj
 # need MoE / MLA layers, which nemo_longctx's core attention does not support)
 SELECTIVE_MODULES = ("core_attn", "mlp", "layernorm")
 OFFLOAD_MODES = ("none", "layer_input", "modules")
+PLANNED_OFFLOAD = OFFLOAD_MODES[:2]  # the offload modes the planner models
 # offload.modules names -> submodule path inside a Megatron TransformerLayer
 OFFLOAD_MODULE_PATHS = {
     "self_attention": "self_attention",

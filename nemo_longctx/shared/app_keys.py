@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from typing import List, Sequence, Tuple
 
-from nemo_longctx.options import ConfigError, LongContextOptions, Option
+from nemo_longctx.options import PRECISIONS, ConfigError, LongContextOptions, Option
 from nemo_longctx.shared.launch import START_METHODS
 from nemo_longctx.shared.signals import DEFAULT_GRACE_S, DEFAULT_SIGNALS, SIGNAL_NAMES
 
@@ -19,7 +19,6 @@ NEMO_KEYS = {"seq_length": "model.seq_length", "tp": "trainer.strategy.tensor_mo
              "trainer.strategy.sequence_parallel", "precision": "trainer.precision",
              "checkpointing": "checkpoint.every_n_steps", "world_size": "trainer.devices x trainer.num_nodes",
              "num_layers": "model.num_layers"}
-PRECISIONS = ("32", 32, "bf16-mixed", "16-mixed")
 # the app's own keys (trainer, checkpoint, launcher, run): typed and checked like the option model's
 APP_OPTIONS = (
     Option("trainer.accelerator", "choice", "auto", "auto (cuda if available, else cpu) | cpu | gpu",

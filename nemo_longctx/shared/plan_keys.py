@@ -11,11 +11,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, List, Mapping, Tuple
 
-from nemo_longctx.options import Context, Option, layout_problems, unknown_keys
+from nemo_longctx.options import (
+    CP_ALGORITHMS,
+    PLANNED_OFFLOAD,
+    PLANNED_RECOMPUTE,
+    Context,
+    Option,
+    layout_problems,
+    unknown_keys,
+)
 
-CP_ALGORITHMS = ("ring", "ulysses", "hybrid")
-RECOMPUTE_CHOICES = ("none", "selective_mlp", "selective_attn", "full", "full_keep_attn")
-OFFLOAD_CHOICES = ("none", "layer_input")
 SHARDINGS = ("ddp", "distributed", "fsdp")
 
 
@@ -73,9 +78,9 @@ PLAN_OPTIONS: Tuple[Option, ...] = (
     Option("plan.search.algorithms", "modules", CP_ALGORITHMS, "CP algorithms searched", choices=CP_ALGORITHMS),
     Option("plan.search.recompute", "modules", ("none", "selective_mlp", "full", "full_keep_attn"),
            "recompute options searched (selective_mlp: recompute=selective recompute.modules=[mlp])",
-           choices=RECOMPUTE_CHOICES),
-    Option("plan.search.offload", "modules", OFFLOAD_CHOICES, "activation offload options searched",
-           choices=OFFLOAD_CHOICES),
+           choices=tuple(PLANNED_RECOMPUTE)),
+    Option("plan.search.offload", "modules", PLANNED_OFFLOAD, "activation offload options searched",
+           choices=PLANNED_OFFLOAD),
     Option("plan.search.max_tp", "int", 8, "largest tensor-parallel size searched", low=1),
     Option("plan.search.sharding", "modules", SHARDINGS, "model-state layouts searched: ddp | distributed (ZeRO-1) | "
            "fsdp (Megatron-FSDP, ZeRO-3)", choices=SHARDINGS),

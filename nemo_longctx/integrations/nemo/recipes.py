@@ -37,12 +37,11 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import fiddle as fdl
 import nemo_run as run
 
-from nemo_longctx.options import ConfigError, Context, LongContextOptions, Option, raise_problems
+from nemo_longctx.options import CP_CHOICES, ConfigError, Context, LongContextOptions, Option, raise_problems
 from nemo_longctx.shared.overrides import conf_dir
 
 from nemo_longctx.shared.app_keys import APP_ONLY, GROUP_CHOICES, RECIPE_KEYS, argument_name, rename_problems
 
-CP_CHOICES = ("none", "ring", "ulysses", "hybrid")
 _TYPES = {"int": Optional[int], "number": Optional[float], "bool": Optional[bool], "choice": Optional[str],
           "modules": Optional[List[str]], "tiles": Optional[str], "str": Optional[str], "mapping": Optional[dict]}
 _DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
