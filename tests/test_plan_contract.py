@@ -34,8 +34,9 @@ SHOW = 8  # plan.show: fitting rows printed per plan (all fitting candidates: ~1
 
 
 class Composer:
-    """Train configs from override lists: Hydra composes once per group selection (model, cp, recompute, offload,
-    optim, tiling); the value overrides are parsed by Hydra's override parser and set like Hydra sets them."""
+    """Train run specs from override lists: Hydra composes once per group selection (model, cp, recompute, offload,
+    optim, tiling); the value overrides are parsed by Hydra's override parser and set like Hydra sets them; the
+    config is read by the app's one reader (``read_run_spec``)."""
 
     def __init__(self):
         from hydra import initialize_config_dir
@@ -60,7 +61,9 @@ class Composer:
         cfg = self._base[groups].copy()
         for ov in self._parser.parse_overrides(values):
             OmegaConf.update(cfg, ov.key_or_group, ov.value(), merge=True)  # struct: unknown keys raise
-        return cfg
+        from nemo_longctx.shared.run_spec import read_run_spec
+
+        return read_run_spec(cfg)
 
 
 def _plan_cfg(model, gpu):

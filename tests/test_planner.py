@@ -242,8 +242,8 @@ def test_bridge_frontend_writes_an_sbatch_that_runs_the_bridge_entry_with_the_ch
 
     want = candidate_options(job.candidate)
     ours, theirs = bridge_app.split_args(job_args)
-    options = bridge_app.options_of(bridge_app.compose(ours))
-    assert options.problems() == [] and bridge_app.app_problems(ours, options) == []
+    options = bridge_app.compose(ours).options
+    assert options.problems() == [] and bridge_app.app_problems(ours) == []
     assert (options.cp, options.memory, options.optim.state) == (want.cp, want.memory, want.optim.state)
     assert "recipe=llama3_8b_pretrain_config" in ours and "model.seq_length=131072" in theirs
 

@@ -329,18 +329,17 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused_naming_both(tm
     the embedding table is refused with both sizes; one that fits, and synthetic data, pass."""
     from types import SimpleNamespace
 
-    from omegaconf import OmegaConf
-
     from hf_models import make_tokenizer
     from nemo_longctx.integrations.nemo.app import vocabulary_problems
+    from nemo_longctx.shared.run_spec import spec_from_dict
 
     tok, tokenizer = tmp_path / "tok", make_tokenizer(300)
     tokenizer.save_pretrained(str(tok))
     size = len(tokenizer)
-    cfg = OmegaConf.create({"data": {"kind": "indexed", "tokenizer": str(tok)}, "init_from": None})
+    cfg = spec_from_dict({"data": {"kind": "indexed", "tokenizer": str(tok)}, "init_from": None})
     (problem,) = vocabulary_problems(cfg, SimpleNamespace(vocab_size=size - 1))
     assert f"data.tokenizer ({tok}) has {size} tokens but the model's vocabulary (model.vocab_size) is {size - 1}" \
         in problem, problem
     assert vocabulary_problems(cfg, SimpleNamespace(vocab_size=size)) == []
-    synthetic = OmegaConf.create({"data": {"kind": "synthetic", "tokenizer": str(tok)}, "init_from": None})
+    synthetic = spec_from_dict({"data": {"kind": "synthetic", "tokenizer": str(tok)}, "init_from": None})
     assert vocabulary_problems(synthetic, SimpleNamespace(vocab_size=10)) == []

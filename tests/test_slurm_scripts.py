@@ -161,8 +161,8 @@ def test_bridge_script_arguments_are_accepted_by_the_bridge_app(tmp_path):
 
     _, args = _bridge_job(tmp_path, EXTRA_ARGS="train.eval_iters=0")
     ours, theirs = bridge_app.split_args(args)
-    options = bridge_app.options_of(bridge_app.compose(ours))
-    assert options.problems() == [] and bridge_app.app_problems(ours, options) == []
+    options = bridge_app.compose(ours).options
+    assert options.problems() == [] and bridge_app.app_problems(ours) == []
     assert (options.cp.algorithm, options.cp.size) == ("ring", 8) and not options.optim.state.megatron_fsdp
     assert {"recipe=llama3_8b_pretrain_config", f"output_dir={tmp_path}/out"} <= set(ours)
     assert {"model.seq_length=131072", "train.train_iters=100", "train.eval_iters=0"} <= set(theirs)

@@ -77,6 +77,32 @@ APP_OPTIONS = (
     Option("seed", "int", 1234, "random seed", low=0),
 )
 
+# `nemo-longctx bridge`'s own keys (conf/bridge.yaml outside the option model's groups): the rows that mean the same
+# thing as the NeMo app's are the same rows
+_SHARED = {o.key: o for o in APP_OPTIONS}
+BRIDGE_OPTIONS = (
+    Option("recipe", "str", "auto", "where the run takes its training settings (optimizer, schedule, precision, "
+           "steps, tokens per step, checkpoint interval): auto (without init_from: the CPU demo; with init_from: "
+           "the HF model with the settings of the Megatron-Bridge recipe of its architecture) | demo (the CPU "
+           "demo's settings) | a Bridge recipe function (megatron.bridge.recipes.<name>: its whole config)"),
+    Option("init_from", "str", None, "a local Hugging Face model directory to start from (AutoBridge)",
+           nullable=True),
+    Option("output_dir", "str", "outputs/bridge", "run directory (metrics, rank logs, TensorBoard)"),
+    Option("launcher.devices", "int", None, "local ranks when not under torchrun/srun (null: tp x pp x cp)",
+           low=1, nullable=True),
+    _SHARED["launcher.shutdown_timeout_s"],
+    _SHARED["launcher.start_method"],
+    _SHARED["run.timeout_s"],
+    _SHARED["run.fault"],
+    Option("checkpoint.on_signal", "bool", None, "on the first of run.signals: save this step's checkpoint "
+           "(Bridge's train.exit_signal_handler) and stop (exit 75); null: when checkpoint.save is set",
+           nullable=True),
+    _SHARED["run.signals"],
+    _SHARED["run.signal_grace_s"],
+)
+# the Bridge app's groups whose keys are all declared in BRIDGE_OPTIONS
+BRIDGE_GROUPS = ("launcher", "run", "checkpoint")
+
 # The training settings a recipe gives: the keys above left null (the YAML defaults) take the recipe's value
 # (integrations/nemo/training_recipe.py). These are the CPU demo's (recipe=demo: the tiny models), chosen to learn
 # the synthetic data in a few steps on a CPU; a real model takes NVIDIA's NeMo recipe for it instead.
@@ -109,37 +135,6 @@ def parse_fault(spec: str) -> Tuple[str, int, int]:
     if kind not in FAULT_KINDS or step < 1 or rank < 0:
         raise ConfigError([f"run.fault={spec!r}: KIND must be one of {list(FAULT_KINDS)}, STEP >= 1, RANK >= 0"])
     return kind, step, rank
-
-
-def saves_checkpoints(checkpoint: object) -> bool:
-    """Whether the config's checkpoint group (or None) saves: ``every_n_steps > 0`` or ``every_minutes > 0``."""
-    get = getattr(checkpoint, "get", None)
-    if get is None:
-        return False
-    steps, minutes = get("every_n_steps", 0), get("every_minutes", 0)
-    return (isinstance(steps, int) and steps > 0) or (isinstance(minutes, (int, float)) and minutes > 0)
-
-
-def _on_signal_and_saving(checkpoint: object) -> Tuple[object, bool]:
-    """(``checkpoint.on_signal``, ``saves_checkpoints``) of the config's checkpoint group (or None)."""
-    get = getattr(checkpoint, "get", None)
-    return (None if get is None else get("on_signal", None)), saves_checkpoints(checkpoint)
-
-
-def save_on_signal(checkpoint: object) -> bool:
-    """Whether the run saves and stops on a signal: ``checkpoint.on_signal``, by default whenever it saves
-    checkpoints (``saves_checkpoints``); ``checkpoint`` is the config's checkpoint group (or None)."""
-    on, saving = _on_signal_and_saving(checkpoint)
-    return bool(on) if on is not None else saving
-
-
-def on_signal_problems(checkpoint: object) -> list:
-    """``checkpoint.on_signal=true`` without checkpoints to save is refused."""
-    on, saving = _on_signal_and_saving(checkpoint)
-    if on is True and not saving:
-        return ["checkpoint.on_signal=true needs checkpoint.every_n_steps or checkpoint.every_minutes > 0: the run "
-                "saves no checkpoints"]
-    return []
 
 
 # ---------------------------------------------------------------------------------------- NeMo-Run recipes
