@@ -3,8 +3,7 @@ one checker (``nemo_longctx.options.Option``), and the app's names for the value
 
 from __future__ import annotations
 
-import re
-from typing import List, Sequence, Tuple
+from typing import Tuple
 
 from nemo_longctx.options import PRECISIONS, ConfigError, LongContextOptions, Option
 from nemo_longctx.shared.launch import START_METHODS
@@ -138,12 +137,6 @@ def parse_fault(spec: str) -> Tuple[str, int, int]:
 
 
 # ---------------------------------------------------------------------------------------- NeMo-Run recipes
-# the recipe's names of the values the option checks need (messages name them as a NeMo-Run override would)
-RECIPE_KEYS = {"seq_length": "model.config.seq_length", "tp": "trainer.strategy.tensor_model_parallel_size",
-               "pp": "trainer.strategy.pipeline_model_parallel_size",
-               "sequence_parallel": "trainer.strategy.sequence_parallel", "precision": "trainer.plugins.precision",
-               "checkpointing": "log.ckpt", "world_size": "trainer.devices x trainer.num_nodes",
-               "num_layers": "model.config.num_layers"}
 # option keys that are group choices in the app (cp=ring, recompute=full, offload=layer_input)
 GROUP_CHOICES = {"cp.algorithm": "cp", "recompute.name": "recompute", "offload.name": "offload"}
 # keys the recipe itself owns (its schedule and logging) or that only the app has
@@ -152,17 +145,17 @@ APP_ONLY = ("optim.lr", "optim.min_lr", "optim.warmup_steps", "optim.weight_deca
 
 
 def argument_name(key: str) -> str:
-    """The recipe argument of an option key."""
+    """The recipe argument of an option key (``cp.size`` -> ``cp_size``; the group choices: ``cp``, ``recompute``,
+    ``offload``)."""
     return GROUP_CHOICES.get(key, key.replace(".", "_"))
 
 
-def _rename(message: str) -> str:
-    """An option-model message with its keys spelled as the recipe arguments (``cp.size`` -> ``cp_size``)."""
-    keys = sorted((o.key for o in LongContextOptions.options()), key=len, reverse=True)
-    pattern = re.compile(r"(?<![\w.])(" + "|".join(re.escape(k) for k in keys) + r")(?![\w])")
-    return pattern.sub(lambda m: argument_name(m.group(1)), message)
-
-
-def rename_problems(problems: Sequence[str]) -> List[str]:
-    """Option-model messages with the recipe arguments' names (the NeMo-Run front end and the strategy it sets up)."""
-    return [_rename(p) for p in problems]
+# The recipe's dialect (``Context.keys``): the names of the values the option checks need as a NeMo-Run override
+# would name them, and every option key as its recipe argument; messages are written with these names where they
+# are made (the NeMo-Run front end and the strategy it sets up)
+RECIPE_KEYS = {"seq_length": "model.config.seq_length", "tp": "trainer.strategy.tensor_model_parallel_size",
+               "pp": "trainer.strategy.pipeline_model_parallel_size",
+               "sequence_parallel": "trainer.strategy.sequence_parallel", "precision": "trainer.plugins.precision",
+               "checkpointing": "log.ckpt", "world_size": "trainer.devices x trainer.num_nodes",
+               "num_layers": "model.config.num_layers",
+               **{o.key: argument_name(o.key) for o in LongContextOptions.options()}}

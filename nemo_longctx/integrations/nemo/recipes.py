@@ -40,7 +40,7 @@ import nemo_run as run
 from nemo_longctx.options import CP_CHOICES, ConfigError, Context, LongContextOptions, Option, raise_problems
 from nemo_longctx.shared.overrides import conf_dir
 
-from nemo_longctx.shared.app_keys import APP_ONLY, GROUP_CHOICES, RECIPE_KEYS, argument_name, rename_problems
+from nemo_longctx.shared.app_keys import APP_ONLY, GROUP_CHOICES, RECIPE_KEYS, argument_name
 
 _TYPES = {"int": Optional[int], "number": Optional[float], "bool": Optional[bool], "choice": Optional[str],
           "modules": Optional[List[str]], "tiles": Optional[str], "str": Optional[str], "mapping": Optional[dict]}
@@ -208,7 +208,8 @@ def recipe_model_config(recipe: Any) -> Any:
 
 
 def recipe_problems(recipe: Any, options: LongContextOptions, world_size: Optional[int] = None) -> List[str]:
-    """Every problem of ``options`` against the recipe, named by recipe argument / recipe key."""
+    """Every problem of ``options`` against the recipe, named by recipe argument / recipe key (the recipe's dialect,
+    ``RECIPE_KEYS``: written so where each message is made)."""
     from nemo.collections.llm.gpt.model.base import GPTConfig
 
     from nemo_longctx.integrations.megatron.validation import model_problems
@@ -222,7 +223,7 @@ def recipe_problems(recipe: Any, options: LongContextOptions, world_size: Option
                      "extension targets GPT models (Llama, Mistral, Qwen, ...)")
         else:
             p += model_problems(config, options, ctx.world_size, ctx.tp, ctx.pp, ctx)
-    return rename_problems(p)
+    return p
 
 
 # ------------------------------------------------------------------------------------------ the rewrite
