@@ -232,16 +232,17 @@ def test_plan_frontend_bridge_prints_what_the_bridge_app_accepts(model, gpus, se
 
     from nemo_longctx.apps import bridge as bridge_app
     from nemo_longctx.apps.plan import frontend_overrides, inputs_from_config
+    from nemo_longctx.shared.run_spec import read_plan_spec
     from nemo_longctx.planner.search import candidate_options, plan
 
     GlobalHydra.instance().clear()
     with initialize_config_module(config_module="nemo_longctx.conf", version_base=None):
         cfg = compose("plan", overrides=[f"model={model}", f"plan.seq_length={seq}", f"plan.gpus={gpus}",
                                          "plan.frontend=bridge"])
-    shape, seq_, hw, precision, coef, cost, search = inputs_from_config(cfg)
+    shape, seq_, hw, precision, coef, cost, search = inputs_from_config(read_plan_spec(cfg))
     p = plan(shape, seq_, hw, precision, coef, cost, **search)
     assert p.chosen is not None
-    command, args = frontend_overrides(cfg, p, p.chosen, model)
+    command, args = frontend_overrides(read_plan_spec(cfg), p, p.chosen, model)
     assert command == "nemo-longctx bridge" and args[0].startswith("recipe=")
     ours, theirs = bridge_app.split_args(args)
     assert any(a.startswith("model.seq_length=") for a in theirs) and all(not a.startswith("cp") for a in theirs)

@@ -87,6 +87,7 @@ def _contract(rank, world):
     from omegaconf import OmegaConf
 
     from nemo_longctx.apps.plan import inputs_from_config, optim_fields, train_overrides
+    from nemo_longctx.shared.run_spec import read_plan_spec
     from nemo_longctx.integrations.megatron.model_state import model_state_options, model_state_problems
     from nemo_longctx.integrations.nemo.app import config_problems, dry_run
     from nemo_longctx.shared.app_keys import NEMO_KEYS
@@ -101,7 +102,7 @@ def _contract(rank, world):
             cfg = base.copy()
             OmegaConf.update(cfg, "plan.gpus", n)
             OmegaConf.update(cfg, "plan.seq_length", seq)
-            shape, s, hw, precision, coef, cost, search = inputs_from_config(cfg)
+            shape, s, hw, precision, coef, cost, search = inputs_from_config(read_plan_spec(cfg))
             p = plan(shape, s, hw, precision, coef, cost, float(cfg.plan.cost_tolerance), **search)
             res["plans"] += 1
             fitting = [e for e in p.evaluations if e.fits]
@@ -140,7 +141,7 @@ def _contract(rank, world):
 
     plan_cfg = _plan_cfg("llama3_8b", "h100")
     OmegaConf.update(plan_cfg, "plan.checkpoints", False)  # the train config here saves none: every accepted row
-    shape, _, _, precision, _, _, search = inputs_from_config(plan_cfg)
+    shape, _, _, precision, _, _, search = inputs_from_config(read_plan_spec(plan_cfg))
     hw = Hardware(gpus=8)
     searched = {(c.cp_algorithm, c.recompute, c.offload, c.model_state)
                 for c in candidate_configs(KNOWN_SHAPES["llama3_8b"], 1 << 20, hw, **search)}

@@ -200,12 +200,13 @@ def _plan(model, overrides):
     from hydra.core.global_hydra import GlobalHydra
 
     from nemo_longctx.apps import plan
+    from nemo_longctx.shared.run_spec import read_plan_spec
 
     GlobalHydra.instance().clear()
     with initialize_config_module(config_module="nemo_longctx.conf", version_base=None):
         cfg = compose("plan", overrides=[f"model={model}", *overrides])
     GlobalHydra.instance().clear()
-    shape, seq, hw, precision, coef, cost, search = plan.inputs_from_config(cfg)
+    shape, seq, hw, precision, coef, cost, search = plan.inputs_from_config(read_plan_spec(cfg))
     p = plan.make_plan(shape, seq, hw, precision, coef, cost, 0.01, **search)
     if p.chosen is None:
         return None
@@ -261,6 +262,7 @@ def test_the_default_plan_saves_checkpoints_and_train_accepts_it_saving(tmp_path
     from hydra.core.global_hydra import GlobalHydra
 
     from nemo_longctx.apps import plan
+    from nemo_longctx.shared.run_spec import read_plan_spec
     from nemo_longctx.integrations.nemo.app import preflight
     from nemo_longctx.shared import path_checks
 
@@ -272,7 +274,7 @@ def test_the_default_plan_saves_checkpoints_and_train_accepts_it_saving(tmp_path
             cfg = compose("plan", overrides=["model=llama3_8b", *planned])
         GlobalHydra.instance().clear()
         out = StringIO()
-        assert plan.run(cfg, out=out) == 0
+        assert plan.run(read_plan_spec(cfg), out=out) == 0
         text = " ".join(out.getvalue().split())
         assert "not searched" not in text, text
         assert "saves no checkpoints:" not in text and "checkpoint.every_n_steps=0" not in text

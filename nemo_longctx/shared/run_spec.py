@@ -518,6 +518,48 @@ def read_run_spec(cfg: Any, app: str = "train", choices: Optional[Mapping[str, A
     return spec_from_dict(data, model, init_from, choices, app)
 
 
+# ---------------------------------------------------------------------------------------------------- the plan
+@dataclass(frozen=True)
+class PlanSpec:
+    """``nemo-longctx plan``'s run: its ``plan`` group as plain values (typed and checked by ``PLAN_OPTIONS``:
+    ``plan_keys.plan_key_problems``), the model group, and the model's name (the group choice, else ``model.name``).
+    ``problems``: what reading the config found (an interpolation that does not resolve)."""
+
+    plan: Mapping[str, Any] = field(default_factory=dict)
+    model: ModelSpec = field(default_factory=ModelSpec)
+    model_name: str = "model"
+    problems: Tuple[str, ...] = ()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """The value of ``plan.<key>`` (dotted below ``plan``), ``default`` when absent or null."""
+        value = _select(self.plan, key, None)
+        return default if value is None else value
+
+    def with_model(self, fields: Mapping[str, Any]) -> "PlanSpec":
+        """This plan for another model (its fields as plain values: a NeMo-Run recipe's model group), named by its
+        ``name`` field."""
+        return PlanSpec(self.plan, ModelSpec(fields=dict(fields)), str(fields.get("name") or "model"), self.problems)
+
+
+def read_plan_spec(cfg: Any, model_name: Optional[str] = None) -> PlanSpec:
+    """The plan spec of a composed ``conf/plan.yaml``: the one reader of its groups (``model_name``: default the model
+    group's choice, else ``model.name``)."""
+    from omegaconf import OmegaConf
+
+    problems: List[str] = []
+    try:
+        plan = OmegaConf.to_container(cfg.plan, resolve=True) if OmegaConf.is_config(cfg.plan) else dict(cfg.plan)
+    except Exception as e:  # an interpolation that does not resolve
+        plan, problems = {}, [f"plan: {e}"]
+    node = cfg.get("model")
+    fields = (OmegaConf.to_container(node, resolve=False) if OmegaConf.is_config(node) else dict(node or {}))
+    if model_name is None:
+        choice = (_hydra_value(cfg, "runtime.choices") or {}).get("model")
+        model_name = str(choice) if choice else str(fields.get("name") or "model")
+    return PlanSpec(plan=plan, model=ModelSpec(fields=fields, node=node), model_name=model_name,
+                    problems=tuple(problems))
+
+
 def _hydra_value(cfg: Any, key: str) -> Any:
     """``hydra.<key>`` of the config composed with Hydra's node, else of this Hydra run (None when neither)."""
     from omegaconf import OmegaConf
