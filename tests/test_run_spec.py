@@ -205,3 +205,71 @@ def test_global_batch_size_names_its_keys():
                                          r"trainer.micro_batch_size=1 x data-parallel size 2"):
         spec.global_batch_size(4)
     assert read_run_spec(_compose("train")).global_batch_size(2) == 1
+
+
+# ---------------------------------------------------------------------------------------------------- dialects
+def _option_cases():
+    out = []
+    for opt in LongContextOptions.options():
+        for bad in opt.bad_values():
+            out.append(pytest.param(opt, bad, id=f"{opt.key}={bad!r}"))
+    return out
+
+
+def _options_with(opt, bad):
+    group, name = opt.key.split(".", 1)
+    if group in ("recompute", "offload") and name != "name":  # the choice that takes the key
+        node = {"name": {"recompute.sequence_chunks": "full", "recompute.modules": "selective",
+                         "offload.modules": "modules"}.get(opt.key, "full" if group == "recompute" else "layer_input")}
+        extra = {"recompute": {"name": "full"}} if opt.key.startswith("offload.") and node["name"] != "modules" else {}
+        return LongContextOptions.from_dict({group: {**node, name: bad}, **extra})
+    if opt.key.startswith("cp.") and name in ("ulysses_size", "head_chunks"):
+        return LongContextOptions.from_dict({"cp": {"size": 4, "algorithm": "hybrid", "ulysses_size": 2, name: bad}})
+    return LongContextOptions.from_dict({group: {name: bad}})
+
+
+@pytest.mark.parametrize("opt, bad", _option_cases())
+def test_every_bad_option_value_is_named_in_each_dialect(opt, bad):
+    """The same problem, written in each front end's dialect where it is made: the config's key (train, bridge) and
+    the NeMo-Run recipe's argument (``RECIPE_KEYS``: ``cp.size`` -> ``cp_size``)."""
+    from nemo_longctx.shared.app_keys import RECIPE_KEYS, argument_name
+
+    options = _options_with(opt, bad)
+    config = options.problems(Context(keys=NEMO_KEYS))
+    recipe = options.problems(Context(keys=RECIPE_KEYS))
+    assert any(opt.key in p for p in config), (opt.key, bad, config)
+    assert any(argument_name(opt.key) in p for p in recipe), (opt.key, bad, recipe)
+    assert not any(f"{opt.key}=" in p or f"{opt.key}:" in p for p in recipe), recipe
+    assert len(config) == len(recipe)
+
+
+def test_the_model_checks_speak_the_callers_dialect():
+    from types import SimpleNamespace
+
+    from nemo_longctx.integrations.megatron.validation import model_problems
+    from nemo_longctx.shared.app_keys import RECIPE_KEYS
+
+    options = LongContextOptions.from_dict({"cp": {"size": 4, "algorithm": "ulysses"},
+                                            "recompute": {"name": "full", "num_layers": 9}})
+    config = SimpleNamespace(num_attention_heads=6, num_query_groups=3, seq_length=4096, num_layers=4)
+    ours = model_problems(config, options, 4, 1, 1, Context(keys=NEMO_KEYS))
+    theirs = model_problems(config, options, 4, 1, 1, Context(keys=RECIPE_KEYS))
+    assert any(p.startswith("cp.size=4: cp=ulysses") for p in ours), ours
+    assert any(p.startswith("cp_size=4: cp=ulysses") for p in theirs), theirs
+    assert any(p.startswith("recompute.num_layers=9 exceeds the 4 layers per pipeline stage (model.num_layers / "
+                            "trainer.strategy.pipeline_model_parallel_size)") for p in ours), ours
+    assert any(p.startswith("recompute_num_layers=9 exceeds the 4 layers per pipeline stage (model.config.num_layers"
+                            " / trainer.strategy.pipeline_model_parallel_size)") for p in theirs), theirs
+
+
+def test_the_plan_keys_speak_the_callers_dialect():
+    from nemo_longctx.shared.plan_keys import plan_key_problems
+
+    plan = {"seq_length": 1, "host_memory_gb": -1}
+    assert plan_key_problems(plan) == ["plan.seq_length=1 must be an int >= 2",
+                                       "plan.host_memory_gb=-1 must be a number >= 0"]
+    names = Context(keys={"plan.seq_length": "seq_length", "plan.host_memory_gb": "host_memory_gb"})
+    assert plan_key_problems(plan, names) == ["seq_length=1 must be an int >= 2",
+                                              "host_memory_gb=-1 must be a number >= 0"]
+    assert plan_key_problems({"seq_length": 3}, names) == [
+        "seq_length=3 must be divisible by 2*cp.size = 2 (zigzag layout: 2 chunks per CP rank): use 2 or 4"]
