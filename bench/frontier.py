@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from nemo_longctx.apps.plan import conf_dir, inputs_from_config  # noqa: E402
+from nemo_longctx.shared.run_spec import read_plan_spec  # noqa: E402
 from nemo_longctx.planner.search import plan  # noqa: E402
 
 STEP = 16384
@@ -67,7 +68,7 @@ def _inputs(model: str, gpu: str, gpus: int, host_gb: int | None = None, checkpo
     extra.append(f"plan.checkpoints={str(checkpoints).lower()}")
     with initialize_config_dir(config_dir=conf_dir(), version_base=None):
         cfg = compose("plan", overrides=[f"model={model}", f"plan={gpu}", f"plan.gpus={gpus}", *extra])
-    return inputs_from_config(cfg), float(cfg.plan.cost_tolerance)
+    return inputs_from_config(read_plan_spec(cfg)), float(cfg.plan.cost_tolerance)
 
 
 def frontier(model: str, gpu: str, gpus: int, hi: int = 1 << 27, host_gb: int | None = None,

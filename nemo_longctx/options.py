@@ -107,19 +107,21 @@ class Option:
             what += " " + " and ".join(bounds)
         return what + (" (or null)" if self.nullable else "")
 
-    def problem(self, value: Any) -> Optional[str]:
-        """None when ``value`` is valid for this key, else the message naming the key."""
+    def problem(self, value: Any, ctx: Optional["Context"] = None) -> Optional[str]:
+        """None when ``value`` is valid for this key, else the message naming the key (in ``ctx``'s dialect: the
+        front end's spelling of the key, ``Context.key``)."""
         if self._valid(value):
             return None
+        key = ctx.key(self.key) if ctx is not None else self.key
         if self.kind == "modules" and isinstance(value, (list, tuple)) and value:
             bad = [m for m in value if m not in self.choices]
             if bad:
                 what = "module(s)" if self.name == "modules" else "value(s)"
-                return f"{self.key}: unknown {what} {bad} (choose from {list(self.choices)})"
+                return f"{key}: unknown {what} {bad} (choose from {list(self.choices)})"
         if self.kind == "tiles" and _is_int(value):
             what = "chunks" if self.name.endswith("chunks") else "tokens" if self.name.endswith("tokens") else "tiles"
-            return f"{self.key} must be a positive number of {what} (or 'off'/'auto'), got {value}"
-        return f"{self.key}={_show(value)} must be {self.expectation()}"
+            return f"{key} must be a positive number of {what} (or 'off'/'auto'), got {value}"
+        return f"{key}={_show(value)} must be {self.expectation()}"
 
     def _valid(self, v: Any) -> bool:
         if v is None:
@@ -179,9 +181,11 @@ def _show(value: Any) -> str:
     return repr(list(value)) if isinstance(value, tuple) else repr(value)
 
 
-def option_problems(options: Sequence[Option], values: Mapping[str, Any]) -> List[str]:
-    """The type/range problems of ``values`` (keyed by Option.name) for the options present in ``values``."""
-    return [p for o in options if o.name in values for p in [o.problem(values[o.name])] if p]
+def option_problems(options: Sequence[Option], values: Mapping[str, Any], ctx: Optional["Context"] = None
+                    ) -> List[str]:
+    """The type/range problems of ``values`` (keyed by Option.name) for the options present in ``values``, their keys
+    in ``ctx``'s dialect."""
+    return [p for o in options if o.name in values for p in [o.problem(values[o.name], ctx)] if p]
 
 
 def _plain(value: Any) -> Any:
@@ -200,13 +204,16 @@ def _group(data: Optional[Mapping[str, Any]], name: str) -> Tuple[Dict[str, Any]
 
 
 def unknown_keys(group: str, given: Mapping[str, Any], known: Sequence[str], why: str = "",
-                 noun: str = "key(s)") -> List[str]:
+                 noun: str = "key(s)", ctx: Optional["Context"] = None) -> List[str]:
     bad = sorted(k for k in given if k not in known)
     if not bad:
         return []
-    keys = ", ".join(f"{group}.{k}" for k in bad)
+    kn = ctx.key if ctx is not None else str  # the keys in the front end's dialect
+
+    keys = ", ".join(kn(f"{group}.{k}") for k in bad)
     near = {k: m[0] for k in bad for m in [difflib.get_close_matches(str(k), [str(x) for x in known], 1)] if m}
-    hints = [f"{group}.{m}" if len(bad) == 1 else f"{group}.{k} -> {group}.{m}" for k, m in near.items()]
+    hints = [kn(f"{group}.{m}") if len(bad) == 1 else f"{kn(f'{group}.{k}')} -> {kn(f'{group}.{m}')}"
+             for k, m in near.items()]
     hint = f"; did you mean {', '.join(hints)}?" if hints else ""
     return [f"{group}: unknown {noun} {bad}{why} ({keys}: not set here{hint} known: {sorted(known) or 'none'})"]
 
@@ -224,25 +231,30 @@ def layout_problems(seq_length: Any, cp_size: Any, tp: Any = 1, pp: Any = 1, wor
         step = 2 * cp_size * (tp if sequence_parallel and tp > 1 else 1)
         if seq_length % step:
             lower, upper = seq_length - seq_length % step, seq_length - seq_length % step + step
-            why = (f"2*cp.size = {2 * cp_size} (zigzag layout: 2 chunks per CP rank)" if step == 2 * cp_size else
-                   f"2*cp.size x {ctx.key('tp')} = {step} (zigzag layout: 2 chunks per CP rank, each split over "
+            size = ctx.key("cp.size")
+            why = (f"2*{size} = {2 * cp_size} (zigzag layout: 2 chunks per CP rank)" if step == 2 * cp_size else
+                   f"2*{size} x {ctx.key('tp')} = {step} (zigzag layout: 2 chunks per CP rank, each split over "
                    f"the TP ranks by {ctx.key('sequence_parallel')})")
             p.append(f"{ctx.key('seq_length')}={seq_length} must be divisible by {why}: use "
                      f"{lower or upper}" + (f" or {upper}" if lower else ""))
     if _is_int(world_size) and world_size >= 1 and world_size % (cp_size * tp * pp):
-        p.append(f"cp.size={cp_size} x {ctx.key('tp')}={tp} x {ctx.key('pp')}={pp} = {cp_size * tp * pp} does not "
-                 f"divide the world size {world_size} ({ctx.key('world_size')})")
+        p.append(f"{ctx.key('cp.size')}={cp_size} x {ctx.key('tp')}={tp} x {ctx.key('pp')}={pp} = "
+                 f"{cp_size * tp * pp} does not divide the world size {world_size} ({ctx.key('world_size')})")
     return p
 
 
 # ---------------------------------------------------------------------------------------------------- context
+PRECISIONS = ("32", 32, "bf16-mixed", "16-mixed")  # the run's precision (trainer.precision): fp32 | bf16 | fp16 mixed
+
+
 @dataclass(frozen=True)
 class Context:
     """What the option checks need from the rest of the run, and how the front end spells those keys.
 
     ``cuda``/``te``: whether the target has CUDA / TransformerEngine (None: unknown, the checks that need them are
-    left to the front end, which knows its process). ``keys``: the front end's names for these values, used in
-    messages (defaults: Megatron's field names)."""
+    left to the front end, which knows its process). ``keys``: the front end's dialect, its names for these values
+    and for the option keys (``cp.size``: the NeMo-Run recipe's ``cp_size``), used in messages where they are
+    written (defaults: Megatron's field names, and the option keys as the config spells them)."""
 
     seq_length: Optional[int] = None
     tp: int = 1
@@ -264,7 +276,8 @@ class Context:
     fsdp_checkpoints: bool = False
 
     def key(self, name: str) -> str:
-        return self.keys.get(name, _NEUTRAL_KEYS[name])
+        """``name`` (a value the checks need, or an option key) as the front end spells it."""
+        return self.keys.get(name, _NEUTRAL_KEYS.get(name, name))
 
 
 _NEUTRAL_KEYS = {"seq_length": "seq_length", "tp": "tensor_model_parallel_size",
@@ -275,6 +288,7 @@ _NEUTRAL_KEYS = {"seq_length": "seq_length", "tp": "tensor_model_parallel_size",
 
 # ---------------------------------------------------------------------------------------------------- cp
 CP_ALGORITHMS = ("ring", "ulysses", "hybrid")
+CP_CHOICES = ("none",) + CP_ALGORITHMS  # the cp group's choices (cp=none: ring attention on one rank)
 # per algorithm: the cp keys it uses besides size/algorithm, and the extra options cp.kwargs may pass to it
 CP_ALGORITHM_KEYS = {"ring": (), "ulysses": ("head_chunks",), "hybrid": ("ulysses_size", "head_chunks")}
 CP_ALGORITHM_KWARGS = {"ring": ("kernel",), "ulysses": ("kernel", "regather_in_backward"),
@@ -320,44 +334,49 @@ class CPOptions:
             kw["split_min_tokens"] = normalize_tiles(kw["split_min_tokens"])
         return cls(**kw, given=tuple(d))
 
-    def problems(self) -> List[str]:
+    def problems(self, ctx: Optional["Context"] = None) -> List[str]:
+        """Every problem of the group (empty = valid), each naming its key in ``ctx``'s dialect."""
+        ctx = ctx or Context()
+        kn = ctx.key
         values = {o.name: getattr(self, o.name) for o in self.OPTIONS}
-        p = unknown_keys("cp", {k: 0 for k in self.given}, [o.name for o in self.OPTIONS])
-        p += option_problems(self.OPTIONS[:2], values)
+        p = unknown_keys("cp", {k: 0 for k in self.given}, [o.name for o in self.OPTIONS], ctx=ctx)
+        p += option_problems(self.OPTIONS[:2], values, ctx)
         if self.algorithm not in CP_ALGORITHMS:
             return p
         algo, uses = self.algorithm, CP_ALGORITHM_KEYS[self.algorithm]
         for k in ("ulysses_size", "head_chunks"):
             if k not in uses and k in self.given and values[k] not in (None, 1):
                 owners = "|".join(a for a, ks in CP_ALGORITHM_KEYS.items() if k in ks)
-                p.append(f"cp.algorithm={algo!r} got unknown options [{k!r}] (cp.{k} is an option of "
-                         f"cp.algorithm={owners})")
+                p.append(f"{kn('cp.algorithm')}={algo!r} got unknown options [{k!r}] ({kn('cp.' + k)} is an option "
+                         f"of {kn('cp.algorithm')}={owners})")
         if "head_chunks" in uses:
-            p += option_problems(self.OPTIONS[3:4], values)
+            p += option_problems(self.OPTIONS[3:4], values, ctx)
         if algo == "hybrid" and not (_is_int(self.ulysses_size) and self.ulysses_size >= 1 and _is_int(self.size)
                                      and self.size >= 1 and self.size % self.ulysses_size == 0):
-            p.append(f"cp.ulysses_size={self.ulysses_size!r} must be a positive divisor of cp.size={self.size!r} "
-                     "(cp=hybrid: Ulysses over cp.ulysses_size consecutive CP ranks, ring over cp.size / "
-                     "cp.ulysses_size of those groups)")
-        p += option_problems(self.OPTIONS[4:], values)
+            u, size = kn("cp.ulysses_size"), kn("cp.size")
+            p.append(f"{u}={self.ulysses_size!r} must be a positive divisor of {size}={self.size!r} (cp=hybrid: "
+                     f"Ulysses over {u} consecutive CP ranks, ring over {size} / {u} of those groups)")
+        p += option_problems(self.OPTIONS[4:], values, ctx)
         if self.split_min_tokens != "off" and _is_int(self.size) and self.size == 1 and self.OPTIONS[5].problem(
-                self.split_min_tokens) is None:
-            p.append(f"cp.split_min_tokens={self.split_min_tokens!r} needs context parallelism (cp.size > 1): with "
-                     "one CP rank every document is already whole; drop it or set cp.size")
+                self.split_min_tokens, ctx) is None:
+            p.append(f"{kn('cp.split_min_tokens')}={self.split_min_tokens!r} needs context parallelism "
+                     f"({kn('cp.size')} > 1): with one CP rank every document is already whole; drop it or set "
+                     f"{kn('cp.size')}")
         if isinstance(self.kwargs, Mapping):
+            kw = kn("cp.kwargs")
             for k in ("ulysses_size", "head_chunks"):
                 if k in self.kwargs:
-                    p.append(f"cp.kwargs.{k}: set cp.{k} instead (one spelling per option)")
+                    p.append(f"{kw}.{k}: set {kn('cp.' + k)} instead (one spelling per option)")
             allowed = CP_ALGORITHM_KWARGS[algo]
             bad = sorted(k for k in self.kwargs if k not in allowed and k not in ("ulysses_size", "head_chunks"))
             if bad:
-                p.append(f"cp.kwargs: cp.algorithm={algo!r} got unknown options {bad} (known: {list(allowed)})")
+                p.append(f"{kw}: {kn('cp.algorithm')}={algo!r} got unknown options {bad} (known: {list(allowed)})")
             kernel = self.kwargs.get("kernel")
             if kernel is not None and (not isinstance(kernel, str) or not kernel):
-                p.append(f"cp.kwargs.kernel={kernel!r} must be a kernel name (a string) or null")
+                p.append(f"{kw}.kernel={kernel!r} must be a kernel name (a string) or null")
             regather = self.kwargs.get("regather_in_backward", False)
             if not isinstance(regather, bool):
-                p.append(f"cp.kwargs.regather_in_backward={regather!r} must be true or false")
+                p.append(f"{kw}.regather_in_backward={regather!r} must be true or false")
         return p
 
     @property
@@ -395,11 +414,17 @@ def _is_int(v: Any) -> bool:
 # kernels and the chunk's matmuls efficient on a GPU; the planner searches larger chunks too)
 DEFAULT_SEQUENCE_CHUNK_TOKENS = 16384
 RECOMPUTE_MODES = ("none", "selective", "full", "full_keep_attn")
+# the planner's recompute modes -> (the recompute group's choice, its selective modules); "selective" alone would be
+# ambiguous: the config's recompute=selective recomputes recompute.modules (default [core_attn])
+PLANNED_RECOMPUTE = {"none": ("none", None), "selective_mlp": ("selective", ("mlp",)),
+                     "selective_attn": ("selective", ("core_attn",)), "full": ("full", None),
+                     "full_keep_attn": ("full_keep_attn", None)}
 RECOMPUTE_METHODS = ("uniform", "block")
 # recompute_modules of megatron-core that apply to dense GPT layers (moe, moe_act, shared_experts and mla_up_proj
 # need MoE / MLA layers, which nemo_longctx's core attention does not support)
 SELECTIVE_MODULES = ("core_attn", "mlp", "layernorm")
 OFFLOAD_MODES = ("none", "layer_input", "modules")
+PLANNED_OFFLOAD = OFFLOAD_MODES[:2]  # the offload modes the planner models
 # offload.modules names -> submodule path inside a Megatron TransformerLayer
 OFFLOAD_MODULE_PATHS = {
     "self_attention": "self_attention",
@@ -520,32 +545,35 @@ class MemoryOptions:
                     "no per-document path; use recompute=full or selective"]
         return []
 
-    def problems(self, cp_algorithm: Any = "ring") -> List[str]:
-        """Every problem with these options (empty = valid) that needs no model."""
+    def problems(self, cp_algorithm: Any = "ring", ctx: Optional["Context"] = None) -> List[str]:
+        """Every problem with these options (empty = valid) that needs no model, each naming its key in ``ctx``'s
+        dialect."""
+        ctx = ctx or Context()
+        kn = ctx.key
         p: List[str] = []
         values = {o: getattr(self, f) for o, f in self._FIELD.items()}
         for group, opts in (("recompute", self.RECOMPUTE_OPTIONS), ("offload", self.OFFLOAD_OPTIONS)):
             name = values[f"{group}.name"]
-            p += option_problems(opts[:1], {"name": name})
+            p += option_problems(opts[:1], {"name": name}, ctx)
             if name not in (RECOMPUTE_MODES if group == "recompute" else OFFLOAD_MODES):
                 continue
             allowed = GROUP_KEYS[group].get(name, ())
             given = {k.split(".", 1)[1]: 0 for k in self.given if k.startswith(group + ".")}
             given.pop("name", None)
-            p += unknown_keys(group, given, allowed, f" for {group}={name}", noun="field(s)")
+            p += unknown_keys(group, given, allowed, f" for {group}={name}", noun="field(s)", ctx=ctx)
             # the keys this choice uses (given or defaulted)
             p += option_problems([o for o in opts[1:] if o.name in allowed],
-                                 {k.split(".", 1)[1]: v for k, v in values.items() if k.startswith(group + ".")})
+                                 {k.split(".", 1)[1]: v for k, v in values.items() if k.startswith(group + ".")}, ctx)
         if p:
             return p
         r, o = self.recompute, self.offload
         if r == "full_keep_attn" and cp_algorithm not in KEEP_ATTN_ALGORITHMS:
-            p.append(f"recompute=full_keep_attn keeps ring attention's output and LSE: it needs cp.algorithm=ring "
-                     f"(cp=ring or cp=none), got cp.algorithm={cp_algorithm!r}")
+            p.append(f"recompute=full_keep_attn keeps ring attention's output and LSE: it needs {kn('cp.algorithm')}="
+                     f"ring (cp=ring or cp=none), got {kn('cp.algorithm')}={cp_algorithm!r}")
         if self.sequence_chunks != "off":
             if r != "full":
-                p.append(f"recompute.sequence_chunks={self.sequence_chunks!r} needs recompute=full (with recompute={r} "
-                         "it is not implemented)")
+                p.append(f"{kn('recompute.sequence_chunks')}={self.sequence_chunks!r} needs recompute=full (with "
+                         f"recompute={r} it is not implemented)")
         if o == "layer_input" and not self.full:
             p.append(f"offload=layer_input requires recompute=full or full_keep_attn (got recompute={r})")
         if o == "modules":
@@ -556,8 +584,8 @@ class MemoryOptions:
                 for rm in self.recompute_modules:
                     clash = sorted(RECOMPUTED_BY.get(rm, set()) & set(self.offload_modules))
                     if clash:
-                        p.append(f"offload.modules {clash} are recomputed by recompute.modules [{rm}] (they save "
-                                 "nothing to offload): drop them from one of the two lists")
+                        p.append(f"{kn('offload.modules')} {clash} are recomputed by {kn('recompute.modules')} [{rm}] "
+                                 "(they save nothing to offload): drop them from one of the two lists")
         return p
 
 
@@ -618,19 +646,21 @@ class TilingOptions:
 
     def problems(self, seq_length: Any = None, cp_size: Any = 1, tp: Any = 1, sequence_parallel: bool = False,
                  keys: Optional[Context] = None) -> List[str]:
+        """Every problem of the group (empty = valid) against the tokens per rank, each naming its key in the
+        dialect of ``keys`` (a ``Context``)."""
+        ctx = keys or Context()
         values = {o.name: getattr(self, o.name) for o in self.OPTIONS}
-        p = unknown_keys("tiling", {k: 0 for k in self.given}, [o.name for o in self.OPTIONS])
-        p += option_problems(self.OPTIONS, values)
+        p = unknown_keys("tiling", {k: 0 for k in self.given}, [o.name for o in self.OPTIONS], ctx=ctx)
+        p += option_problems(self.OPTIONS, values, ctx)
         if p or not (_is_int(seq_length) and _is_int(cp_size) and cp_size >= 1 and _is_int(tp) and tp >= 1):
             return p
-        ctx = keys or Context()
         mlp_tokens, loss_tokens = self.tokens(seq_length, cp_size, tp, sequence_parallel)
-        where = f"{ctx.key('seq_length')}={seq_length} / cp.size={cp_size}"
+        where = f"{ctx.key('seq_length')}={seq_length} / {ctx.key('cp.size')}={cp_size}"
         sp = (f" / {ctx.key('tp')}={tp} (sequence parallel)" if sequence_parallel and tp > 1 else "")
         for key, policy, tokens, extra in (("tiling.mlp_tiles", self.mlp_tiles, mlp_tokens, sp),
                                            ("tiling.loss_chunks", self.loss_chunks, loss_tokens, "")):
             if _is_int(policy) and policy > tokens:
-                p.append(f"{key}={policy} exceeds the {tokens} tokens per rank ({where}{extra}): use at most "
+                p.append(f"{ctx.key(key)}={policy} exceeds the {tokens} tokens per rank ({where}{extra}): use at most "
                          f"{tokens}, auto or off")
         return p
 
@@ -713,82 +743,82 @@ class ModelStateOptions:
         return " + ".join(parts)
 
     def problems(self, ctx: Optional[Context] = None) -> List[str]:
-        """Every problem (empty = valid), each naming its ``optim.*`` key. ``ctx.te``/``ctx.cuda``: whether the
-        target has TransformerEngine / CUDA (None: not checked here)."""
+        """Every problem (empty = valid), each naming its ``optim.*`` key in ``ctx``'s dialect. ``ctx.te``/
+        ``ctx.cuda``: whether the target has TransformerEngine / CUDA (None: not checked here)."""
         ctx = ctx or Context()
         o = self
-        p = option_problems(self.OPTIONS, {f.name: getattr(self, f.name) for f in fields(self)})
+        p = option_problems(self.OPTIONS, {f.name: getattr(self, f.name) for f in fields(self)}, ctx)
         if p:
             return p
         precision, pp_key, prec_key = str(ctx.precision), ctx.key("pp"), ctx.key("precision")
+        fsdp, dist, off, aware, opt = (ctx.key(f"optim.{n}") for n in (
+            "megatron_fsdp", "use_distributed_optimizer", "optimizer_cpu_offload", "use_precision_aware_optimizer",
+            "optimizer"))
         for f in ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
             v = getattr(o, f)
             if v != "fp32" and not o.use_precision_aware_optimizer:
-                p.append(f"optim.{f}={v} needs optim.use_precision_aware_optimizer=true (Megatron keeps {f} in fp32 "
-                         "otherwise)")
+                p.append(f"{ctx.key('optim.' + f)}={v} needs {aware}=true (Megatron keeps {f} in fp32 otherwise)")
         if o.megatron_fsdp:
             if not o.use_distributed_optimizer:
-                p.append("optim.megatron_fsdp=true needs optim.use_distributed_optimizer=true (Megatron-FSDP shards "
-                         "the optimizer states through the distributed optimizer)")
+                p.append(f"{fsdp}=true needs {dist}=true (Megatron-FSDP shards the optimizer states through the "
+                         "distributed optimizer)")
             if ctx.pp > 1:
-                p.append(f"optim.megatron_fsdp=true with {pp_key}={ctx.pp}: nemo_longctx runs Megatron-FSDP without "
-                         "pipeline parallelism only")
+                p.append(f"{fsdp}=true with {pp_key}={ctx.pp}: nemo_longctx runs Megatron-FSDP without pipeline "
+                         "parallelism only")
             ck = ctx.key("checkpointing")
             if ctx.checkpointing and not ctx.fsdp_checkpoints:
                 # the fsdp_dtensor save/load makes collective calls per parameter's optimizer state, and Megatron-FSDP
                 # creates no state for a rank's empty shards: nemo-longctx train fills it in (fsdp_checkpoint.py);
                 # the Megatron-Bridge and NeMo-Run front ends have no such hook here (not run with Bridge)
-                p.append(f"optim.megatron_fsdp=true with {ck} > 0: Megatron-FSDP checkpoints (the fsdp_dtensor "
-                         "format) are saved by nemo-longctx train only, which gives every rank the optimizer state "
-                         f"of every parameter that format needs (set {ck}=0, or train with nemo-longctx train)")
+                p.append(f"{fsdp}=true with {ck} > 0: Megatron-FSDP checkpoints (the fsdp_dtensor format) are saved "
+                         "by nemo-longctx train only, which gives every rank the optimizer state of every parameter "
+                         f"that format needs (set {ck}=0, or train with nemo-longctx train)")
             elif ctx.checkpointing and not precision.startswith("bf16"):
                 # fp32: NeMo 2.7's MegatronStrategy._get_fsdp_dtensor_state_dict looks the SwiGLU fc1 weights up as
                 # "module.<key>" below the mixed-precision wrapper, which an fp32 model lacks (AttributeError);
                 # 16-mixed: not run (its grad scaler state is in the checkpoint too)
-                p.append(f"optim.megatron_fsdp=true with {ck} > 0 and {prec_key}={precision}: Megatron-FSDP "
-                         f"checkpoints are saved and resumed at {prec_key}=bf16-mixed only (with fp32 weights NeMo's "
-                         "save cannot find the weights of a gated (SwiGLU) MLP; 16-mixed is not verified) (use "
+                p.append(f"{fsdp}=true with {ck} > 0 and {prec_key}={precision}: Megatron-FSDP checkpoints are saved "
+                         f"and resumed at {prec_key}=bf16-mixed only (with fp32 weights NeMo's save cannot find the "
+                         "weights of a gated (SwiGLU) MLP; 16-mixed is not verified) (use "
                          f"{prec_key}=bf16-mixed, or set {ck}=0)")
             if o.optimizer_cpu_offload:
                 # unverified, not known broken: with Megatron-FSDP the distributed optimizer skips its shard set-up
                 # and HybridDeviceOptimizer would get Megatron-FSDP's DTensor parameters directly
-                p.append("optim.megatron_fsdp=true with optim.optimizer_cpu_offload=true: not verified (Megatron-FSDP "
-                         "hands HybridDeviceOptimizer its DTensor parameters directly, which no test here can run); "
-                         "use optim.use_distributed_optimizer=true without megatron_fsdp for optimizer CPU offload")
+                p.append(f"{fsdp}=true with {off}=true: not verified (Megatron-FSDP hands HybridDeviceOptimizer its "
+                         f"DTensor parameters directly, which no test here can run); use {dist}=true without "
+                         "megatron_fsdp for optimizer CPU offload")
         if o.optimizer_cpu_offload:
             if not o.use_distributed_optimizer:
-                p.append("optim.optimizer_cpu_offload=true needs optim.use_distributed_optimizer=true (nemo_longctx "
-                         "offloads the distributed optimizer's shard)")
+                p.append(f"{off}=true needs {dist}=true (nemo_longctx offloads the distributed optimizer's shard)")
             if o.optimizer != "adam":
-                p.append(f"optim.optimizer_cpu_offload=true supports optim.optimizer=adam here, got {o.optimizer!r}")
+                p.append(f"{off}=true supports {opt}=adam here, got {o.optimizer!r}")
             if not (precision.startswith("bf16") or precision.startswith("16")):
-                p.append(f"optim.optimizer_cpu_offload=true needs {prec_key}=bf16-mixed or 16-mixed (got "
-                         f"{precision}): with fp32 weights Megatron's distributed optimizer hands "
-                         "HybridDeviceOptimizer views of the parameters, which torch.optim refuses (non-leaf tensors)")
+                p.append(f"{off}=true needs {prec_key}=bf16-mixed or 16-mixed (got {precision}): with fp32 weights "
+                         "Megatron's distributed optimizer hands HybridDeviceOptimizer views of the parameters, which "
+                         "torch.optim refuses (non-leaf tensors)")
         if o.use_precision_aware_optimizer:
             if o.optimizer != "adam":
-                p.append(f"optim.use_precision_aware_optimizer=true needs optim.optimizer=adam, got {o.optimizer!r}")
+                p.append(f"{aware}=true needs {opt}=adam, got {o.optimizer!r}")
             if not o.use_distributed_optimizer:
-                p.append("optim.use_precision_aware_optimizer=true needs optim.use_distributed_optimizer=true")
+                p.append(f"{aware}=true needs {dist}=true")
             if o.optimizer_cpu_offload:
                 # Megatron builds HybridDeviceOptimizer(param_update_in_fp32=True) without the dtype arguments
                 for f in ("exp_avg_dtype", "exp_avg_sq_dtype", "main_params_dtype"):
                     if getattr(o, f) != "fp32":
-                        p.append(f"optim.{f}={getattr(o, f)} with optim.optimizer_cpu_offload=true: Megatron's "
+                        p.append(f"{ctx.key('optim.' + f)}={getattr(o, f)} with {off}=true: Megatron's "
                                  "HybridDeviceOptimizer keeps fp32 master weights and fp32 Adam moments (it ignores "
                                  f"{f}); set it to fp32")
             if ctx.te is False and not o.optimizer_cpu_offload:
                 # with optimizer_cpu_offload the precision-aware step is HybridDeviceOptimizer's: no TE FusedAdam
-                p.append("optim.use_precision_aware_optimizer=true needs TransformerEngine's FusedAdam (it keeps the "
-                         "low-precision states) unless optim.optimizer_cpu_offload=true: transformer_engine is not "
-                         "installed")
+                p.append(f"{aware}=true needs TransformerEngine's FusedAdam (it keeps the low-precision states) "
+                         f"unless {off}=true: transformer_engine is not installed")
             elif ctx.te is False and ctx.cuda:
                 # OptimizerConfig.__post_init__ compares TE's version (None without TE: TypeError); cpu_compat
                 # answers it on CPU-only builds, nothing does on a CUDA build without TE
-                p.append("optim.use_precision_aware_optimizer=true on a CUDA build needs TransformerEngine installed "
-                         "(Megatron's OptimizerConfig reads its version), even with optim.optimizer_cpu_offload=true")
+                p.append(f"{aware}=true on a CUDA build needs TransformerEngine installed (Megatron's OptimizerConfig "
+                         f"reads its version), even with {off}=true")
             if o.main_grads_dtype != "fp32" and not precision.startswith("bf16"):
-                p.append(f"optim.main_grads_dtype={o.main_grads_dtype} needs {prec_key}=bf16-mixed "
+                p.append(f"{ctx.key('optim.main_grads_dtype')}={o.main_grads_dtype} needs {prec_key}=bf16-mixed "
                          f"(got {precision})")
         return p
 
@@ -835,9 +865,9 @@ class OptimOptions:
                    given=tuple(d))
 
     def problems(self, ctx: Optional[Context] = None) -> List[str]:
-        p = unknown_keys("optim", {k: 0 for k in self.given}, [o.name for o in self.OPTIONS])
+        p = unknown_keys("optim", {k: 0 for k in self.given}, [o.name for o in self.OPTIONS], ctx=ctx)
         sched = self.OPTIONS[:self.SCHEDULE]
-        p += option_problems(sched, {o.name: getattr(self, o.name) for o in sched})
+        p += option_problems(sched, {o.name: getattr(self, o.name) for o in sched}, ctx)
         return p + self.state.problems(ctx)
 
 
@@ -875,12 +905,12 @@ class MetricsOptions:
         given = tuple(f"{g}.{k}" for g in ("memory", "log") if isinstance(data.get(g), Mapping) for k in data[g])
         return cls(**kw, given=given)
 
-    def problems(self) -> List[str]:
+    def problems(self, ctx: Optional[Context] = None) -> List[str]:
         p: List[str] = []
         for group in ("memory", "log"):  # groups of their own (run.* is shared with the front end's keys)
             p += unknown_keys(group, {k.split(".", 1)[1]: 0 for k in self.given if k.startswith(group + ".")},
-                          [o.name for o in self.OPTIONS if o.key.startswith(group + ".")])
-        return p + option_problems(self.OPTIONS, {o.name: getattr(self, o.name) for o in self.OPTIONS})
+                              [o.name for o in self.OPTIONS if o.key.startswith(group + ".")], ctx=ctx)
+        return p + option_problems(self.OPTIONS, {o.name: getattr(self, o.name) for o in self.OPTIONS}, ctx)
 
 
 # ---------------------------------------------------------------------------------------------------- the model
@@ -920,53 +950,56 @@ class LongContextOptions:
     def problems(self, ctx: Optional[Context] = None) -> List[str]:
         """Every problem that needs no model (empty = valid), each naming its key."""
         ctx = ctx or Context()
-        p = list(self.group_problems) + self.cp.problems()
+        kn = ctx.key  # the option keys in the front end's dialect
+        p = list(self.group_problems) + self.cp.problems(ctx)
         cp_ok = not p
-        p += self.memory.problems(self.cp.algorithm)
+        p += self.memory.problems(self.cp.algorithm, ctx)
         p += self.tiling.problems(ctx.seq_length, self.cp.size if cp_ok else None, ctx.tp, ctx.sequence_parallel,
                                   ctx)
-        p += self.optim.problems(ctx) + self.metrics.problems()
+        p += self.optim.problems(ctx) + self.metrics.problems(ctx)
         if cp_ok:
             p += layout_problems(ctx.seq_length, self.cp.size, ctx.tp, ctx.pp, ctx.world_size, ctx.sequence_parallel,
                                  ctx)
         if (self.memory.sequence_chunks != "off" and cp_ok and self.cp.size > 1
                 and self.cp.algorithm not in SEQUENCE_CHUNK_ALGORITHMS):
-            p.append(f"recompute.sequence_chunks={self.memory.sequence_chunks} with cp.algorithm={self.cp.algorithm} "
-                     f"(cp.size={self.cp.size}): sequence-chunked layers run under "
-                     f"{', '.join(SEQUENCE_CHUNK_ALGORITHMS)} CP (or cp=none)")
+            p.append(f"{kn('recompute.sequence_chunks')}={self.memory.sequence_chunks} with "
+                     f"{kn('cp.algorithm')}={self.cp.algorithm} ({kn('cp.size')}={self.cp.size}): sequence-chunked "
+                     f"layers run under {', '.join(SEQUENCE_CHUNK_ALGORITHMS)} CP (or cp=none)")
         if self.memory.sequence_chunks != "off" and cp_ok and self.cp.size > 1 and self.cp.algorithm in (
                 "ulysses", "hybrid"):
             # the chunked attention sends each sequence chunk's heads at once and saves nothing gathered
-            redundant = [f"cp.head_chunks={self.cp.head_chunks}"] if self.cp.head_chunks != 1 else []
+            redundant = [f"{kn('cp.head_chunks')}={self.cp.head_chunks}"] if self.cp.head_chunks != 1 else []
             if self.cp.kwargs.get("regather_in_backward"):
-                redundant.append("cp.kwargs.regather_in_backward=true")
+                redundant.append(f"{kn('cp.kwargs')}.regather_in_backward=true")
             if redundant:
-                p.append(f"recompute.sequence_chunks={self.memory.sequence_chunks} with {' and '.join(redundant)}: "
-                         "a sequence-chunked layer's all-to-alls already move one sequence chunk at a time and keep "
-                         "nothing gathered for backward; drop " + " and ".join(r.split("=")[0] for r in redundant))
+                p.append(f"{kn('recompute.sequence_chunks')}={self.memory.sequence_chunks} with "
+                         f"{' and '.join(redundant)}: a sequence-chunked layer's all-to-alls already move one sequence "
+                         "chunk at a time and keep nothing gathered for backward; drop "
+                         + " and ".join(r.split("=")[0] for r in redundant))
         if cp_ok and self.cp.document_aware:
-            v = self.cp.split_min_tokens
+            v, split = self.cp.split_min_tokens, kn("cp.split_min_tokens")
             if not ctx.document_placement:
-                p.append(f"cp.split_min_tokens={v!r}: document-aware placement is not available on this front end "
-                         "in this version (its own data step lays packed sequences out, every document split); use "
-                         "the NeMo 2 app (nemo-longctx train) for it, or set cp.split_min_tokens=off")
+                p.append(f"{split}={v!r}: document-aware placement is not available on this front end in this "
+                         "version (its own data step lays packed sequences out, every document split); use the NeMo 2 "
+                         f"app (nemo-longctx train) for it, or set {split}=off")
             if ctx.packed_data is False:
-                p.append(f"cp.split_min_tokens={v!r} places packed documents, but {ctx.key('packed_data')} are "
-                         "dense sequences (no document boundaries): use packed documents or drop it")
+                p.append(f"{split}={v!r} places packed documents, but {ctx.key('packed_data')} are dense sequences "
+                         "(no document boundaries): use packed documents or drop it")
             if self.memory.sequence_chunks != "off":
-                p.append(f"cp.split_min_tokens={v!r} with recompute.sequence_chunks={self.memory.sequence_chunks}: "
+                p.append(f"{split}={v!r} with {kn('recompute.sequence_chunks')}={self.memory.sequence_chunks}: "
                          "sequence-chunked layers run the per-document zigzag layout only; drop one of them")
             if self.memory.recompute == "full_keep_attn":
-                p.append(f"cp.split_min_tokens={v!r} with recompute=full_keep_attn: that recompute takes no packed "
-                         "documents; use recompute=full or selective")
+                p.append(f"{split}={v!r} with recompute=full_keep_attn: that recompute takes no packed documents; "
+                         "use recompute=full or selective")
         if self.tiling.loss_chunks != "off" and self.optim.state.megatron_fsdp:
             # found by nemo-longctx fuzz: the chunked loss builds the output layer's and embedding's gradients
             # during forward, and Megatron-FSDP's gradient pipeline asserts at the first step
-            p.append(f"tiling.loss_chunks={self.tiling.loss_chunks} with optim.megatron_fsdp=true: Megatron-FSDP "
-                     "refuses the gradients the chunked loss makes in forward; set tiling.loss_chunks=off (or use "
-                     "optim.use_distributed_optimizer=true without megatron_fsdp)")
+            chunks = kn("tiling.loss_chunks")
+            p.append(f"{chunks}={self.tiling.loss_chunks} with {kn('optim.megatron_fsdp')}=true: Megatron-FSDP "
+                     f"refuses the gradients the chunked loss makes in forward; set {chunks}=off (or use "
+                     f"{kn('optim.use_distributed_optimizer')}=true without megatron_fsdp)")
         if self.memory.sequence_chunks != "off" and ctx.sequence_parallel and _is_int(ctx.tp) and ctx.tp > 1:
-            p.append(f"recompute.sequence_chunks={self.memory.sequence_chunks} with {ctx.key('tp')}={ctx.tp} and "
+            p.append(f"{kn('recompute.sequence_chunks')}={self.memory.sequence_chunks} with {kn('tp')}={ctx.tp} and "
                      "sequence parallelism: not supported in this version (a chunk of each TP rank's rows is not a "
                      "contiguous piece of the sequence)")
         return p

@@ -112,6 +112,13 @@ def train_config(overrides):
     return cfg
 
 
+def train_spec(overrides):
+    """The run spec of ``overrides`` (``train_config`` read by the app's one reader, ``read_run_spec``)."""
+    from nemo_longctx.shared.run_spec import read_run_spec
+
+    return read_run_spec(train_config(overrides))
+
+
 DRY_RUNS = r"""
 import json, sys, traceback
 from nemo_longctx.apps import train

@@ -189,9 +189,9 @@ def _module_errors(world):
 
 
 def _compose(overrides):
-    from app_runner import train_config
+    from app_runner import train_spec
 
-    return train_config(overrides)
+    return train_spec(overrides)
 
 
 def _app_cases():

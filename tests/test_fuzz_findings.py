@@ -24,14 +24,13 @@ def test_kept_attention_with_packed_documents_is_refused_by_the_data_checks():
     assert MemoryOptions(recompute="full").packed_problems("data.packing=documents") == []
     case = parse_case("model=mha tp=2 dp=2 cp=ring cp.size=2 recompute=full_keep_attn data=packed documents=16,16,32")
     assert any("does not take packed documents" in p for p in case.refused)
-    from omegaconf import OmegaConf
-
     from nemo_longctx.integrations.nemo.data_checks import data_problems
+    from nemo_longctx.shared.run_spec import spec_from_dict
 
-    cfg = OmegaConf.create({"data": {"kind": "synthetic", "packing": "documents"},
-                            "recompute": {"name": "full_keep_attn"}, "trainer": {"micro_batch_size": 1}})
+    spec = spec_from_dict({"data": {"kind": "synthetic", "packing": "documents"},
+                           "recompute": {"name": "full_keep_attn"}, "trainer": {"micro_batch_size": 1}})
     assert any("recompute=full_keep_attn does not take packed documents (data.packing=documents)" in p
-               for p in data_problems(cfg))
+               for p in data_problems(spec))
 
 
 @pytest.fixture(scope="module")

@@ -90,11 +90,11 @@ def test_plan_keys_cover_plan_yaml():
 
 
 def test_bridge_help_in_process(capsys):
-    from nemo_longctx.apps.bridge import _app_options
+    from nemo_longctx.shared.app_keys import BRIDGE_OPTIONS
     from nemo_longctx.apps.help import help_text
 
-    out = help_text("bridge", app_options=_app_options())
-    for o in _app_options():
+    out = help_text("bridge", app_options=BRIDGE_OPTIONS)
+    for o in BRIDGE_OPTIONS:
         assert o.help.strip() and any(l.strip().startswith(o.key + " ") for l in out.splitlines()), o.key
     assert "cp.size" in out and "trainer.devices" not in out
 

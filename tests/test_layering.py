@@ -31,7 +31,9 @@ Also checked: no import cycles; every internal import names an existing module; 
 module, except the compat modules (``COMPAT``: they patch what they must); the package root holds only
 ``__init__.py``, ``__main__.py`` and ``options.py`` besides the subpackages; no class change (``x.__class__ = ``), no
 per-instance method (``x.forward = ``) and no rebinding of a third-party name anywhere but in the modules that make
-the patch ledgers' rows (``PATCHING``; the self-test's own instruments named in ``SELFTEST_INSTRUMENTS``).
+the patch ledgers' rows (``PATCHING``; the self-test's own instruments named in ``SELFTEST_INSTRUMENTS``); and only
+the one reader of a composed config (``READER``: ``shared/run_spec.py``) reads its groups (``OPTION_GROUPS``) --
+every other module takes the run spec (the composition, ``COMPOSER``, sets the demo's recipe before it).
 
 Every import counts: module level and inside functions, ``import x``, ``from x import y``, relative imports resolved
 to absolute names, and ``importlib.import_module("<literal>")``. ``from pkg import name`` is an import of the
@@ -701,3 +703,95 @@ def test_the_rebinding_check_sees_every_form(tmp_path):
     finally:
         ROOT = saved
     assert sorted(r.line for r in found) == [4, 5, 6, 7, 8, 9], found
+
+
+# ---------------------------------------------------------------------------------------------- the one reader
+# A composed Hydra config (a DictConfig) is read in one place: the run spec's reader. Below it every front end, the
+# planner and the dry run take the spec (``RunSpec`` / ``PlanSpec``); only the model group's node travels on, unread,
+# to Hydra's ``instantiate``.
+READER = f"{PKG}.shared.run_spec"
+COMPOSER = {f"{PKG}.shared.overrides": "composes the config (Hydra's compose API) and, from the model group's choice "
+                                       "that only the composition knows, sets the demo's recipe"}
+OPTION_GROUPS = ("trainer", "checkpoint", "launcher", "run", "log", "data", "init_from", "model", "cp", "recompute",
+                 "offload", "tiling", "optim", "memory", "recipe", "output_dir", "seed", "plan")
+_CONFIG_LIBRARIES = ("omegaconf", "hydra")
+
+
+def _config_names(tree: ast.AST) -> Set[str]:
+    """The names that hold a composed config: ``cfg`` and every name annotated ``DictConfig``."""
+    names = {"cfg"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.arg) and node.annotation is not None and "DictConfig" in ast.unparse(node.annotation):
+            names.add(node.arg)
+        elif (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+              and "DictConfig" in ast.unparse(node.annotation)):
+            names.add(node.target.id)
+    return names
+
+
+def _group_of(node: ast.AST) -> Optional[str]:
+    """The option group a string constant names (``"trainer.devices"`` -> ``trainer``), else None."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        head = node.value.split(".", 1)[0]
+        return head if head in OPTION_GROUPS else None
+    return None
+
+
+def _group_reads(src: str, path: Path) -> List[Rebinding]:
+    """Reads of an option group of a composed config in a module that imports OmegaConf or Hydra: ``cfg.trainer``,
+    ``cfg.get("data")``, ``cfg["optim"]``, ``OmegaConf.select(cfg, "run.x")`` (``cfg``: ``_config_names``)."""
+    if not any(i.src == src and _top(i.target) in _CONFIG_LIBRARIES for i in IMPORTS):
+        return []
+    tree = ast.parse(path.read_text(), filename=str(path))
+    rel, names = str(path.relative_to(ROOT)), _config_names(tree)
+    out = []
+
+    def is_config(node: ast.AST) -> bool:
+        return isinstance(node, ast.Name) and node.id in names
+
+    for node in ast.walk(tree):
+        what = None
+        if isinstance(node, ast.Attribute) and is_config(node.value) and node.attr in OPTION_GROUPS:
+            what = ast.unparse(node)
+        elif isinstance(node, ast.Subscript) and is_config(node.value) and _group_of(node.slice):
+            what = ast.unparse(node)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args:
+            f = node.func
+            if f.attr == "get" and is_config(f.value) and _group_of(node.args[0]):
+                what = ast.unparse(node)
+            elif (f.attr == "select" and isinstance(f.value, ast.Name) and f.value.id == "OmegaConf"
+                  and len(node.args) > 1 and _group_of(node.args[1])):
+                what = ast.unparse(node)
+        if what is not None:
+            out.append(Rebinding(rel, node.lineno, f"reads {what}"))
+    return out
+
+
+def test_only_the_reader_reads_the_option_groups_of_a_composed_config():
+    assert READER in MODULES, "nemo_longctx/shared/run_spec.py (the reader) does not exist"
+    bad = [r for name, path in MODULES.items() if name != READER and name not in COMPOSER
+           for r in _group_reads(name, path)]
+    assert not bad, ("option groups of a composed config read outside the run spec's reader "
+                     f"(read_run_spec / read_plan_spec in {READER}) ({len(bad)}): take the spec instead:\n  "
+                     + "\n  ".join(r.where() for r in bad))
+
+
+def test_the_reader_check_sees_every_form(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("from omegaconf import DictConfig, OmegaConf\n"
+                     "def f(cfg, conf: DictConfig, spec):\n"
+                     "    a = cfg.trainer.devices\n"
+                     "    b = cfg.get('data')\n"
+                     "    c = conf['optim']\n"
+                     "    d = OmegaConf.select(cfg, 'run.dry_run')\n"
+                     "    e = spec.trainer.devices\n"  # (the spec: allowed)
+                     "    g = cfg.hydra\n")  # (not an option group)
+    global ROOT, IMPORTS
+    saved = ROOT, IMPORTS
+    ROOT = tmp_path
+    IMPORTS = IMPORTS + [Import(f"{PKG}.shared.probe", "omegaconf", "probe.py", 1, False)]
+    try:
+        found = _group_reads(f"{PKG}.shared.probe", probe)
+    finally:
+        ROOT, IMPORTS = saved
+    assert sorted(r.line for r in found) == [3, 4, 5, 6], found

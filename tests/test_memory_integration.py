@@ -206,13 +206,11 @@ def test_model_level_errors(results):
 
 # ------------------------------------------------------------------------------------------------ config level
 def _options(overrides):
-    from app_runner import train_config
+    from app_runner import train_spec
 
-    from nemo_longctx.apps.train import options_of
     from nemo_longctx.integrations.megatron.memory_options import validate_memory_options
 
-    cfg = train_config(overrides)
-    options = options_of(cfg)
+    options = train_spec(overrides).options
     opts = options.memory
     validate_memory_options(opts, options.cp.algorithm)
     return opts

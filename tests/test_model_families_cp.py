@@ -150,14 +150,14 @@ REAL = {  # conf/model entries of real families: dry run (build + validate the r
 
 
 def _dry_runs():
-    from app_runner import train_config
+    from app_runner import train_spec
 
     from nemo_longctx.apps.train import dry_run
 
     out = {}
     for name, overrides in REAL.items():
-        cfg = train_config([f"model={name}", "run.dry_run=true", "data=synthetic", *overrides])
-        summary = dry_run(cfg)
+        spec = train_spec([f"model={name}", "run.dry_run=true", "data=synthetic", *overrides])
+        summary = dry_run(spec)
         out[name] = {k: summary[k] for k in ("model", "num_layers", "cp", "core_attention", "seq_length")}
     return out
 

@@ -170,14 +170,20 @@ def _compose(overrides):
     return train_config(overrides)
 
 
+def _spec(overrides):
+    from app_runner import train_spec
+
+    return train_spec(overrides)
+
+
 def test_refused_combinations_name_their_fields():
     """The app's one validation pass (config_problems) refuses them before any process starts."""
     from nemo_longctx.integrations.nemo.app import config_problems
 
     def problems(*o):
-        return "\n".join(config_problems(_compose(list(o))))
+        return "\n".join(config_problems(_spec(list(o))))
 
-    assert config_problems(_compose(["optim=distributed"])) == []
+    assert config_problems(_spec(["optim=distributed"])) == []
     p = problems("optim=default", "optim.megatron_fsdp=true")
     assert "optim.megatron_fsdp=true needs optim.use_distributed_optimizer=true" in p
     p = problems("optim=cpu_offload")  # default precision "32"
@@ -191,7 +197,7 @@ def test_refused_combinations_name_their_fields():
     # Megatron-FSDP saves at bf16-mixed (test_megatron_fsdp_resume_equals_the_uninterrupted_run), not with fp32 weights
     p = problems("optim=fsdp", "checkpoint.every_n_steps=5")  # default precision "32"
     assert "optim.megatron_fsdp=true with checkpoint.every_n_steps > 0 and trainer.precision=32" in p
-    assert config_problems(_compose(["optim=fsdp", "checkpoint.every_n_steps=5", "trainer.precision=bf16-mixed"])) == []
+    assert config_problems(_spec(["optim=fsdp", "checkpoint.every_n_steps=5", "trainer.precision=bf16-mixed"])) == []
     p = problems("optim=fsdp", "optim.optimizer_cpu_offload=true")
     assert "optim.megatron_fsdp=true with optim.optimizer_cpu_offload=true" in p
     p = problems("optim=default", "+optim.bogus=1")  # Hydra refuses it without the +
@@ -207,20 +213,20 @@ def test_cpu_only_refusals():
 
     if torch.cuda.is_available():
         pytest.skip("CPU-only refusals")
-    assert config_problems(_compose(["optim=fsdp"])) == []  # Megatron-FSDP trains on CPU (cpu_compat_fsdp.py)
-    p = "\n".join(config_problems(_compose(["optim=precision_aware", "trainer.precision=bf16-mixed"])))
+    assert config_problems(_spec(["optim=fsdp"])) == []  # Megatron-FSDP trains on CPU (cpu_compat_fsdp.py)
+    p = "\n".join(config_problems(_spec(["optim=precision_aware", "trainer.precision=bf16-mixed"])))
     assert "optim.use_precision_aware_optimizer=true runs TransformerEngine's FusedAdam, a CUDA kernel" in p
     # with optimizer offload it runs in Megatron's HybridDeviceOptimizer (trained above) ...
-    assert config_problems(_compose([*PA, "trainer.precision=bf16-mixed"])) == []
+    assert config_problems(_spec([*PA, "trainer.precision=bf16-mixed"])) == []
     # ... which keeps fp32 master weights and fp32 moments: lower dtypes for them are refused on every target
-    p = "\n".join(config_problems(_compose(["optim=precision_aware", "optim.optimizer_cpu_offload=true",
+    p = "\n".join(config_problems(_spec(["optim=precision_aware", "optim.optimizer_cpu_offload=true",
                                              "optim.main_params_dtype=fp16", "trainer.precision=bf16-mixed"])))
     for f in ("exp_avg_dtype=bf16", "exp_avg_sq_dtype=bf16", "main_params_dtype=fp16"):
         assert f"optim.{f} with optim.optimizer_cpu_offload=true: Megatron's HybridDeviceOptimizer keeps fp32" in p
     # without TE/Apex the distributed optimizer's torch AdamW keeps a per-parameter 'step' that Megatron's checkpoint
     # formats do not handle (saving asserts; resuming asserts on the empty state): refused with checkpointing
     for o in (["optim=distributed"], [*PA, "trainer.precision=bf16-mixed"]):
-        p = "\n".join(config_problems(_compose([*o, "checkpoint.every_n_steps=2"])))
+        p = "\n".join(config_problems(_spec([*o, "checkpoint.every_n_steps=2"])))
         assert "optim.use_distributed_optimizer=true with checkpoint.every_n_steps > 0: without TransformerEngine" in p
     # for a GPU node with TransformerEngine (the planner's target) the same options are valid
     for o in ("fsdp", "precision_aware"):

@@ -68,10 +68,11 @@ def _set(cfg, key, value):
 @pytest.mark.parametrize("opt, bad", _cases())
 def test_every_bad_value_of_every_key_is_refused_naming_it(opt, bad, composed):
     from nemo_longctx.integrations.nemo.app import config_problems
+    from nemo_longctx.shared.run_spec import read_run_spec
 
     cfg = composed(tuple(opt.requires))
-    assert config_problems(cfg) == [], f"the base config for {opt.key} ({opt.requires}) must be valid"
-    problems = config_problems(_set(cfg, opt.key, bad))
+    assert config_problems(read_run_spec(cfg)) == [], f"the base config for {opt.key} ({opt.requires}) must be valid"
+    problems = config_problems(read_run_spec(_set(cfg, opt.key, bad)))
     named = [p for p in problems if opt.key in p]
     assert named, f"{opt.key}={bad!r} was accepted or not named: {problems}"
 
@@ -131,9 +132,10 @@ def test_the_declarations_cover_every_key_of_conf():
 ])
 def test_strict_types_name_the_key(override, message):
     from nemo_longctx.integrations.nemo.app import config_problems
+    from nemo_longctx.shared.run_spec import read_run_spec
 
     extra = ["recompute=full"] if override.startswith("recompute.") else []
-    problems = "\n".join(config_problems(_compose([*extra, override])))
+    problems = "\n".join(config_problems(read_run_spec(_compose([*extra, override]))))
     assert (message or "recompute.num_layers=-1 must be a positive int") in problems, problems
 
 
@@ -163,8 +165,9 @@ def test_one_pass_reports_every_problem_and_valid_values_pass():
 def test_to_overrides_round_trips_through_the_app_config():
     """What the planner prints (``to_overrides``) selects exactly the same options in the app's conf/ tree."""
     from nemo_longctx.apps.plan import option_model
-    from nemo_longctx.integrations.nemo.app import config_problems, options_of
+    from nemo_longctx.integrations.nemo.app import config_problems
     from nemo_longctx.planner.search import ModelState
+    from nemo_longctx.shared.run_spec import read_run_spec
 
     cases = [
         option_model("ring", "full_keep_attn", "layer_input", ModelState("distributed", 0.5, True), 4, 1, 8, 16),
@@ -175,12 +178,13 @@ def test_to_overrides_round_trips_through_the_app_config():
     for opts in cases:
         cfg = _compose(["trainer.precision=bf16-mixed", "model.seq_length=65536", f"trainer.devices={opts.cp.size}",
                         *opts.to_overrides()])
-        back = options_of(cfg)
+        spec = read_run_spec(cfg)
+        back = spec.options
         assert (back.cp.size, back.cp.algorithm, back.cp.attention_kwargs) == (
             opts.cp.size, opts.cp.algorithm, opts.cp.attention_kwargs), opts.to_overrides()
         assert back.memory == opts.memory and back.optim.state == opts.optim.state
         assert (back.tiling.mlp_tiles, back.tiling.loss_chunks) == (opts.tiling.mlp_tiles, opts.tiling.loss_chunks)
-        assert [p for p in config_problems(cfg) if "TransformerEngine" not in p and "CPU only" not in p] == []
+        assert [p for p in config_problems(spec) if "TransformerEngine" not in p and "CPU only" not in p] == []
 
 
 def test_auto_has_one_meaning():
@@ -228,22 +232,23 @@ def test_plan_frontend_bridge_prints_what_the_bridge_app_accepts(model, gpus, se
 
     from nemo_longctx.apps import bridge as bridge_app
     from nemo_longctx.apps.plan import frontend_overrides, inputs_from_config
+    from nemo_longctx.shared.run_spec import read_plan_spec
     from nemo_longctx.planner.search import candidate_options, plan
 
     GlobalHydra.instance().clear()
     with initialize_config_module(config_module="nemo_longctx.conf", version_base=None):
         cfg = compose("plan", overrides=[f"model={model}", f"plan.seq_length={seq}", f"plan.gpus={gpus}",
                                          "plan.frontend=bridge"])
-    shape, seq_, hw, precision, coef, cost, search = inputs_from_config(cfg)
+    shape, seq_, hw, precision, coef, cost, search = inputs_from_config(read_plan_spec(cfg))
     p = plan(shape, seq_, hw, precision, coef, cost, **search)
     assert p.chosen is not None
-    command, args = frontend_overrides(cfg, p, p.chosen, model)
+    command, args = frontend_overrides(read_plan_spec(cfg), p, p.chosen, model)
     assert command == "nemo-longctx bridge" and args[0].startswith("recipe=")
     ours, theirs = bridge_app.split_args(args)
     assert any(a.startswith("model.seq_length=") for a in theirs) and all(not a.startswith("cp") for a in theirs)
-    bcfg = bridge_app.compose(ours)
-    options = bridge_app.options_of(bcfg)
-    assert options.problems() == [] and bridge_app.app_problems(ours, options, bcfg) == []
+    bspec = bridge_app.compose(ours)
+    options = bspec.options
+    assert options.problems() == [] and bridge_app.app_problems(ours, bspec) == []
     want = candidate_options(p.chosen.candidate)
     assert (options.cp.size, options.cp.algorithm, options.memory, options.optim.state, options.tiling) == (
         want.cp.size, want.cp.algorithm, want.memory, want.optim.state, want.tiling)

@@ -82,10 +82,9 @@ def _packed_sft_batch(tmp):
     prepare_packed_sequence_data writes: input_ids, seq_start_id, loss_mask per pack) read through our
     ``packed_sft_data_module`` (FineTuningDataModule + PackedSequenceSpecs -> GPTSFTPackedDataset) and its collate."""
     import numpy as np
-    from omegaconf import OmegaConf
-
     from hf_models import make_tokenizer
     from nemo_longctx.integrations.nemo.data import packed_sft_data_module
+    from nemo_longctx.shared.run_spec import DataSpec
 
     tok_dir = tmp / "tok"
     tok = make_tokenizer(VOCAB)
@@ -99,8 +98,8 @@ def _packed_sft_batch(tmp):
             "loss_mask": torch.cat(mask).tolist()}
     for name in ("train", "val"):
         np.save(tmp / f"{name}.npy", np.array([pack], dtype=object), allow_pickle=True)
-    data = OmegaConf.create({"packed_train": str(tmp / "train.npy"), "packed_val": str(tmp / "val.npy"),
-                             "tokenizer": str(tok_dir), "num_workers": 0, "seed": 1})
+    data = DataSpec.from_dict({"packed_train": str(tmp / "train.npy"), "packed_val": str(tmp / "val.npy"),
+                               "tokenizer": str(tok_dir), "num_workers": 0, "seed": 1})
     dm = packed_sft_data_module(data, 256, 1, 1)
     ds = dm._create_dataset(str(tmp / "train.npy"))
     batch = ds.collate_fn([ds[0]])

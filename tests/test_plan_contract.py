@@ -34,8 +34,9 @@ SHOW = 8  # plan.show: fitting rows printed per plan (all fitting candidates: ~1
 
 
 class Composer:
-    """Train configs from override lists: Hydra composes once per group selection (model, cp, recompute, offload,
-    optim, tiling); the value overrides are parsed by Hydra's override parser and set like Hydra sets them."""
+    """Train run specs from override lists: Hydra composes once per group selection (model, cp, recompute, offload,
+    optim, tiling); the value overrides are parsed by Hydra's override parser and set like Hydra sets them; the
+    config is read by the app's one reader (``read_run_spec``)."""
 
     def __init__(self):
         from hydra import initialize_config_dir
@@ -60,7 +61,9 @@ class Composer:
         cfg = self._base[groups].copy()
         for ov in self._parser.parse_overrides(values):
             OmegaConf.update(cfg, ov.key_or_group, ov.value(), merge=True)  # struct: unknown keys raise
-        return cfg
+        from nemo_longctx.shared.run_spec import read_run_spec
+
+        return read_run_spec(cfg)
 
 
 def _plan_cfg(model, gpu):
@@ -84,6 +87,7 @@ def _contract(rank, world):
     from omegaconf import OmegaConf
 
     from nemo_longctx.apps.plan import inputs_from_config, optim_fields, train_overrides
+    from nemo_longctx.shared.run_spec import read_plan_spec
     from nemo_longctx.integrations.megatron.model_state import model_state_options, model_state_problems
     from nemo_longctx.integrations.nemo.app import config_problems, dry_run
     from nemo_longctx.shared.app_keys import NEMO_KEYS
@@ -98,7 +102,7 @@ def _contract(rank, world):
             cfg = base.copy()
             OmegaConf.update(cfg, "plan.gpus", n)
             OmegaConf.update(cfg, "plan.seq_length", seq)
-            shape, s, hw, precision, coef, cost, search = inputs_from_config(cfg)
+            shape, s, hw, precision, coef, cost, search = inputs_from_config(read_plan_spec(cfg))
             p = plan(shape, s, hw, precision, coef, cost, float(cfg.plan.cost_tolerance), **search)
             res["plans"] += 1
             fitting = [e for e in p.evaluations if e.fits]
@@ -137,7 +141,7 @@ def _contract(rank, world):
 
     plan_cfg = _plan_cfg("llama3_8b", "h100")
     OmegaConf.update(plan_cfg, "plan.checkpoints", False)  # the train config here saves none: every accepted row
-    shape, _, _, precision, _, _, search = inputs_from_config(plan_cfg)
+    shape, _, _, precision, _, _, search = inputs_from_config(read_plan_spec(plan_cfg))
     hw = Hardware(gpus=8)
     searched = {(c.cp_algorithm, c.recompute, c.offload, c.model_state)
                 for c in candidate_configs(KNOWN_SHAPES["llama3_8b"], 1 << 20, hw, **search)}

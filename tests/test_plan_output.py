@@ -136,13 +136,14 @@ def test_the_plot_shows_the_gpu_limit_with_headroom(tmp_path):
     from hydra.core.global_hydra import GlobalHydra
 
     from nemo_longctx.apps.plan import conf_dir, inputs_from_config, plot_memory
+    from nemo_longctx.shared.run_spec import read_plan_spec
     from nemo_longctx.planner.search import plan
 
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=conf_dir(), version_base=None):
         cfg = compose("plan", overrides=["model=llama3_8b", "plan.seq_length=131072", "plan.gpus=8"])
     GlobalHydra.instance().clear()
-    shape, seq, hw, precision, coef, cost, search = inputs_from_config(cfg)
+    shape, seq, hw, precision, coef, cost, search = inputs_from_config(read_plan_spec(cfg))
     p = plan(shape, seq, hw, precision, coef, cost, **search)
     png = tmp_path / "mem.png"
     low, high, tallest = plot_memory(str(png), p, p.chosen, "llama3_8b")

@@ -202,6 +202,7 @@ def test_bridge_frontend_writes_an_sbatch_that_runs_the_bridge_entry_with_the_ch
 
     from nemo_longctx.apps import bridge as bridge_app
     from nemo_longctx.apps.plan import bridge_overrides, inputs_from_config
+    from nemo_longctx.shared.run_spec import read_plan_spec
     from nemo_longctx.planner.search import candidate_options
 
     sb = tmp_path / "bridge.sbatch"
@@ -220,7 +221,7 @@ def test_bridge_frontend_writes_an_sbatch_that_runs_the_bridge_entry_with_the_ch
     GlobalHydra.instance().clear()
     with initialize_config_module(config_module="nemo_longctx.conf", version_base=None):
         cfg = compose("plan", overrides=planned + ["plan.frontend=bridge"])
-    shape, seq, hw, precision, coef, cost, search = inputs_from_config(cfg)
+    shape, seq, hw, precision, coef, cost, search = inputs_from_config(read_plan_spec(cfg))
     p = plan(shape, seq, hw, precision, coef, cost, **search)
     job = p.chosen  # (plan.checkpoints=true: a row that saves)
     assert bridge_overrides(p, p.chosen, "llama3_8b") == printed
@@ -242,8 +243,8 @@ def test_bridge_frontend_writes_an_sbatch_that_runs_the_bridge_entry_with_the_ch
 
     want = candidate_options(job.candidate)
     ours, theirs = bridge_app.split_args(job_args)
-    options = bridge_app.options_of(bridge_app.compose(ours))
-    assert options.problems() == [] and bridge_app.app_problems(ours, options) == []
+    options = bridge_app.compose(ours).options
+    assert options.problems() == [] and bridge_app.app_problems(ours) == []
     assert (options.cp, options.memory, options.optim.state) == (want.cp, want.memory, want.optim.state)
     assert "recipe=llama3_8b_pretrain_config" in ours and "model.seq_length=131072" in theirs
 
@@ -255,10 +256,11 @@ def test_json_output_parses_and_agrees_with_the_library():
     from hydra import compose, initialize_config_dir
 
     from nemo_longctx.apps.plan import conf_dir, inputs_from_config
+    from nemo_longctx.shared.run_spec import read_plan_spec
 
     with initialize_config_dir(config_dir=conf_dir(), version_base=None):
         cfg = compose("plan", overrides=["model=llama3_8b", "plan.seq_length=524288", "plan.gpus=16"])
-    shape, seq, hw, precision, coef, cost, search = inputs_from_config(cfg)  # the app's search space
+    shape, seq, hw, precision, coef, cost, search = inputs_from_config(read_plan_spec(cfg))  # the app's search space
     p = plan(shape, seq, hw, precision, coef, cost, **search)
     assert d["chosen"]["label"] == p.chosen.candidate.label()
     assert d["chosen"]["memory_gib"]["total"] == pytest.approx(p.chosen.memory.total / GIB)

@@ -200,12 +200,13 @@ def _plan(model, overrides):
     from hydra.core.global_hydra import GlobalHydra
 
     from nemo_longctx.apps import plan
+    from nemo_longctx.shared.run_spec import read_plan_spec
 
     GlobalHydra.instance().clear()
     with initialize_config_module(config_module="nemo_longctx.conf", version_base=None):
         cfg = compose("plan", overrides=[f"model={model}", *overrides])
     GlobalHydra.instance().clear()
-    shape, seq, hw, precision, coef, cost, search = plan.inputs_from_config(cfg)
+    shape, seq, hw, precision, coef, cost, search = plan.inputs_from_config(read_plan_spec(cfg))
     p = plan.make_plan(shape, seq, hw, precision, coef, cost, 0.01, **search)
     if p.chosen is None:
         return None
@@ -261,6 +262,7 @@ def test_the_default_plan_saves_checkpoints_and_train_accepts_it_saving(tmp_path
     from hydra.core.global_hydra import GlobalHydra
 
     from nemo_longctx.apps import plan
+    from nemo_longctx.shared.run_spec import read_plan_spec
     from nemo_longctx.integrations.nemo.app import preflight
     from nemo_longctx.shared import path_checks
 
@@ -272,7 +274,7 @@ def test_the_default_plan_saves_checkpoints_and_train_accepts_it_saving(tmp_path
             cfg = compose("plan", overrides=["model=llama3_8b", *planned])
         GlobalHydra.instance().clear()
         out = StringIO()
-        assert plan.run(cfg, out=out) == 0
+        assert plan.run(read_plan_spec(cfg), out=out) == 0
         text = " ".join(out.getvalue().split())
         assert "not searched" not in text, text
         assert "saves no checkpoints:" not in text and "checkpoint.every_n_steps=0" not in text
@@ -329,18 +331,17 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused_naming_both(tm
     the embedding table is refused with both sizes; one that fits, and synthetic data, pass."""
     from types import SimpleNamespace
 
-    from omegaconf import OmegaConf
-
     from hf_models import make_tokenizer
     from nemo_longctx.integrations.nemo.app import vocabulary_problems
+    from nemo_longctx.shared.run_spec import spec_from_dict
 
     tok, tokenizer = tmp_path / "tok", make_tokenizer(300)
     tokenizer.save_pretrained(str(tok))
     size = len(tokenizer)
-    cfg = OmegaConf.create({"data": {"kind": "indexed", "tokenizer": str(tok)}, "init_from": None})
+    cfg = spec_from_dict({"data": {"kind": "indexed", "tokenizer": str(tok)}, "init_from": None})
     (problem,) = vocabulary_problems(cfg, SimpleNamespace(vocab_size=size - 1))
     assert f"data.tokenizer ({tok}) has {size} tokens but the model's vocabulary (model.vocab_size) is {size - 1}" \
         in problem, problem
     assert vocabulary_problems(cfg, SimpleNamespace(vocab_size=size)) == []
-    synthetic = OmegaConf.create({"data": {"kind": "synthetic", "tokenizer": str(tok)}, "init_from": None})
+    synthetic = spec_from_dict({"data": {"kind": "synthetic", "tokenizer": str(tok)}, "init_from": None})
     assert vocabulary_problems(synthetic, SimpleNamespace(vocab_size=10)) == []

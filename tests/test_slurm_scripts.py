@@ -139,15 +139,16 @@ def test_bridge_script_runs_the_planners_bridge_choice(tmp_path):
     from hydra.core.global_hydra import GlobalHydra
 
     from nemo_longctx.apps.plan import frontend_overrides, inputs_from_config
+    from nemo_longctx.shared.run_spec import read_plan_spec
     from nemo_longctx.planner.search import plan
 
     GlobalHydra.instance().clear()
     with initialize_config_module(config_module="nemo_longctx.conf", version_base=None):
         cfg = compose("plan", overrides=["model=llama3_8b", "plan.seq_length=131072", "plan.gpus=8",
                                          "plan.gpu_memory_gb=80", "plan.frontend=bridge"])
-    shape, seq, hw, precision, coef, cost, search = inputs_from_config(cfg)
+    shape, seq, hw, precision, coef, cost, search = inputs_from_config(read_plan_spec(cfg))
     p = plan(shape, seq, hw, precision, coef, cost, **search)
-    command, planned = frontend_overrides(cfg, p, p.chosen, "llama3_8b")
+    command, planned = frontend_overrides(read_plan_spec(cfg), p, p.chosen, "llama3_8b")
     assert command == "nemo-longctx bridge"
     _, args = _bridge_job(tmp_path)
     missing = {a for a in planned if not a.startswith("launcher.devices=")} - set(args)
@@ -161,8 +162,8 @@ def test_bridge_script_arguments_are_accepted_by_the_bridge_app(tmp_path):
 
     _, args = _bridge_job(tmp_path, EXTRA_ARGS="train.eval_iters=0")
     ours, theirs = bridge_app.split_args(args)
-    options = bridge_app.options_of(bridge_app.compose(ours))
-    assert options.problems() == [] and bridge_app.app_problems(ours, options) == []
+    options = bridge_app.compose(ours).options
+    assert options.problems() == [] and bridge_app.app_problems(ours) == []
     assert (options.cp.algorithm, options.cp.size) == ("ring", 8) and not options.optim.state.megatron_fsdp
     assert {"recipe=llama3_8b_pretrain_config", f"output_dir={tmp_path}/out"} <= set(ours)
     assert {"model.seq_length=131072", "train.train_iters=100", "train.eval_iters=0"} <= set(theirs)
@@ -185,13 +186,14 @@ def generated(tmp_path_factory):
     from hydra.core.global_hydra import GlobalHydra
 
     from nemo_longctx.apps.plan import inputs_from_config, write_sbatch
+    from nemo_longctx.shared.run_spec import read_plan_spec
     from nemo_longctx.planner.search import plan
 
     GlobalHydra.instance().clear()
     with initialize_config_module(config_module="nemo_longctx.conf", version_base=None):
         cfg = compose("plan", overrides=["model=llama3_8b", "plan.seq_length=1048576", "plan.gpus=8",
                                          "plan.gpu_memory_gb=80"])
-    shape, seq, hw, precision, coef, cost, search = inputs_from_config(cfg)
+    shape, seq, hw, precision, coef, cost, search = inputs_from_config(read_plan_spec(cfg))
     p = plan(shape, seq, hw, precision, coef, cost, **search)
     d = tmp_path_factory.mktemp("generated")
     out = {"generated": d / "job.sbatch", "generated_bridge": d / "bridge.sbatch"}

@@ -309,17 +309,15 @@ def test_bad_tiling_settings_name_the_field(results):
 
 
 def test_tiling_group_composes_with_planner_overrides():
-    from app_runner import train_config
-
-    from nemo_longctx.apps.train import options_of
+    from app_runner import train_config, train_spec
 
     default = train_config([])
-    planned = train_config(["tiling.mlp_tiles=16", "tiling.loss_chunks=off"])
-    auto = train_config(["tiling=auto", "tiling.loss_chunks=8"])
+    planned = train_spec(["tiling.mlp_tiles=16", "tiling.loss_chunks=off"])
+    auto = train_spec(["tiling=auto", "tiling.loss_chunks=8"])
     assert (default.tiling.mlp_tiles, default.tiling.loss_chunks) == ("off", "off")
-    cb = options_of(planned).tiling  # what the app builds its SequenceTiling callback from
-    assert (cb.mlp_tiles, cb.loss_chunks, planned.model.seq_length, options_of(planned).cp.size) == (16, "off", 4096, 2)
-    assert (options_of(auto).tiling.mlp_tiles, options_of(auto).tiling.loss_chunks) == ("auto", 8)
+    cb = planned.options.tiling  # what the app builds its SequenceTiling callback from
+    assert (cb.mlp_tiles, cb.loss_chunks, planned.model.seq_length, planned.options.cp.size) == (16, "off", 4096, 2)
+    assert (auto.options.tiling.mlp_tiles, auto.options.tiling.loss_chunks) == ("auto", 8)
 
 
 # ------------------------------------------------------------------------------------------------ the Hydra app
@@ -330,12 +328,12 @@ def _compose(overrides):
 
 
 def test_app_refuses_bad_tiling_before_spawning():
-    from nemo_longctx.apps.train import config_problems, options_of, raise_problems, run
+    from nemo_longctx.apps.train import config_problems, raise_problems, read_run_spec, run
 
     def tiling_of(cfg):  # the app's check, then the line the dry run prints
-        options = options_of(cfg)
-        raise_problems(config_problems(cfg, options))
-        return options.tiling.describe(cfg.model.seq_length, cfg.cp.size)
+        spec = read_run_spec(cfg)
+        raise_problems(config_problems(spec))
+        return spec.options.tiling.describe(spec.model.seq_length, spec.options.cp.size)
 
     with pytest.raises(ValueError, match=r"tiling\.loss_chunks=4096 exceeds the 2048 tokens per rank"):
         run(_compose(["tiling.loss_chunks=4096"]))  # raises in the parent: nothing spawned, nothing built

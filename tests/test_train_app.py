@@ -88,13 +88,19 @@ def _compose(overrides):
     return train_config(overrides)
 
 
+def _spec(overrides):
+    from app_runner import train_spec
+
+    return train_spec(overrides)
+
+
 def _config_cases(rank: int, world: int):
     from nemo_longctx.apps.train import build, dry_run
 
     res = {}
-    res["llama3_8b"] = dry_run(_compose(["model=llama3_8b", "cp=ring", "cp.size=8", "trainer.devices=8",
+    res["llama3_8b"] = dry_run(_spec(["model=llama3_8b", "cp=ring", "cp.size=8", "trainer.devices=8",
                                          "model.seq_length=131072", "run.dry_run=true", "data=synthetic"]))
-    res["llama3_70b"] = dry_run(_compose(["model=llama3_70b", "cp=ring", "cp.size=4", "data=synthetic",
+    res["llama3_70b"] = dry_run(_spec(["model=llama3_70b", "cp=ring", "cp.size=4", "data=synthetic",
                                           "trainer.strategy.tensor_model_parallel_size=2", "model.seq_length=65536",
                                           "trainer.strategy.pipeline_model_parallel_size=2", "trainer.devices=16",
                                           "run.dry_run=true"]))
@@ -125,7 +131,7 @@ def _config_cases(rank: int, world: int):
     }
     for name, overrides in bad.items():
         try:
-            build(_compose(overrides))
+            build(_spec(overrides))
             errors[name] = None
         except ValueError as e:
             errors[name] = str(e)

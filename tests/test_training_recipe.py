@@ -17,24 +17,22 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _resolved(args):
-    """The train config of ``args`` after the app's recipe step (``preflight`` does the same before its checks)."""
-    from nemo_longctx.integrations.nemo.app import apply_recipe
+    """The run spec of ``args`` after the app's recipe step (``preflight`` does the same before its checks)."""
+    from nemo_longctx.integrations.nemo.app import resolve_recipe
     from nemo_longctx.shared.overrides import compose
+    from nemo_longctx.shared.run_spec import read_run_spec
 
     cfg, problems = compose("train", list(args))  # (the demo models' recipe=demo is decided here, by the choice)
     assert not problems, problems
-    apply_recipe(cfg, {})
-    return cfg
+    return resolve_recipe(read_run_spec(cfg, choices={}))
 
 
 def test_the_demo_models_keep_the_demos_settings():
-    from omegaconf import OmegaConf
-
     from nemo_longctx.shared.app_keys import DEMO_SETTINGS
 
-    cfg = _resolved(["model=tiny_llama"])
-    assert cfg.recipe == "demo" and cfg.data.kind == "synthetic"
-    got = {k: OmegaConf.select(cfg, k) for k in DEMO_SETTINGS}
+    spec = _resolved(["model=tiny_llama"])
+    assert spec.recipe == "demo" and spec.data.kind == "synthetic"
+    got = {k: spec.setting(k) for k in DEMO_SETTINGS}
     assert got == DEMO_SETTINGS, got
 
 
@@ -49,36 +47,34 @@ def _nemo_recipe(name):
                                                 ("llama3_70b", 65536, "llama3_70b_64k"),
                                                 ("qwen3_32b", 32768, "qwen3_32b")])
 def test_a_real_model_takes_nemos_recipe_for_it(model, seq, recipe):
-    from omegaconf import OmegaConf
-
-    cfg = _resolved([f"model={model}", f"model.seq_length={seq}", "data=synthetic", "trainer.devices=8",
-                     "cp.size=8"])
+    spec = _resolved([f"model={model}", f"model.seq_length={seq}", "data=synthetic", "trainer.devices=8",
+                      "cp.size=8"])
     r = _nemo_recipe(recipe)
-    assert cfg.recipe == recipe
-    assert cfg.trainer.precision == r.trainer.plugins.precision == "bf16-mixed"
-    assert cfg.trainer.max_steps == r.trainer.max_steps
+    ours = spec.options.optim
+    assert spec.recipe == recipe
+    assert spec.trainer.precision == r.trainer.plugins.precision == "bf16-mixed"
+    assert spec.trainer.max_steps == r.trainer.max_steps
     o, sched = r.optim.config, r.optim.lr_scheduler
-    assert (cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.clip_grad) == (o.lr, o.weight_decay, o.clip_grad)
-    assert (cfg.optim.adam_beta1, cfg.optim.adam_beta2, cfg.optim.adam_eps) == (o.adam_beta1, o.adam_beta2,
-                                                                                o.adam_eps)
-    assert (cfg.optim.warmup_steps, cfg.optim.min_lr) == (sched.warmup_steps, sched.min_lr)
+    assert (ours.lr, ours.weight_decay, ours.clip_grad) == (o.lr, o.weight_decay, o.clip_grad)
+    assert (ours.adam_beta1, ours.adam_beta2, ours.adam_eps) == (o.adam_beta1, o.adam_beta2, o.adam_eps)
+    assert (ours.warmup_steps, ours.min_lr) == (sched.warmup_steps, sched.min_lr)
     # tokens per step: the recipe's (its global batch x its sequence length), as sequences of this run's length
-    assert cfg.trainer.global_batch_size * seq == r.data.global_batch_size * r.data.seq_length
+    assert spec.trainer.global_batch_size * seq == r.data.global_batch_size * r.data.seq_length
     # NeMo's recipes save by training time (ModelCheckpoint.train_time_interval), asynchronously on GPUs
-    assert cfg.checkpoint.every_minutes == r.log.ckpt.train_time_interval.minutes > 0
-    assert cfg.checkpoint.every_n_steps == 0 and cfg.checkpoint.async_save is True
-    assert OmegaConf.select(cfg, "checkpoint.on_signal") is None  # null: saves on a signal because it saves
+    assert spec.checkpoint.every_minutes == r.log.ckpt.train_time_interval.minutes > 0
+    assert spec.checkpoint.every_n_steps == 0 and spec.checkpoint.async_save is True
+    assert spec.checkpoint.on_signal is None  # null: saves on a signal because it saves
 
 
 def test_what_the_user_sets_stays_and_one_interval_measure_wins():
-    cfg = _resolved(["model=llama3_8b", "data=synthetic", "optim.lr=1e-4", "trainer.precision=16-mixed",
-                     "checkpoint.every_n_steps=50", "trainer.global_batch_size=8", "trainer.max_steps=100"])
-    assert cfg.optim.lr == 1e-4 and cfg.trainer.precision == "16-mixed" and cfg.trainer.max_steps == 100
-    assert cfg.trainer.global_batch_size == 8
-    assert cfg.checkpoint.every_n_steps == 50 and cfg.checkpoint.every_minutes == 0
-    assert cfg.optim.warmup_steps == _nemo_recipe("llama3_8b").optim.lr_scheduler.warmup_steps  # the rest: NeMo's
+    spec = _resolved(["model=llama3_8b", "data=synthetic", "optim.lr=1e-4", "trainer.precision=16-mixed",
+                      "checkpoint.every_n_steps=50", "trainer.global_batch_size=8", "trainer.max_steps=100"])
+    assert spec.options.optim.lr == 1e-4 and spec.trainer.precision == "16-mixed" and spec.trainer.max_steps == 100
+    assert spec.trainer.global_batch_size == 8
+    assert spec.checkpoint.every_n_steps == 50 and spec.checkpoint.every_minutes == 0
+    assert spec.options.optim.warmup_steps == _nemo_recipe("llama3_8b").optim.lr_scheduler.warmup_steps  # NeMo's
     demo = _resolved(["model=tiny_llama", "recipe=llama3_8b", "data=synthetic"])  # a recipe named for a tiny model
-    assert demo.recipe == "llama3_8b" and demo.trainer.precision == "bf16-mixed" and demo.optim.lr == 3e-4
+    assert demo.recipe == "llama3_8b" and demo.trainer.precision == "bf16-mixed" and demo.options.optim.lr == 3e-4
 
 
 def test_the_recipes_tokens_per_step_as_sequences():
@@ -116,10 +112,11 @@ def test_bad_recipe_choices_are_refused_naming_the_key(tmp_path):
 
 def _resolved_raw(args):
     from nemo_longctx.shared.overrides import compose
+    from nemo_longctx.shared.run_spec import read_run_spec
 
     cfg, problems = compose("train", list(args))
     assert not problems, problems
-    return cfg
+    return read_run_spec(cfg)
 
 
 def test_the_dry_run_prints_the_recipes_settings(tmp_path):
@@ -146,10 +143,10 @@ def test_the_recipes_values_reach_nemos_objects(tmp_path):
     precision plugin and NeMo's ModelCheckpoint carry the recipe's values (a tiny model with llama3_8b's recipe)."""
     from nemo_longctx.integrations.nemo.app import build, recipe_line
 
-    cfg = _resolved(["model=tiny_llama", "recipe=llama3_8b", "data=synthetic", "trainer.devices=1", "cp=none",
-                     "trainer.global_batch_size=2", f"output_dir={tmp_path}"])
+    spec = _resolved(["model=tiny_llama", "recipe=llama3_8b", "data=synthetic", "trainer.devices=1", "cp=none",
+                      "trainer.global_batch_size=2", f"output_dir={tmp_path}"])
     r = _nemo_recipe("llama3_8b")
-    built = build(cfg)
+    built = build(spec)
     o, s = built.model.optim.config, built.model.optim.lr_scheduler
     want = r.optim.config
     assert (o.lr, o.weight_decay, o.adam_beta1, o.adam_beta2, o.adam_eps, o.clip_grad, o.bf16) == (
@@ -159,6 +156,6 @@ def test_the_recipes_values_reach_nemos_objects(tmp_path):
     assert built.trainer.precision_plugin.precision == "bf16-mixed"
     assert built.log.ckpt._train_time_interval.total_seconds() == r.log.ckpt.train_time_interval.minutes * 60
     assert built.strategy.async_save is False  # NeMo's async save needs CUDA: synchronous here
-    line = recipe_line(cfg, built.global_batch_size, cfg.model.seq_length)
+    line = recipe_line(spec, built.global_batch_size, spec.model.seq_length)
     assert line.startswith("nemo-longctx train: recipe llama3_8b (NVIDIA NeMo): bf16-mixed, lr 0.0003 -> 3e-05")
     assert "checkpoints every 15 minutes" in line

@@ -76,8 +76,8 @@ def reference_batches(hf_dir: Path, n: int, out: Path):
 
     from nemo_longctx.apps import bridge as bridge_app
 
-    cfg = bridge_app.compose([f"init_from={hf_dir}", "recipe=demo", "cp=none"])
-    container = bridge_app.build(cfg, RUN, bridge_app.options_of(cfg), str(out))
+    spec = bridge_app.compose([f"init_from={hf_dir}", "recipe=demo", "cp=none"])
+    container = bridge_app.build(spec, RUN, str(out))
     ds = container.dataset
     ds.finalize()
     ds.tokenizer = build_tokenizer(container.tokenizer)

@@ -55,12 +55,12 @@ def values(c):
 dirs, cases = json.loads(sys.argv[1]), json.loads(sys.argv[2])
 out = {}
 for name, d, ours, theirs in cases:
-    cfg = app.compose([f"init_from={dirs[d]}", *ours])
+    spec = app.compose([f"init_from={dirs[d]}", *ours])
     report = {}
-    c = app.build(cfg, theirs, app.options_of(cfg), "/tmp/unused", cfg.launcher.devices, report)
+    c = app.build(spec, theirs, "/tmp/unused", spec.launcher.devices, report)
     r = report["recipe"]
-    out[name] = {"report": report, "run": values(c), "line": app.settings_line(c, cfg, report) if r else None,
-                 "kind": app.run_kind(cfg), "recipe": values(getattr(recipes, r)()) if r else None,
+    out[name] = {"report": report, "run": values(c), "line": app.settings_line(c, spec, report) if r else None,
+                 "kind": app.run_kind(spec), "recipe": values(getattr(recipes, r)()) if r else None,
                  "demo": values(app.demo_config())}
 try:  # no recipe of a tiny model's architecture
     training_recipe.choose(dirs["tiny"], None)

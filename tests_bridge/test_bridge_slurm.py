@@ -136,11 +136,11 @@ from nemo_longctx.apps import bridge as bridge_app
 from nemo_longctx.integrations.bridge.config import model_problems_of
 args = json.loads(sys.argv[1])
 ours, theirs = bridge_app.split_args(args)
-cfg = bridge_app.compose(ours)
-options = bridge_app.options_of(cfg)
-c = bridge_app.build(cfg, theirs, options, os.path.abspath(str(cfg.output_dir)))
+spec = bridge_app.compose(ours)
+options = spec.options
+c = bridge_app.build(spec, theirs, os.path.abspath(str(spec.output_dir)))
 m = c.model
-print(json.dumps({"problems": options.problems() + bridge_app.app_problems(ours, options)
+print(json.dumps({"problems": options.problems() + bridge_app.app_problems(ours)
                   + model_problems_of(c, options, 8), "cp": m.context_parallel_size, "tp": m.tensor_model_parallel_size,
                   "seq": m.seq_length, "dataset_seq": c.dataset.seq_length, "iters": c.train.train_iters,
                   "save": c.checkpoint.save, "fsdp": bool(c.ddp.use_megatron_fsdp), "layers": m.num_layers,

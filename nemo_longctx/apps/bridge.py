@@ -5,11 +5,12 @@ with nemo_longctx's long-context options.
         [Bridge's KEY=VALUE overrides: train.train_iters=3 model.seq_length=4096 checkpoint.save=/ckpt ...]
 
 Arguments whose key is one of ours (``conf/bridge.yaml``: the cp / optim / recompute / offload / tiling groups,
-``recipe``, ``output_dir``, ``launcher.*``, ``run.*``) are composed with Hydra; every other ``KEY=VALUE`` goes to
+``recipe``, ``output_dir``, ``launcher.*``, ``run.*``) are composed with Hydra and read once into the run spec
+(``shared/run_spec.read_run_spec``, this app's keys: ``app_keys.BRIDGE_OPTIONS``); every other ``KEY=VALUE`` goes to
 Bridge's own override parser (``process_config_with_overrides``) on the recipe's ``ConfigContainer``, so Bridge's
-keys keep their names. The option model is built once and checked before any rank starts
-(``integrations.bridge.config``). Without torchrun/srun the app starts ``launcher.devices`` local ranks (default:
-tp x pp x cp) with PyTorch's elastic agent, like ``nemo-longctx train``. ``recipe=auto`` (the default) without
+keys keep their names. The spec is checked before any rank starts (``integrations.bridge.config``). Without
+torchrun/srun the app starts ``launcher.devices`` local ranks (default: tp x pp x cp) with PyTorch's elastic agent,
+like ``nemo-longctx train``. ``recipe=auto`` (the default) without
 ``init_from`` runs the CPU demo: a tiny Llama (``AutoBridge.from_hf_config``, no hub), mock data, ring CP=2 on 2 gloo
 ranks; with ``init_from=<HF dir>`` it trains the HF model with the training settings of the Megatron-Bridge recipe of
 its architecture (``integrations.bridge.training_recipe``; ``recipe=demo``: the CPU demo's). Each rank writes nothing
@@ -67,87 +68,32 @@ def split_args(argv: List[str]) -> Tuple[List[str], List[str]]:
 
 
 def compose(overrides: List[str]) -> Any:
-    """``conf/bridge.yaml`` composed with our overrides (Hydra's compose API, ``nemo_longctx.shared.overrides``: the
-    same messages as ``nemo-longctx train`` for a malformed override, an unknown group choice or key)."""
+    """The run spec of ``conf/bridge.yaml`` composed with our overrides (Hydra's compose API,
+    ``nemo_longctx.shared.overrides``: the same messages as ``nemo-longctx train`` for a malformed override, an unknown
+    group choice or key), read once by the one reader (``read_run_spec``: this app's keys, ``BRIDGE_OPTIONS``)."""
     from nemo_longctx.options import ConfigError
     from nemo_longctx.shared.overrides import compose as compose_config
+    from nemo_longctx.shared.run_spec import read_run_spec
 
     cfg, problems = compose_config("bridge", overrides)
     if problems:
         raise ConfigError([f"{p} (our keys: {', '.join(OUR_KEYS)}; every other KEY=VALUE is Bridge's)"
                            for p in problems])
-    return cfg
+    return read_run_spec(cfg, app="bridge")
 
 
-def options_of(cfg: Any) -> Any:
-    from omegaconf import OmegaConf
-
-    from nemo_longctx.options import LongContextOptions
-
-    return LongContextOptions.from_dict({g: OmegaConf.to_container(cfg[g], resolve=True)
-                                         for g in ("cp", "optim", "recompute", "offload", "tiling", "memory")
-                                         if cfg.get(g) is not None})
-
-
-def _app_options() -> Tuple[Any, ...]:
-    """This app's own keys (``conf/bridge.yaml`` outside the option model's groups), typed and checked by the option
-    model's one checker, like the NeMo app's ``APP_OPTIONS``."""
-    from nemo_longctx.options import Option
-    from nemo_longctx.shared.app_keys import APP_OPTIONS
-
-    shared = {o.key: o for o in APP_OPTIONS}  # the NeMo 2 app's keys with the same meaning here
-    return (
-        Option("recipe", "str", "auto", "where the run takes its training settings (optimizer, schedule, precision, "
-               "steps, tokens per step, checkpoint interval): auto (without init_from: the CPU demo; with init_from: "
-               "the HF model with the settings of the Megatron-Bridge recipe of its architecture) | demo (the CPU "
-               "demo's settings) | a Bridge recipe function (megatron.bridge.recipes.<name>: its whole config)"),
-        Option("init_from", "str", None, "a local Hugging Face model directory to start from (AutoBridge)",
-               nullable=True),
-        Option("output_dir", "str", "outputs/bridge", "run directory (metrics, rank logs, TensorBoard)"),
-        Option("launcher.devices", "int", None, "local ranks when not under torchrun/srun (null: tp x pp x cp)",
-               low=1, nullable=True),
-        Option("launcher.shutdown_timeout_s", "number", 30, "local launch: seconds between SIGTERM and SIGKILL",
-               above=0),
-        shared["launcher.start_method"],
-        Option("run.timeout_s", "number", None, "local launch only: stop all ranks after this many seconds (exit 124)",
-               above=0, nullable=True),
-        Option("run.fault", "str", None, "failure drills for tests: KIND@STEP:RANK", nullable=True),
-        Option("checkpoint.on_signal", "bool", None, "on the first of run.signals: save this step's checkpoint "
-               "(Bridge's train.exit_signal_handler) and stop (exit 75); null: when checkpoint.save is set",
-               nullable=True),
-        shared["run.signals"],
-        shared["run.signal_grace_s"],
-    )
-
-
-def app_problems(ours: List[str], options: Any, cfg: Any = None) -> List[str]:
-    """The app's own keys (typed, misspelt ones refused) and what this front end does not take, each named."""
-    from omegaconf import OmegaConf
-
-    from nemo_longctx.options import ConfigError, unknown_keys
-    from nemo_longctx.shared.app_keys import parse_fault
-
+def app_problems(ours: List[str], spec: Any = None) -> List[str]:
+    """What this front end does not take (the optim group's schedule keys: Bridge's), and with the run spec its own
+    keys (typed, misspelt ones refused: ``RunSpec.key_problems``) and a writable ``output_dir``, each named."""
     p = [f"{a.split('=')[0]}: on the Bridge front end the learning-rate schedule is Bridge's ({BRIDGE_OWNS[k]}=...)"
          for a in ours for k in [a.lstrip("+~").split("=", 1)[0]] if k in BRIDGE_OWNS]
-    if cfg is None:
+    if spec is None:
         return p
-    declared = _app_options()
-    present = {o.key: OmegaConf.to_container(v) if OmegaConf.is_config(v) else v
-               for o in declared for v in [OmegaConf.select(cfg, o.key, default=KeyError)] if v is not KeyError}
-    p += [m for o in declared if o.key in present for m in [o.problem(present[o.key])] if m]
-    for group in ("launcher", "run", "checkpoint"):  # a misspelt key (`+run.timout_s=5`) is refused, not ignored
-        node = OmegaConf.select(cfg, group, default=None) or {}
-        p += unknown_keys(group, {k: 0 for k in node}, [o.name for o in declared if o.key.startswith(group + ".")])
-    fault = present.get("run.fault")
-    if isinstance(fault, str) and fault and not any("run.fault" in m for m in p):
-        try:
-            parse_fault(fault)
-        except ConfigError as e:
-            p += e.problems
-    if isinstance(present.get("output_dir"), str):  # a real write probe, before Hydra makes the run directory
+    p += spec.key_problems()
+    if isinstance(spec.output_dir, str):  # a real write probe, before Hydra makes the run directory
         from nemo_longctx.shared.path_checks import writable_dir_problem
 
-        p += [m for m in [writable_dir_problem("output_dir", present["output_dir"])] if m]
+        p += [m for m in [writable_dir_problem("output_dir", spec.output_dir)] if m]
     return p
 
 
@@ -219,24 +165,25 @@ def override_value(bridge_overrides: List[str], key: str) -> Optional[str]:
     return values[-1] if values else None
 
 
-def settings_recipe(cfg: Any, bridge_overrides: List[str]) -> Optional[str]:
+def settings_recipe(spec: Any, bridge_overrides: List[str]) -> Optional[str]:
     """The Bridge recipe whose training settings the run takes: ``recipe=<name>``'s, or with ``recipe=auto`` and
     ``init_from`` the recipe of the HF model's architecture (``training_recipe.choose``: ``ConfigError`` when none
     has it); None for the CPU demo's settings."""
     from nemo_longctx.integrations.bridge import training_recipe
 
-    name = str(cfg.recipe)
-    if name == training_recipe.DEMO or (name == training_recipe.AUTO and cfg.get("init_from") is None):
+    name = str(spec.recipe)
+    if name == training_recipe.DEMO or (name == training_recipe.AUTO and spec.init_from.path is None):
         return None
     if name != training_recipe.AUTO:
         return name
     seq = override_value(bridge_overrides, "model.seq_length")
-    return training_recipe.choose(cfg.init_from, int(seq) if seq is not None and seq.strip().isdigit() else None)
+    return training_recipe.choose(spec.init_from.path, int(seq) if seq is not None and seq.strip().isdigit() else None)
 
 
-def build(cfg: Any, bridge_overrides: List[str], options: Any, output_dir: str, world_size: Optional[int] = None,
+def build(spec: Any, bridge_overrides: List[str], output_dir: str, world_size: Optional[int] = None,
           report: Optional[dict] = None) -> Any:
-    """The run's ConfigContainer: recipe (or demo) -> Bridge's overrides -> CPU settings (no CUDA) -> our options.
+    """The run's ConfigContainer: recipe (or demo) -> Bridge's overrides -> CPU settings (no CUDA) -> the spec's
+    options.
     ``world_size``: the run's ranks (None: tp x pp x cp), for the global batch of an automatic recipe's tokens per
     step; ``report``: filled with what the start line says (``recipe``: the recipe whose settings apply or None,
     ``precision``: its mixed precision before the CPU settings)."""
@@ -253,11 +200,12 @@ def build(cfg: Any, bridge_overrides: List[str], options: Any, output_dir: str, 
 
     from nemo_longctx.integrations.bridge import training_recipe
 
-    explicit = str(cfg.recipe) not in (training_recipe.AUTO, training_recipe.DEMO)  # a Bridge recipe by name
-    settings_of = settings_recipe(cfg, bridge_overrides)
-    container = recipe_config(str(cfg.recipe)) if explicit else demo_config()
-    if cfg.get("init_from") is not None:  # the HF model (unless a recipe by name) and Bridge's HF weight loading
-        container = bridge_hf.init_from_hf(container, cfg.init_from, own_model=not explicit)
+    options, init_from = spec.options, spec.init_from.path
+    explicit = str(spec.recipe) not in (training_recipe.AUTO, training_recipe.DEMO)  # a Bridge recipe by name
+    settings_of = settings_recipe(spec, bridge_overrides)
+    container = recipe_config(str(spec.recipe)) if explicit else demo_config()
+    if init_from is not None:  # the HF model (unless a recipe by name) and Bridge's HF weight loading
+        container = bridge_hf.init_from_hf(container, init_from, own_model=not explicit)
     recipe = None  # the automatic recipe's ConfigContainer: its training settings on the HF model
     if settings_of is not None and not explicit:
         recipe = training_recipe.recipe_container(settings_of)
@@ -284,11 +232,11 @@ def build(cfg: Any, bridge_overrides: List[str], options: Any, output_dir: str, 
             max(1, int(world_size or parallel) // parallel))
     if report is not None and "mixed_precision" in keys:
         report["precision"] = training_recipe.precision_name(container.mixed_precision)
-    if cfg.get("init_from") is not None:
-        raise_problems(bridge_hf.model_problems(container, cfg.init_from, options))
-    on_signal = cfg.checkpoint.on_signal
+    if init_from is not None:
+        raise_problems(bridge_hf.model_problems(container, init_from, options))
+    on_signal = spec.checkpoint.on_signal
     raise_problems(on_signal_problems(container, on_signal, keys))
-    apply_on_signal(container, on_signal, list(cfg.run.signals), keys)
+    apply_on_signal(container, on_signal, list(spec.run.signals), keys)
     # a recipe's cp_comm_type is its TransformerEngine hint (gpt_oss: "a2a"), the user's only as a Bridge override:
     # a hint that contradicts cp.algorithm is cleared (None, which each of our algorithms takes; Bridge's checks of
     # TE's schemes -- "a2a+p2p" needs hierarchical_context_parallel_sizes -- then do not apply); a contradicting
@@ -307,11 +255,11 @@ def build(cfg: Any, bridge_overrides: List[str], options: Any, output_dir: str, 
     return enable_long_context(container, options)
 
 
-def run_kind(cfg: Any) -> str:
+def run_kind(spec: Any) -> str:
     """The start line's first words: what runs with whose settings."""
     from nemo_longctx.integrations.bridge.training_recipe import AUTO, DEMO
 
-    name, init_from = str(cfg.recipe), cfg.get("init_from")
+    name, init_from = str(spec.recipe), spec.init_from.path
     if name not in (AUTO, DEMO):
         return f"recipe {name}" + (f", init_from {init_from}" if init_from is not None else "")
     if init_from is None:
@@ -319,7 +267,7 @@ def run_kind(cfg: Any) -> str:
     return f"init_from {init_from}" + (" with the CPU demo's settings (recipe=demo)" if name == DEMO else "")
 
 
-def settings_line(container: Any, cfg: Any, report: dict) -> str:
+def settings_line(container: Any, spec: Any, report: dict) -> str:
     """The start line of a run with a recipe's training settings (as ``nemo-longctx train``'s): the recipe and the
     values the run trains with."""
     import torch
@@ -327,7 +275,7 @@ def settings_line(container: Any, cfg: Any, report: dict) -> str:
     from nemo_longctx.integrations.bridge.training_recipe import AUTO
 
     o, s, t = container.optimizer, container.scheduler, container.train
-    how = "by init_from's architecture, on init_from's model" if str(cfg.recipe) == AUTO else "by name"
+    how = "by init_from's architecture, on init_from's model" if str(spec.recipe) == AUTO else "by name"
     precision = report.get("precision") or "fp32"
     if not torch.cuda.is_available() and container.mixed_precision is None and precision != "fp32":
         precision += " (fp32 on this CPU)"
@@ -345,12 +293,12 @@ def settings_line(container: Any, cfg: Any, report: dict) -> str:
             f"{t.train_iters} steps of {t.global_batch_size} sequences ({tokens:,} tokens), checkpoints {saves}")
 
 
-def chosen_env(cfg: Any, report: dict) -> dict:
+def chosen_env(spec: Any, report: dict) -> dict:
     """The local ranks' environment for ``recipe=auto`` with ``init_from``: the recipe this process chose (each rank
     then builds that one instead of searching again)."""
     from nemo_longctx.integrations.bridge.training_recipe import AUTO, CHOSEN_ENV
 
-    if str(cfg.recipe) == AUTO and report.get("recipe"):
+    if str(spec.recipe) == AUTO and report.get("recipe"):
         return {CHOSEN_ENV: str(report["recipe"])}
     return {}
 
@@ -451,7 +399,7 @@ def _attention_layers(model: Any) -> List[Any]:
     return [m for m in model.modules() if isinstance(m, Attention)]
 
 
-def run_rank(cfg: Any, bridge_overrides: List[str], options: Any, container: Any = None) -> int:
+def run_rank(spec: Any, bridge_overrides: List[str], container: Any = None) -> int:
     """Train this rank with Bridge's ``pretrain`` (``container``: the run's ConfigContainer when already built)."""
     from nemo_longctx.integrations.bridge import cpu_compat
 
@@ -467,18 +415,18 @@ def run_rank(cfg: Any, bridge_overrides: List[str], options: Any, container: Any
     from nemo_longctx.shared import collector, console
 
     console.setup(console.level(), console.rank_from_env())  # again: the libraries are imported now
-    output_dir = os.path.abspath(str(cfg.output_dir))
+    output_dir = os.path.abspath(str(spec.output_dir))
     world = os.environ.get("WORLD_SIZE")  # the local launcher's ranks (the agent sets it)
-    container = container if container is not None else build(cfg, bridge_overrides, options, output_dir,
+    container = container if container is not None else build(spec, bridge_overrides, output_dir,
                                                                int(world) if world else None)
     metrics = StepMetrics(os.path.join(output_dir, "metrics.jsonl"),
-                          container.train.global_batch_size * container.model.seq_length, options,
+                          container.train.global_batch_size * container.model.seq_length, spec.options,
                           memory_of(container))
     quiet_planned_exit()  # train.exit_interval's sys.exit(0) is not a failure
     # ours first: the memory callback closes the step's tracker before the metrics line reads it
-    drills = [FaultDrill(str(cfg.run.fault)).callback()] if cfg.run.get("fault") else []
-    signals = latched_signals(container, list(cfg.run.signals))
-    saver = (SaveOnSignal(signals, container.train.exit_signal, float(cfg.run.signal_grace_s),
+    drills = [FaultDrill(str(spec.run.fault)).callback()] if spec.run.fault else []
+    signals = latched_signals(container, list(spec.run.signals))
+    saver = (SaveOnSignal(signals, container.train.exit_signal, float(spec.run.signal_grace_s),
                           str(container.checkpoint.save)).install() if signals else None)
     if saver is None:  # nothing to save: an interrupt ends the rank by its default action, without a traceback
         signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -496,7 +444,7 @@ def run_rank(cfg: Any, bridge_overrides: List[str], options: Any, container: Any
     return saver.outcome(int(container.train.train_iters), console.rank_from_env()) if saver else 0
 
 
-def external_rank(cfg: Any, bridge_overrides: List[str], options: Any, launch: Any) -> int:
+def external_rank(spec: Any, bridge_overrides: List[str], launch: Any) -> int:
     """A rank torchrun or srun started. ``detect_external_launch`` (the NeMo app's helper) has set RANK, WORLD_SIZE,
     LOCAL_RANK, MASTER_ADDR and MASTER_PORT from the SLURM_* variables: what Bridge's torch.distributed ``env://``
     set-up reads. No launching process checked the container, so every rank does (the same problems and messages,
@@ -507,9 +455,10 @@ def external_rank(cfg: Any, bridge_overrides: List[str], options: Any, launch: A
     from nemo_longctx.options import ConfigError, raise_problems
 
     cpu_compat.apply()
-    output_dir = os.path.abspath(str(cfg.output_dir))
+    output_dir = os.path.abspath(str(spec.output_dir))
+    options = spec.options
     try:
-        container = build(cfg, bridge_overrides, options, output_dir, launch.world_size)
+        container = build(spec, bridge_overrides, output_dir, launch.world_size)
         raise_problems(model_problems_of(container, options, launch.world_size)
                        + checkpoint_problems(container, bridge_overrides) + cpu_problems(container, options))
     except ConfigError as e:
@@ -519,7 +468,7 @@ def external_rank(cfg: Any, bridge_overrides: List[str], options: Any, launch: A
     print(f"nemo-longctx bridge: rank {launch.rank} of {launch.world_size} (local rank {launch.local_rank} of "
           f"{launch.local_world_size}) from {launch.kind}, rendezvous {os.environ.get('MASTER_ADDR')}:"
           f"{os.environ.get('MASTER_PORT')}", flush=True)
-    return run_rank(cfg, bridge_overrides, options, container)
+    return run_rank(spec, bridge_overrides, container)
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -534,7 +483,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     console.setup("debug" if verbose else "info", console.rank_from_env())
     from nemo_longctx.apps.help import maybe_print_help
 
-    maybe_print_help("bridge", args, app_options=_app_options())  # -h/--help: our groups and keys, exit 0
+    from nemo_longctx.shared.app_keys import BRIDGE_OPTIONS
+
+    maybe_print_help("bridge", args, app_options=BRIDGE_OPTIONS)  # -h/--help: our groups and keys, exit 0
     from nemo_longctx.integrations.bridge.hf import init_from_problems
     from nemo_longctx.options import ConfigError, Context, raise_problems
     from nemo_longctx.shared.launch import detect_external_launch, launch_local
@@ -542,18 +493,18 @@ def main(argv: Optional[List[str]] = None) -> None:
     try:
         args = recipe_flag(args)
         ours, bridge = split_args(args)
-        cfg = compose(ours)
-        options = options_of(cfg)
-        raise_problems(options.problems(Context(document_placement=False)) + app_problems(ours, options, cfg)
-                       + init_from_problems(cfg.get("init_from")))
+        spec = compose(ours)  # the run spec: read once, nothing below sees the composed config
+        options = spec.options
+        raise_problems(options.problems(Context(document_placement=False)) + app_problems(ours, spec)
+                       + init_from_problems(spec.init_from.path))
     except ConfigError as e:
         print(f"nemo-longctx bridge: {e}", file=sys.stderr)
         sys.exit(2)
     if os.environ.get("NEMO_LONGCTX_BRIDGE_RANK"):  # a rank of our local launcher (it checked the container)
-        exit_process(run_rank(cfg, bridge, options))  # without the interpreter's teardown (process_exit.py)
+        exit_process(run_rank(spec, bridge))  # without the interpreter's teardown (process_exit.py)
     launch = detect_external_launch()  # torchrun's or srun's ranks: SLURM_* -> RANK/WORLD_SIZE/MASTER_ADDR/...
     if launch is not None:
-        exit_process(external_rank(cfg, bridge, options, launch))
+        exit_process(external_rank(spec, bridge, launch))
     # the launching process: the container once (every problem before any rank starts), then the ranks
     from nemo_longctx.integrations.bridge import cpu_compat
     from nemo_longctx.integrations.bridge.checkpoint import checkpoint_problems
@@ -562,35 +513,35 @@ def main(argv: Optional[List[str]] = None) -> None:
     from nemo_longctx.integrations.bridge.preemption import latched_signals, save_time_warning
 
     cpu_compat.apply()
-    output_dir = os.path.abspath(str(cfg.output_dir))
+    output_dir = os.path.abspath(str(spec.output_dir))
     report: dict = {}
     try:
-        container = build(cfg, bridge, options, output_dir, cfg.launcher.devices, report)
-        world = int(cfg.launcher.devices or world_of(container))
+        container = build(spec, bridge, output_dir, spec.launcher.devices, report)
+        world = int(spec.launcher.devices or world_of(container))
         raise_problems(model_problems_of(container, options, world) + checkpoint_problems(container, bridge)
                        + cpu_problems(container, options))
     except ConfigError as e:
         print(f"nemo-longctx bridge: {e}", file=sys.stderr)
         sys.exit(2)
     os.makedirs(output_dir, exist_ok=True)
-    print(f"nemo-longctx bridge: {run_kind(cfg)}, cp={options.cp.describe()}, "
+    print(f"nemo-longctx bridge: {run_kind(spec)}, cp={options.cp.describe()}, "
           f"{memory_of(container).describe(container)}, world {world}", flush=True)
     if report.get("recipe"):
-        print(settings_line(container, cfg, report), flush=True)
-    signals = latched_signals(container, list(cfg.run.signals))
-    warning = save_time_warning(container, float(cfg.run.signal_grace_s)) if signals else None
+        print(settings_line(container, spec, report), flush=True)
+    signals = latched_signals(container, list(spec.run.signals))
+    warning = save_time_warning(container, float(spec.run.signal_grace_s)) if signals else None
     if warning:
         print(warning, flush=True)
     spawned_at = time.time()
     code = launch_local(world, args + ([console.VERBOSE_FLAG] if verbose else []),
-                        max(1, (os.cpu_count() or 1) // world), wall_timeout_s=cfg.run.timeout_s,
-                        shutdown_timeout_s=int(cfg.launcher.shutdown_timeout_s),
+                        max(1, (os.cpu_count() or 1) // world), wall_timeout_s=spec.run.timeout_s,
+                        shutdown_timeout_s=int(spec.launcher.shutdown_timeout_s),
                         log_dir=os.path.join(output_dir, "rank_logs"), module="nemo_longctx.apps.bridge",
-                        env={"NEMO_LONGCTX_BRIDGE_RANK": "1", **chosen_env(cfg, report)},
+                        env={"NEMO_LONGCTX_BRIDGE_RANK": "1", **chosen_env(spec, report)},
                         forward_signals=signals,
-                        signal_grace_s=float(cfg.run.signal_grace_s),
+                        signal_grace_s=float(spec.run.signal_grace_s),
                         preload=("megatron.bridge", "megatron.core", "nemo_longctx.integrations.bridge.cpu_compat"),
-                        start_method=str(cfg.launcher.start_method))
+                        start_method=str(spec.launcher.start_method))
     metrics = os.path.join(output_dir, "metrics.jsonl")
     save = getattr(getattr(container, "checkpoint", None), "save", None)
     print("\n".join(console.summary_lines(

@@ -159,9 +159,9 @@ def plan_for_recipe(recipe: Any, gpus: int, gpus_per_node: int, gpu: str, seq_le
     """(Plan, what is missing when nothing fits, where the vocabulary size came from) for ``recipe``'s model on
     ``gpus`` GPUs of preset ``gpu``: conf/plan.yaml composed with the preset and these values, read by
     ``nemo-longctx plan``'s own ``inputs_from_config``. ``seq_key``: how problems name the sequence length."""
-    from omegaconf import open_dict
-
     from nemo_longctx.apps import plan as plan_app
+    from nemo_longctx.options import Context
+    from nemo_longctx.shared.run_spec import read_plan_spec
     from nemo_longctx.planner.search import plan as make_plan
     from nemo_longctx.planner.search import what_is_missing
 
@@ -175,16 +175,15 @@ def plan_for_recipe(recipe: Any, gpus: int, gpus_per_node: int, gpu: str, seq_le
         args.append(f"plan.host_memory_gb={host_memory_gb}")
     cfg, problems = compose("plan", args)
     raise_problems(problems)
-    with open_dict(cfg):
-        cfg.model = model
-    names = {"plan.seq_length": seq_key, "plan.host_memory_gb": "host_memory_gb"}
-    raise_problems([re.sub(r"plan\.(seq_length|host_memory_gb)\b", lambda m: names[m.group(0)], p)
-                    for p in plan_app.key_problems(cfg)])
+    spec = read_plan_spec(cfg).with_model(model)  # the recipe's model group
+    # the plugin's names of the plan keys it sets (messages are written with them)
+    names = Context(keys={"plan.seq_length": seq_key, "plan.host_memory_gb": "host_memory_gb"})
+    raise_problems(plan_app.key_problems(spec, names))
     try:
-        shape, seq, hw, precision, coef, cost, search = plan_app.inputs_from_config(cfg, frontend="nemo_run")
+        shape, seq, hw, precision, coef, cost, search = plan_app.inputs_from_config(spec, frontend="nemo_run")
     except ValueError as e:
         raise ConfigError([str(e)]) from None
-    p = make_plan(shape, seq, hw, precision, coef, cost, float(cfg.plan.cost_tolerance), **search)
+    p = make_plan(shape, seq, hw, precision, coef, cost, float(spec.get("cost_tolerance")), **search)
     return p, (None if p.chosen else what_is_missing(p, coef, cost)), vocab_source
 
 

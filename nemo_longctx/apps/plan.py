@@ -59,6 +59,7 @@ from nemo_longctx.planner.search import (  # noqa: F401  (RECOMPUTE_GROUP, optio
 from nemo_longctx.shared.overrides import conf_dir  # noqa: F401  (plan.conf_dir: the Hydra tree, used by the apps)
 from nemo_longctx.shared.overrides import is_demo_model
 from nemo_longctx.shared.plan_keys import PLAN_OPTIONS, plan_key_problems  # noqa: F401  (PLAN_OPTIONS: plan's keys)
+from nemo_longctx.shared.run_spec import PlanSpec, read_plan_spec
 from nemo_longctx.shared.signals import DEFAULT_GRACE_S
 
 # How a candidate maps onto `nemo-longctx train` overrides: the option model (nemo_longctx.options) emits the option
@@ -119,62 +120,29 @@ def app_accepts(precision: str = "bf16-mixed", target: str = "gpu", checkpointin
 
 
 # ------------------------------------------------------------------------------------------------- config
-def _get(cfg: Any, key: str, default: Any = None) -> Any:
-    try:
-        value = cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)
-    except Exception:
-        return default
-    return default if value is None else value
-
-
-def _container(cfg: Any) -> dict:
-    try:
-        from omegaconf import OmegaConf
-
-        if OmegaConf.is_config(cfg):
-            return OmegaConf.to_container(cfg, resolve=False)
-    except ImportError:
-        pass
-    return dict(cfg)
-
-
-def model_name(cfg: Any) -> str:
-    """Name of the selected model config (Hydra runtime choice), falling back to `model.name`."""
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        choice = HydraConfig.get().runtime.choices.get("model")
-        if choice:
-            return str(choice)
-    except Exception:
-        pass
-    return str(_get(cfg.model, "name", "model"))
-
-
-def checkpointing_of(cfg: Any) -> bool:
+def checkpointing_of(spec: PlanSpec) -> bool:
     """``plan.checkpoints``: the planned run saves checkpoints (the default)."""
-    return bool(_get(cfg.plan, "checkpoints", True))
+    return bool(spec.get("checkpoints", True))
 
 
-def inputs_from_config(cfg: Any, frontend: Optional[str] = None):
-    """(shape, seq_length, Hardware, Precision, ActivationCoefficients, CostModel, search kwargs) from `cfg`
-    (``plan.checkpoints``: for a run that saves checkpoints, ``search_space``; ``frontend``: the front end whose
-    refusals filter the search, default ``plan.frontend``; ``nemo_run`` for NeMo-Run recipes)."""
-    p = cfg.plan
-    name = model_name(cfg)
-    shape = shape_from_config(_container(cfg.model), name=name)
-    seq = p.seq_length
+def inputs_from_config(spec: PlanSpec, frontend: Optional[str] = None):
+    """(shape, seq_length, Hardware, Precision, ActivationCoefficients, CostModel, search kwargs) from the plan spec
+    (``read_plan_spec``; ``plan.checkpoints``: for a run that saves checkpoints, ``search_space``; ``frontend``: the
+    front end whose refusals filter the search, default ``plan.frontend``; ``nemo_run`` for NeMo-Run recipes)."""
+    p = spec.plan
+    shape = shape_from_config(dict(spec.model.fields), name=spec.model_name)
+    seq = p["seq_length"]
     if isinstance(seq, bool) or not isinstance(seq, int) or seq < 2:
         raise ValueError(f"plan.seq_length must be an integer >= 2, got {seq!r}")
-    hw = Hardware(gpus=int(p.gpus), gpu_memory_gb=float(p.gpu_memory_gb), host_memory_gb=float(p.host_memory_gb),
-                  gpus_per_node=int(p.gpus_per_node), reserve_gb=float(p.reserve_gb),
-                  host_reserve_gb=float(p.host_reserve_gb))
-    precision = Precision(**{k: int(v) for k, v in _container(p.precision).items()})
-    coef = ActivationCoefficients.preset(str(p.activation_model))
-    cost = CostModel(**{k: float(v) for k, v in _container(p.cost).items()})
-    search = {k: tuple(v) if not isinstance(v, (int, float)) else v for k, v in _container(p.search).items()}
-    search = search_space(search, precision, target=str(_get(p, "target", "gpu")), checkpointing=checkpointing_of(cfg),
-                          frontend=frontend or str(_get(p, "frontend", "nemo")))
+    hw = Hardware(gpus=int(p["gpus"]), gpu_memory_gb=float(p["gpu_memory_gb"]),
+                  host_memory_gb=float(p["host_memory_gb"]), gpus_per_node=int(p["gpus_per_node"]),
+                  reserve_gb=float(p["reserve_gb"]), host_reserve_gb=float(p["host_reserve_gb"]))
+    precision = Precision(**{k: int(v) for k, v in p["precision"].items()})
+    coef = ActivationCoefficients.preset(str(p["activation_model"]))
+    cost = CostModel(**{k: float(v) for k, v in p["cost"].items()})
+    search = {k: tuple(v) if not isinstance(v, (int, float)) else v for k, v in p["search"].items()}
+    search = search_space(search, precision, target=str(spec.get("target", "gpu")),
+                          checkpointing=checkpointing_of(spec), frontend=frontend or str(spec.get("frontend", "nemo")))
     return shape, int(seq), hw, precision, coef, cost, search
 
 
@@ -245,10 +213,11 @@ def bridge_overrides(p: Plan, ev: Evaluation, model: str) -> List[str]:
     return out + candidate_options(c).to_overrides()
 
 
-def frontend_overrides(cfg: Any, p: Plan, ev: Evaluation, model: str, saves: bool = True) -> Tuple[str, List[str]]:
+def frontend_overrides(spec: PlanSpec, p: Plan, ev: Evaluation, model: str, saves: bool = True
+                       ) -> Tuple[str, List[str]]:
     """(command, arguments) of the chosen front end (``plan.frontend``: nemo | bridge); ``saves``: the row can
     save checkpoints (``train_overrides``)."""
-    frontend = str(_get(cfg.plan, "frontend", "nemo"))
+    frontend = str(spec.get("frontend", "nemo"))
     if frontend not in FRONTENDS:
         raise ValueError(f"plan.frontend={frontend!r} must be one of {list(FRONTENDS)}")
     if frontend == "bridge":
@@ -802,18 +771,13 @@ def plot_memory(path: str, p: Plan, ev: Evaluation, model: str) -> Tuple[float, 
 
 
 # ------------------------------------------------------------------------------------------------- app
-def key_problems(cfg: Any) -> List[str]:
-    """Every problem of the ``plan.*`` values (``PLAN_OPTIONS``), each naming its key and value."""
-    try:
-        plan_node = _container(cfg.plan)
-        from omegaconf import OmegaConf
-
-        if OmegaConf.is_config(cfg.plan):
-            plan_node = OmegaConf.to_container(cfg.plan, resolve=True)
-    except Exception as e:  # an interpolation that does not resolve
-        return [f"plan: {e}"]
-    problems = plan_key_problems(plan_node)
-    return problems or output_path_problems(plan_node)
+def key_problems(spec: PlanSpec, ctx: Optional[Context] = None) -> List[str]:
+    """Every problem of the ``plan.*`` values (``PLAN_OPTIONS``), each naming its key and value (in ``ctx``'s
+    dialect: how the caller names the plan's keys)."""
+    if spec.problems:
+        return list(spec.problems)
+    problems = plan_key_problems(spec.plan, ctx)
+    return problems or output_path_problems(spec.plan)
 
 
 OUTPUT_KEYS = ("write_command", "write_sbatch", "plot")  # the plan.* keys naming a file the app writes
@@ -839,12 +803,13 @@ def output_path_problems(plan_node: Dict[str, Any]) -> List[str]:
     return out
 
 
-def document_prediction(cfg: Any, p: Plan, ev: Evaluation, frontend: str, c: CostModel) -> Optional[Dict[str, Any]]:
+def document_prediction(spec: PlanSpec, p: Plan, ev: Evaluation, frontend: str,
+                        c: CostModel) -> Optional[Dict[str, Any]]:
     """``plan.document_lengths``: the chosen row's predicted gain from keeping short documents whole on one CP rank
     (``planner.documents.predict_gain`` over the lengths packed into sequences of the plan's length, the cost model of
     the model's shape on this hardware); None without the key. ``add``: the command gets
     ``cp.split_min_tokens=auto`` (CP > 1, the NeMo 2 app, a predicted gain of at least 1 %)."""
-    path = _get(cfg.plan, "document_lengths", None)
+    path = spec.get("document_lengths", None)
     if not path:
         return None
     from nemo_longctx.planner.documents import cost_model_for, pack_documents, predict_gain, read_document_lengths
@@ -880,31 +845,31 @@ def document_prediction(cfg: Any, p: Plan, ev: Evaluation, frontend: str, c: Cos
     return out
 
 
-def run(cfg: Any, out=sys.stdout) -> int:
-    raise_problems(key_problems(cfg))  # ConfigError: every bad plan.* value at once (main: exit 2)
-    if _get(cfg.plan, "document_lengths", None):  # a bad file is refused before planning
+def run(spec: PlanSpec, out=sys.stdout) -> int:
+    raise_problems(key_problems(spec))  # ConfigError: every bad plan.* value at once (main: exit 2)
+    if spec.get("document_lengths", None):  # a bad file is refused before planning
         from nemo_longctx.planner.documents import read_document_lengths
 
         try:
-            read_document_lengths(os.path.expanduser(str(cfg.plan.document_lengths)))
+            read_document_lengths(os.path.expanduser(str(spec.get("document_lengths"))))
         except (OSError, ValueError) as e:
             raise ConfigError([f"plan.document_lengths: {e}"]) from None
-    shape, seq, hw, precision, coef, cost, search = inputs_from_config(cfg)
-    name = model_name(cfg)
-    target, frontend = str(_get(cfg.plan, "target", "gpu")), str(_get(cfg.plan, "frontend", "nemo"))
+    shape, seq, hw, precision, coef, cost, search = inputs_from_config(spec)
+    name = spec.model_name
+    target, frontend = str(spec.get("target", "gpu")), str(spec.get("frontend", "nemo"))
     # plan.checkpoints=true: what the app refuses with saving is out of the search, said once
-    left_out = not_searched_for_saving(search, precision, target, frontend) if checkpointing_of(cfg) else []
+    left_out = not_searched_for_saving(search, precision, target, frontend) if checkpointing_of(spec) else []
     note = not_searched_line(left_out)
-    write_gb_s = float(_get(cfg.plan, "checkpoint_write_gb_s", CHECKPOINT_WRITE_GB_S))
-    p = make_plan(shape, seq, hw, precision, coef, cost, float(_get(cfg.plan, "cost_tolerance", 0.01)), **search)
+    write_gb_s = float(spec.get("checkpoint_write_gb_s", CHECKPOINT_WRITE_GB_S))
+    p = make_plan(shape, seq, hw, precision, coef, cost, float(spec.get("cost_tolerance", 0.01)), **search)
     chosen = p.chosen
     missing = None if chosen else what_is_missing(p, coef, cost)
-    as_json, show = bool(_get(cfg.plan, "json", False)), int(_get(cfg.plan, "show", 0))
+    as_json, show = bool(spec.get("json", False)), int(spec.get("show", 0))
     # plan.checkpoints=false may choose a row that cannot save: its command turns saving off
     saves = not (chosen and saving_problems(chosen, train_precision(p.precision), target, frontend))
-    command = frontend_overrides(cfg, p, chosen, name, saves) if chosen else None  # (train or bridge, arguments)
+    command = frontend_overrides(spec, p, chosen, name, saves) if chosen else None  # (train or bridge, arguments)
     try:
-        documents = document_prediction(cfg, p, chosen, frontend, cost) if chosen else None
+        documents = document_prediction(spec, p, chosen, frontend, cost) if chosen else None
     except (OSError, ValueError) as e:
         raise ConfigError([f"plan.document_lengths: {e}"]) from None
     if documents is not None and documents["add"]:
@@ -919,10 +884,10 @@ def run(cfg: Any, out=sys.stdout) -> int:
         d["limited_by"] = limited_by(p)
         d["caveats"] = items
         d["checkpoint"] = estimate
-        d["checkpoints"] = checkpointing_of(cfg)
+        d["checkpoints"] = checkpointing_of(spec)
         d["not_searched"] = left_out
         d["documents"] = documents
-        d["candidates"] = d["candidates"][: int(_get(cfg.plan, "json_candidates", 50))]
+        d["candidates"] = d["candidates"][: int(spec.get("json_candidates", 50))]
         print(json.dumps(d, indent=1), file=out)
     else:
         items, ckpt_line = items or [], estimate["line"]
@@ -948,18 +913,18 @@ def run(cfg: Any, out=sys.stdout) -> int:
         elif show > 0:  # (the short view says it itself)
             print(f"\nno fitting plan: {missing}", file=out)
         return 2
-    write_command = _get(cfg.plan, "write_command", None)
+    write_command = spec.get("write_command", None)
     if write_command:
         Path(str(write_command)).parent.mkdir(parents=True, exist_ok=True)
         Path(str(write_command)).write_text(command_line(*command) + "\n")
         print(f"wrote {write_command}", file=sys.stderr)
-    sbatch = _get(cfg.plan, "write_sbatch", None)
+    sbatch = spec.get("write_sbatch", None)
     if sbatch:
-        image = _get(cfg.plan, "bridge_container_image" if frontend == "bridge" else "container_image", "")
+        image = spec.get("bridge_container_image" if frontend == "bridge" else "container_image", "")
         write_sbatch(str(sbatch), p, chosen, name, str(image), target=target, write_gb_s=write_gb_s,
                      frontend=frontend, saves=saves)
         print(f"wrote {sbatch}", file=sys.stderr)
-    plot = _get(cfg.plan, "plot", None)
+    plot = spec.get("plot", None)
     if plot:
         plot_memory(str(plot), p, chosen, name)
         print(f"wrote {plot}", file=sys.stderr)
@@ -980,7 +945,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     @hydra.main(config_path=conf_dir(), config_name="plan", version_base=None)
     def _app(cfg) -> None:
         try:
-            status["rc"] = run(cfg)
+            status["rc"] = run(read_plan_spec(cfg))  # the composed config read once
         except ValueError as e:
             print(f"nemo-longctx plan: {e}", file=sys.stderr)
             status["rc"] = 2

@@ -1,7 +1,9 @@
 """``nemo-longctx train`` / ``python -m nemo_longctx.apps.train``: the Hydra app for NeMo 2 pre-training with
 nemo_longctx context parallelism.
 
-Flow: compose the config (``conf/train.yaml`` + the command line) -> validate every config-level problem at once ->
+Flow: compose the config (``conf/train.yaml`` + the command line) -> read it into the run spec once
+(``shared/run_spec.read_run_spec``; the recipe's values in the keys left null: ``resolve_recipe``) -> validate every
+config-level problem at once ->
 [no torchrun/srun and world > 1: start the local ranks with PyTorch's elastic agent, each re-running this app with
 the *same command line*] -> every rank: build the NeMo objects (``integrations/nemo/app.py``), check that all ranks
 resolved the same config (a hash compared over the process group), ``llm.train`` (NeMoLogger, AutoResume,
@@ -23,27 +25,21 @@ from typing import List, Optional
 import hydra
 from omegaconf import DictConfig
 
-from nemo_longctx.options import LongContextOptions
+from nemo_longctx.shared.run_spec import RunSpec, read_run_spec
 from nemo_longctx.shared.signals import PREEMPTED_EXIT, signals_of
 
 from nemo_longctx.integrations.nemo.app import (  # noqa: F401  (re-exported: the app's public helpers)
     Built,
-    apply_recipe,
+    resolve_recipe,
     recipe_line,
     ConfigError,
     build,
-    config_hash,
     config_problems,
     dry_run,
-    global_batch_size,
-    options_of,
-    parallel_sizes,
     raise_problems,
     save_time_warning,
     te_available,
-    world_size_of,
 )
-from nemo_longctx.shared.app_keys import save_on_signal, saves_checkpoints
 from nemo_longctx.shared.launch import (
     CONFIG_ERROR_EXIT,
     Launch,
@@ -61,30 +57,30 @@ _ARGV: List[str] = []    # this process's command line after the program name: h
 _EXIT = {"code": 0}      # @hydra.main discards the task function's return value: the exit code travels here
 
 
-def train_rank(cfg: DictConfig, launch: Optional[Launch], options: Optional[LongContextOptions] = None) -> int:
-    """This process's part of the run (one rank, or the only process); ``options``: the run's option model, its
-    config-level problems already reported (``run``)."""
+def train_rank(spec: RunSpec, launch: Optional[Launch], checked: bool = False) -> int:
+    """This process's part of the run (one rank, or the only process); ``checked``: the spec's config-level problems
+    were already reported (``run``)."""
     import torch
 
-    threads = cfg.launcher.threads_per_process
+    threads = spec.launcher.threads_per_process
     local = launch.local_world_size if launch is not None else 1
     torch.set_num_threads(int(threads) if threads else max(1, (os.cpu_count() or 1) // local))
     import lightning.pytorch as pl
-    from omegaconf import OmegaConf
 
     from nemo_longctx.integrations.nemo.app import fit
     from nemo_longctx.shared import collector, console
 
     rank = launch.rank if launch is not None else 0
-    level = str(OmegaConf.select(cfg, "log.level", default="info"))
+    level = str(spec.log.level)
     console.setup(level, rank)  # again now that Lightning (and NeMo) are imported: they set their loggers' levels
-    pl.seed_everything(int(cfg.seed), verbose=False)
-    built = build(cfg, launch, options=options, checked=options is not None)
+    pl.seed_everything(int(spec.seed), verbose=False)
+    built = build(spec, launch, checked=checked)
+    spec = built.spec
     console.setup(level, rank)  # NeMo's console handlers exist once the model is built
-    if cfg.run.get("kernel_self_test"):
-        kernel_self_test(str(cfg.trainer.precision), local_rank=launch.local_rank if launch is not None else 0)
+    if spec.run.kernel_self_test:
+        kernel_self_test(str(spec.trainer.precision), local_rank=launch.local_rank if launch is not None else 0)
     if built.trainer.global_rank == 0:
-        warning = save_time_warning(cfg)
+        warning = save_time_warning(spec)
         if warning:
             print(warning, flush=True)
         if torch.cuda.is_available() and not te_available():
@@ -92,17 +88,17 @@ def train_rank(cfg: DictConfig, launch: Optional[Launch], options: Optional[Long
             print("nemo-longctx: TransformerEngine is not installed: the layers, the optimizer and gradient clipping "
                   "run without its fused kernels (slower on a GPU): install nemo-longctx[te] or use NVIDIA's NeMo "
                   "container", flush=True)
-        line = recipe_line(cfg, built.global_batch_size, built.model_config.seq_length)
+        line = recipe_line(spec, built.global_batch_size, built.model_config.seq_length)
         if line:
             print(line, flush=True)
         print(
             f"nemo-longctx train: {type(built.model_config).__name__} {built.model_config.num_layers} layers, "
-            f"seq {built.model_config.seq_length}, config {config_hash(cfg)[:12]}, "
-            f"cp={built.options.cp.describe()}, world {built.world_size}, {cfg.trainer.max_steps} steps, "
-            f"metrics -> {os.path.join(str(cfg.output_dir), 'metrics.jsonl')}",
+            f"seq {built.model_config.seq_length}, config {spec.config_hash()[:12]}, "
+            f"cp={built.options.cp.describe()}, world {built.world_size}, {spec.trainer.max_steps} steps, "
+            f"metrics -> {os.path.join(str(spec.output_dir), 'metrics.jsonl')}",
             flush=True,
         )
-    if not save_on_signal(cfg.get("checkpoint")):
+    if not spec.checkpoint.save_on_signal:
         # nothing to save: an interrupt (a terminal's Ctrl-C, or the local launcher's agent passing it on) ends this
         # rank at once, by the signal's default action: no KeyboardInterrupt traceback, no peer's "connection closed"
         # from a rank still unwinding (the launcher reports the stop)
@@ -115,22 +111,20 @@ def train_rank(cfg: DictConfig, launch: Optional[Launch], options: Optional[Long
         saver.latch.keep_ignoring()  # put its pre-fit handlers back; srun --kill-on-bad-exit sends SIGTERM)
     _finish_distributed()
     if rank == 0 and os.environ.get("NEMO_LONGCTX_SPAWNED") != "1":  # the only process, or rank 0 of torchrun/srun
-        _print_summary(cfg, code)  # (under the local launcher the launching process prints it)
+        _print_summary(spec, code)  # (under the local launcher the launching process prints it)
     return code
 
 
-def _print_summary(cfg: DictConfig, code: int, since: Optional[float] = None, rank_logs: Optional[str] = None) -> None:
+def _print_summary(spec: RunSpec, code: int, since: Optional[float] = None, rank_logs: Optional[str] = None) -> None:
     """The run's final summary (``console.summary_lines``), read from its metrics file; ``since``: when the ranks
     started (a metrics file last written before then is a previous run's)."""
-    from nemo_longctx.integrations.nemo.app import checkpoint_dir
     from nemo_longctx.shared import console
 
-    metrics = os.path.join(str(cfg.output_dir), "metrics.jsonl")
-    saving = saves_checkpoints(cfg.get("checkpoint"))
-    paths = [("metrics", metrics), ("checkpoints", checkpoint_dir(cfg) if saving else None),
+    metrics = os.path.join(str(spec.output_dir), "metrics.jsonl")
+    paths = [("metrics", metrics), ("checkpoints", spec.checkpoint_dir if spec.checkpoint.saves else None),
              ("rank logs", rank_logs)]
     lines = console.summary_lines(code, console.read_metrics(metrics, since=since), console.since_launch(),
-                                  max_steps=int(cfg.trainer.max_steps), paths=paths)
+                                  max_steps=int(spec.trainer.max_steps), paths=paths)
     print("\n".join(lines), flush=True)
 
 
@@ -185,48 +179,52 @@ def _apply_patch_ledgers() -> None:
 
 def run(cfg: DictConfig) -> int:
     _refuse_multirun()
+    return run_from_spec(read_run_spec(cfg))  # the composed config read once: nothing below sees it
+
+
+def run_from_spec(spec: RunSpec) -> int:
+    """The run of a spec: every config-level problem at once (before any process starts and before NeMo is imported:
+    seconds), then the dry run, the local ranks, or this rank."""
     launch = detect_external_launch()
-    apply_recipe(cfg, world_size=world_size_of(cfg, launch))  # the recipe's values in the keys left null
-    options = options_of(cfg)  # the run's option model: built once, handed to every step below
-    # every config-level problem at once, before any process starts and before NeMo is imported (seconds)
-    raise_problems(config_problems(cfg, options))
+    spec = resolve_recipe(spec, world_size=spec.world_size(launch))  # the recipe's values in the keys left null
+    raise_problems(config_problems(spec))
     from nemo_longctx.integrations.nemo import documents, pretrained
 
-    world = world_size_of(cfg, launch)
+    world = spec.world_size(launch)
     rank = launch.rank if launch is not None else 0
     local_rank = launch.local_rank if launch is not None else None
-    pretrained.prepare(cfg, rank=rank, local_rank=local_rank)  # init_from=<HF dir>: imported once, in a subprocess
-    spawns = launch is None and world > 1 and not cfg.run.dry_run
-    if not spawns or str(cfg.data.get("kind")) == "documents":
+    pretrained.prepare(spec, rank=rank, local_rank=local_rank)  # init_from=<HF dir>: imported once, in a subprocess
+    spawns = launch is None and world > 1 and not spec.run.dry_run
+    if not spawns or str(spec.data.kind) == "documents":
         _apply_patch_ledgers()  # what imports Megatron/NeMo below; a launching process otherwise imports neither
-    documents.prepare(cfg, rank=rank, local_rank=local_rank)  # data=documents: tokenize once
-    if cfg.run.dry_run:
-        dry_run(cfg, options)
+    documents.prepare(spec, rank=rank, local_rank=local_rank)  # data=documents: tokenize once
+    if spec.run.dry_run:
+        dry_run(spec, checked=True)
         return 0
     if spawns:
         # the ranks build the model config and check it against the options (``build``) before any collective: a
         # problem only it shows ends the run with one message (launch_local prints what the first refusing rank
         # recorded) and exit 2; the launching process stays free of NeMo's ~20 s of imports (the ranks pay them)
-        if int(cfg.trainer.num_nodes) != 1:
+        if int(spec.trainer.num_nodes) != 1:
             raise ValueError("trainer.num_nodes > 1 needs torchrun or srun to start the processes")
-        local = int(cfg.trainer.devices)
-        threads = cfg.launcher.threads_per_process or max(1, (os.cpu_count() or 1) // local)
+        local = int(spec.trainer.devices)
+        threads = spec.launcher.threads_per_process or max(1, (os.cpu_count() or 1) // local)
         print(f"nemo-longctx: spawning {local} local processes ({threads} thread(s) each) with torch's elastic agent",
               flush=True)
         spawned_at = time.time()
         code = launch_local(
-            local, [*_ARGV, "hydra.output_subdir=null"], int(threads), wall_timeout_s=cfg.run.timeout_s,
-            shutdown_timeout_s=int(cfg.launcher.get("shutdown_timeout_s", 30)),
-            env={"NEMO_LONGCTX_CONFIG_HASH": config_hash(cfg)},
-            log_dir=os.path.join(str(cfg.output_dir), "rank_logs"),
-            forward_signals=signals_of(cfg.run.signals) if save_on_signal(cfg.get("checkpoint")) else (),
-            signal_grace_s=float(cfg.run.signal_grace_s), preload=RANK_PRELOAD,
-            start_method=str(cfg.launcher.get("start_method", "auto")),
+            local, [*_ARGV, "hydra.output_subdir=null"], int(threads), wall_timeout_s=spec.run.timeout_s,
+            shutdown_timeout_s=int(spec.launcher.shutdown_timeout_s),
+            env={"NEMO_LONGCTX_CONFIG_HASH": spec.config_hash()},
+            log_dir=os.path.join(str(spec.output_dir), "rank_logs"),
+            forward_signals=signals_of(spec.run.signals) if spec.checkpoint.save_on_signal else (),
+            signal_grace_s=float(spec.run.signal_grace_s), preload=RANK_PRELOAD,
+            start_method=str(spec.launcher.start_method),
         )
         if code != CONFIG_ERROR_EXIT:  # (a refused configuration trained nothing: its message is the output)
-            _print_summary(cfg, code, since=spawned_at, rank_logs=os.path.join(str(cfg.output_dir), "rank_logs"))
+            _print_summary(spec, code, since=spawned_at, rank_logs=os.path.join(str(spec.output_dir), "rank_logs"))
         return code
-    return train_rank(cfg, launch, options)
+    return train_rank(spec, launch, checked=True)
 
 
 # what every rank imports (~20 s on one core): a local launch without CUDA imports it once and forks the ranks
@@ -268,7 +266,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     from nemo_longctx.shared import console
 
     # --verbose = log.level=debug: the override replaces the flag, so Hydra and every rank (handed _ARGV) get it; the
-    # console is quieted now, before the libraries are imported (train_rank applies the composed cfg.log.level)
+    # console is quieted now, before the libraries are imported (train_rank applies the spec's log.level)
     args, level = console.take_verbose(args)
     console.setup(level, console.rank_from_env())
     if argv is None:

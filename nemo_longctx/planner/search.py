@@ -76,16 +76,25 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Iterable, Mapping, Optional
 
-from nemo_longctx.options import DEFAULT_SEQUENCE_CHUNK_TOKENS, Context, LongContextOptions, auto_tiles, layout_problems
+from nemo_longctx.options import (
+    CP_CHOICES,
+    DEFAULT_SEQUENCE_CHUNK_TOKENS,
+    PLANNED_OFFLOAD,
+    PLANNED_RECOMPUTE,
+    Context,
+    LongContextOptions,
+    auto_tiles,
+    layout_problems,
+)
 from nemo_longctx.shared.signals import DEFAULT_GRACE_S
 
 from .model_shapes import ModelShape, shape_from_config
 
 GIB = float(2**30)
-CP_ALGORITHMS = ("none", "ring", "ulysses", "hybrid")
-RECOMPUTE = ("none", "selective_mlp", "full", "full_keep_attn")  # searched; selective = Megatron selective of ["mlp"]
-RECOMPUTE_MODES = RECOMPUTE + ("selective_attn",)  # also predicted: Megatron selective of ["core_attn"]
-OFFLOAD = ("none", "layer_input")
+CP_ALGORITHMS = CP_CHOICES  # the algorithms searched: "none" (cp.size 1) and every CP algorithm
+# searched by default (PLANNED_RECOMPUTE's "selective_attn" is predicted, not searched unless asked)
+RECOMPUTE = tuple(m for m in PLANNED_RECOMPUTE if m != "selective_attn")
+OFFLOAD = PLANNED_OFFLOAD
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -837,11 +846,7 @@ def planned_sequence_chunks(tokens_per_gpu: float, chunk_tokens: int = DEFAULT_S
     return sorted({n for n in (auto, auto // 4, auto // 16) if n >= 2})
 
 
-# the planner's recompute modes -> the recompute group (name, selective modules); "selective" alone would be
-# ambiguous: the config's recompute=selective recomputes recompute.modules (default [core_attn])
-RECOMPUTE_GROUP = {"none": ("none", None), "selective_mlp": ("selective", ("mlp",)),
-                   "selective_attn": ("selective", ("core_attn",)), "full": ("full", None),
-                   "full_keep_attn": ("full_keep_attn", None)}
+RECOMPUTE_GROUP = PLANNED_RECOMPUTE  # the planner's recompute modes -> (recompute group choice, selective modules)
 
 
 def optim_fields(ms: ModelState) -> dict:
@@ -889,7 +894,7 @@ def candidate_of(options: LongContextOptions, seq_length: int, tp: int = 1,
     labels = {(name, tuple(modules or ())): label for label, (name, modules) in RECOMPUTE_GROUP.items()}
     modules = tuple(mem.recompute_modules) if mem.recompute == "selective" else ()
     recompute = labels.get((mem.recompute, modules))  # RECOMPUTE_GROUP read backwards
-    if recompute is None or mem.offload not in ("none", "layer_input"):
+    if recompute is None or mem.offload not in PLANNED_OFFLOAD:
         return None
     tiles, chunks = options.tiling.counts(seq_length, cp.size, tp, sequence_parallel)
     n = mem.sequence_chunks

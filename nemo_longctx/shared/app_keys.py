@@ -3,10 +3,9 @@ one checker (``nemo_longctx.options.Option``), and the app's names for the value
 
 from __future__ import annotations
 
-import re
-from typing import List, Sequence, Tuple
+from typing import Tuple
 
-from nemo_longctx.options import ConfigError, LongContextOptions, Option
+from nemo_longctx.options import PRECISIONS, ConfigError, LongContextOptions, Option
 from nemo_longctx.shared.launch import START_METHODS
 from nemo_longctx.shared.signals import DEFAULT_GRACE_S, DEFAULT_SIGNALS, SIGNAL_NAMES
 
@@ -19,7 +18,6 @@ NEMO_KEYS = {"seq_length": "model.seq_length", "tp": "trainer.strategy.tensor_mo
              "trainer.strategy.sequence_parallel", "precision": "trainer.precision",
              "checkpointing": "checkpoint.every_n_steps", "world_size": "trainer.devices x trainer.num_nodes",
              "num_layers": "model.num_layers", "packed_data": "the data (data.packing / data.kind)"}
-PRECISIONS = ("32", 32, "bf16-mixed", "16-mixed")
 # the app's own keys (trainer, checkpoint, launcher, run): typed and checked like the option model's
 APP_OPTIONS = (
     Option("trainer.accelerator", "choice", "auto", "auto (cuda if available, else cpu) | cpu | gpu",
@@ -78,6 +76,32 @@ APP_OPTIONS = (
     Option("seed", "int", 1234, "random seed", low=0),
 )
 
+# `nemo-longctx bridge`'s own keys (conf/bridge.yaml outside the option model's groups): the rows that mean the same
+# thing as the NeMo app's are the same rows
+_SHARED = {o.key: o for o in APP_OPTIONS}
+BRIDGE_OPTIONS = (
+    Option("recipe", "str", "auto", "where the run takes its training settings (optimizer, schedule, precision, "
+           "steps, tokens per step, checkpoint interval): auto (without init_from: the CPU demo; with init_from: "
+           "the HF model with the settings of the Megatron-Bridge recipe of its architecture) | demo (the CPU "
+           "demo's settings) | a Bridge recipe function (megatron.bridge.recipes.<name>: its whole config)"),
+    Option("init_from", "str", None, "a local Hugging Face model directory to start from (AutoBridge)",
+           nullable=True),
+    Option("output_dir", "str", "outputs/bridge", "run directory (metrics, rank logs, TensorBoard)"),
+    Option("launcher.devices", "int", None, "local ranks when not under torchrun/srun (null: tp x pp x cp)",
+           low=1, nullable=True),
+    _SHARED["launcher.shutdown_timeout_s"],
+    _SHARED["launcher.start_method"],
+    _SHARED["run.timeout_s"],
+    _SHARED["run.fault"],
+    Option("checkpoint.on_signal", "bool", None, "on the first of run.signals: save this step's checkpoint "
+           "(Bridge's train.exit_signal_handler) and stop (exit 75); null: when checkpoint.save is set",
+           nullable=True),
+    _SHARED["run.signals"],
+    _SHARED["run.signal_grace_s"],
+)
+# the Bridge app's groups whose keys are all declared in BRIDGE_OPTIONS
+BRIDGE_GROUPS = ("launcher", "run", "checkpoint")
+
 # The training settings a recipe gives: the keys above left null (the YAML defaults) take the recipe's value
 # (integrations/nemo/training_recipe.py). These are the CPU demo's (recipe=demo: the tiny models), chosen to learn
 # the synthetic data in a few steps on a CPU; a real model takes NVIDIA's NeMo recipe for it instead.
@@ -112,44 +136,7 @@ def parse_fault(spec: str) -> Tuple[str, int, int]:
     return kind, step, rank
 
 
-def saves_checkpoints(checkpoint: object) -> bool:
-    """Whether the config's checkpoint group (or None) saves: ``every_n_steps > 0`` or ``every_minutes > 0``."""
-    get = getattr(checkpoint, "get", None)
-    if get is None:
-        return False
-    steps, minutes = get("every_n_steps", 0), get("every_minutes", 0)
-    return (isinstance(steps, int) and steps > 0) or (isinstance(minutes, (int, float)) and minutes > 0)
-
-
-def _on_signal_and_saving(checkpoint: object) -> Tuple[object, bool]:
-    """(``checkpoint.on_signal``, ``saves_checkpoints``) of the config's checkpoint group (or None)."""
-    get = getattr(checkpoint, "get", None)
-    return (None if get is None else get("on_signal", None)), saves_checkpoints(checkpoint)
-
-
-def save_on_signal(checkpoint: object) -> bool:
-    """Whether the run saves and stops on a signal: ``checkpoint.on_signal``, by default whenever it saves
-    checkpoints (``saves_checkpoints``); ``checkpoint`` is the config's checkpoint group (or None)."""
-    on, saving = _on_signal_and_saving(checkpoint)
-    return bool(on) if on is not None else saving
-
-
-def on_signal_problems(checkpoint: object) -> list:
-    """``checkpoint.on_signal=true`` without checkpoints to save is refused."""
-    on, saving = _on_signal_and_saving(checkpoint)
-    if on is True and not saving:
-        return ["checkpoint.on_signal=true needs checkpoint.every_n_steps or checkpoint.every_minutes > 0: the run "
-                "saves no checkpoints"]
-    return []
-
-
 # ---------------------------------------------------------------------------------------- NeMo-Run recipes
-# the recipe's names of the values the option checks need (messages name them as a NeMo-Run override would)
-RECIPE_KEYS = {"seq_length": "model.config.seq_length", "tp": "trainer.strategy.tensor_model_parallel_size",
-               "pp": "trainer.strategy.pipeline_model_parallel_size",
-               "sequence_parallel": "trainer.strategy.sequence_parallel", "precision": "trainer.plugins.precision",
-               "checkpointing": "log.ckpt", "world_size": "trainer.devices x trainer.num_nodes",
-               "num_layers": "model.config.num_layers"}
 # option keys that are group choices in the app (cp=ring, recompute=full, offload=layer_input)
 GROUP_CHOICES = {"cp.algorithm": "cp", "recompute.name": "recompute", "offload.name": "offload"}
 # keys the recipe itself owns (its schedule and logging) or that only the app has
@@ -158,17 +145,17 @@ APP_ONLY = ("optim.lr", "optim.min_lr", "optim.warmup_steps", "optim.weight_deca
 
 
 def argument_name(key: str) -> str:
-    """The recipe argument of an option key."""
+    """The recipe argument of an option key (``cp.size`` -> ``cp_size``; the group choices: ``cp``, ``recompute``,
+    ``offload``)."""
     return GROUP_CHOICES.get(key, key.replace(".", "_"))
 
 
-def _rename(message: str) -> str:
-    """An option-model message with its keys spelled as the recipe arguments (``cp.size`` -> ``cp_size``)."""
-    keys = sorted((o.key for o in LongContextOptions.options()), key=len, reverse=True)
-    pattern = re.compile(r"(?<![\w.])(" + "|".join(re.escape(k) for k in keys) + r")(?![\w])")
-    return pattern.sub(lambda m: argument_name(m.group(1)), message)
-
-
-def rename_problems(problems: Sequence[str]) -> List[str]:
-    """Option-model messages with the recipe arguments' names (the NeMo-Run front end and the strategy it sets up)."""
-    return [_rename(p) for p in problems]
+# The recipe's dialect (``Context.keys``): the names of the values the option checks need as a NeMo-Run override
+# would name them, and every option key as its recipe argument; messages are written with these names where they
+# are made (the NeMo-Run front end and the strategy it sets up)
+RECIPE_KEYS = {"seq_length": "model.config.seq_length", "tp": "trainer.strategy.tensor_model_parallel_size",
+               "pp": "trainer.strategy.pipeline_model_parallel_size",
+               "sequence_parallel": "trainer.strategy.sequence_parallel", "precision": "trainer.plugins.precision",
+               "checkpointing": "log.ckpt", "world_size": "trainer.devices x trainer.num_nodes",
+               "num_layers": "model.config.num_layers",
+               **{o.key: argument_name(o.key) for o in LongContextOptions.options()}}

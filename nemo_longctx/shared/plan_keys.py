@@ -9,13 +9,18 @@ without importing the plan app or the planner. ``nemo_longctx.apps.plan`` re-exp
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Mapping, Tuple
+from typing import Any, List, Mapping, Optional, Tuple
 
-from nemo_longctx.options import Context, Option, layout_problems, unknown_keys
+from nemo_longctx.options import (
+    CP_ALGORITHMS,
+    PLANNED_OFFLOAD,
+    PLANNED_RECOMPUTE,
+    Context,
+    Option,
+    layout_problems,
+    unknown_keys,
+)
 
-CP_ALGORITHMS = ("ring", "ulysses", "hybrid")
-RECOMPUTE_CHOICES = ("none", "selective_mlp", "selective_attn", "full", "full_keep_attn")
-OFFLOAD_CHOICES = ("none", "layer_input")
 SHARDINGS = ("ddp", "distributed", "fsdp")
 
 
@@ -30,10 +35,10 @@ class ListOption(Option):
         bounds = f" in [{self.low:g}, {self.high:g}]" if self.low is not None and self.high is not None else ""
         return "a non-empty list of numbers" + bounds
 
-    def problem(self, value: Any):
+    def problem(self, value: Any, ctx: Any = None):
         if self._valid(value):
             return None
-        return f"{self.key}={value!r} must be {self.expectation()}"
+        return f"{ctx.key(self.key) if ctx is not None else self.key}={value!r} must be {self.expectation()}"
 
     def _valid(self, v: Any) -> bool:
         if not isinstance(v, (list, tuple)) or not v:
@@ -73,9 +78,9 @@ PLAN_OPTIONS: Tuple[Option, ...] = (
     Option("plan.search.algorithms", "modules", CP_ALGORITHMS, "CP algorithms searched", choices=CP_ALGORITHMS),
     Option("plan.search.recompute", "modules", ("none", "selective_mlp", "full", "full_keep_attn"),
            "recompute options searched (selective_mlp: recompute=selective recompute.modules=[mlp])",
-           choices=RECOMPUTE_CHOICES),
-    Option("plan.search.offload", "modules", OFFLOAD_CHOICES, "activation offload options searched",
-           choices=OFFLOAD_CHOICES),
+           choices=tuple(PLANNED_RECOMPUTE)),
+    Option("plan.search.offload", "modules", PLANNED_OFFLOAD, "activation offload options searched",
+           choices=PLANNED_OFFLOAD),
     Option("plan.search.max_tp", "int", 8, "largest tensor-parallel size searched", low=1),
     Option("plan.search.sharding", "modules", SHARDINGS, "model-state layouts searched: ddp | distributed (ZeRO-1) | "
            "fsdp (Megatron-FSDP, ZeRO-3)", choices=SHARDINGS),
@@ -125,13 +130,15 @@ def _flatten(node: Mapping[str, Any], prefix: str) -> dict:
     return out
 
 
-def plan_key_problems(plan: Mapping[str, Any]) -> List[str]:
+def plan_key_problems(plan: Mapping[str, Any], ctx: Optional[Context] = None) -> List[str]:
     """Every problem of the ``plan`` mapping (plain containers, as ``OmegaConf.to_container`` gives it): values
-    against ``PLAN_OPTIONS`` and undeclared keys, each naming its key."""
+    against ``PLAN_OPTIONS`` and undeclared keys, each naming its key (in ``ctx``'s dialect: the caller's names of
+    the plan keys, ``Context.keys``)."""
     if not isinstance(plan, Mapping):
         return [f"plan={plan!r} must be a mapping of the plan keys"]
+    ctx = ctx or Context()
     flat = _flatten(plan, "plan")
-    p = [m for o in PLAN_OPTIONS if o.key in flat for m in [o.problem(flat[o.key])] if m]
+    p = [m for o in PLAN_OPTIONS if o.key in flat for m in [o.problem(flat[o.key], ctx)] if m]
     declared = {o.key for o in PLAN_OPTIONS}
     for group in PLAN_GROUPS:
         node = plan if group == "plan" else flat.get(group)
@@ -141,7 +148,8 @@ def plan_key_problems(plan: Mapping[str, Any]) -> List[str]:
             continue
         known = [k[len(group) + 1:] for k in declared if k.startswith(group + ".") and "." not in k[len(group) + 1:]]
         known += [g[len(group) + 1:] for g in PLAN_GROUPS if g.startswith(group + ".")]
-        p += unknown_keys(group, {k: 0 for k in node}, known)
-    if not any(m.startswith("plan.seq_length=") for m in p):  # the length every layout needs (train's own rule)
-        p += layout_problems(flat.get("plan.seq_length"), 1, ctx=Context(keys={"seq_length": "plan.seq_length"}))
+        p += unknown_keys(group, {k: 0 for k in node}, known, ctx=ctx)
+    seq_key = ctx.key("plan.seq_length")
+    if not any(m.startswith(seq_key + "=") for m in p):  # the length every layout needs (train's own rule)
+        p += layout_problems(flat.get("plan.seq_length"), 1, ctx=Context(keys={"seq_length": seq_key}))
     return p

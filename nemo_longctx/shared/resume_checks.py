@@ -5,8 +5,8 @@
     and whole (``checkpoint_integrity.checkpoint_problem``), with the name and reason of every one skipped. Newest =
     the highest ``step=N`` in the name, NeMo's ``-last`` copy first on a tie, then the newest mtime; only the
     checkpoints newer than the one chosen are verified (each check reads its ``.metadata`` and stats its files).
-``resume_problems(cfg)``  ``checkpoint.resume=<path>`` to a damaged checkpoint: one line naming the key, the path, the
-    reason and the newest intact checkpoint beside it; refused before any rank starts (``app_key_problems``).
+``resume_problems(resume)``  ``checkpoint.resume=<path>`` to a damaged checkpoint: one line naming the key, the path,
+    the reason and the newest intact checkpoint beside it; refused before any rank starts (``RunSpec.key_problems``).
 """
 
 from __future__ import annotations
@@ -41,14 +41,12 @@ def newest_intact(directory: str, unfinished: Optional[Callable[[Any], bool]] = 
     return None, skipped
 
 
-def resume_problems(cfg: Any) -> List[str]:
+def resume_problems(resume: Any) -> List[str]:
     """``checkpoint.resume=<path>`` naming a checkpoint that is damaged (a storage file shorter than its metadata says,
     a metadata file missing or unreadable): one line naming the key, the path and why, plus the newest intact
     checkpoint beside it. A path that is not a directory, or a directory that is not a checkpoint (a folder of
-    them, or none: ``path_checks.checkpoint_folder_hint``), is ``app_key_problems``' to name; auto/never have nothing
-    to check here (auto verifies as it chooses)."""
-    node = cfg.get("checkpoint") or {}
-    resume = node.get("resume")
+    them, or none: ``path_checks.checkpoint_folder_hint``), is ``RunSpec.resume_problems``' to name; auto/never have
+    nothing to check here (auto verifies as it chooses). ``resume``: the value of ``checkpoint.resume``."""
     if not isinstance(resume, str) or not resume or resume in RESUME_MODES:
         return []
     path = Path(os.path.abspath(os.path.expanduser(resume)))

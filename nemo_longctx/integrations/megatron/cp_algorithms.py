@@ -6,10 +6,11 @@ An entry maps a name (the ``cp_algorithm`` ModuleSpec param, the ``cp.algorithm`
       returns [b, s_local, hq, d]. ``kwargs`` are the algorithm's own ModuleSpec params (``cp_algorithm_kwargs``)
       plus, per call, ``cu_seqlens``/``cu_seqlens_padded`` (packed THD sequences, b = 1) and ``window_size``
       (sliding window, flash-attn convention) when the layer has them.
-  validate(config, cp_size, tp=1, **kwargs) -> None
+  validate(config, cp_size, tp=1, keys=None, **kwargs) -> None
       the checks that need the model config (head counts); raises ValueError naming the config field (``cp.*``,
-      ``model.*``); called once, by ``validation.long_context_problems``, when the run is built. ``tp`` =
-      tensor-parallel size (heads are per TP rank), ``kwargs`` = the algorithm's options as configured. The checks
+      ``model.*``; ``keys``: the front end's dialect, an ``options.Context``, or None); called once, by
+      ``validation.long_context_problems``, when the run is built. ``tp`` = tensor-parallel size (heads are per TP
+      rank), ``kwargs`` = the algorithm's options as configured. The checks
       that need no model (types, divisors, known options) are ``nemo_longctx.options.CPOptions.problems``.
   setup(group, **kwargs) -> kwargs       optional; run once per core-attention module at construction, on every CP
       rank in the same layer order (collective setup such as sub-groups goes here, never in forward); returns
@@ -162,8 +163,11 @@ register_cp_algorithm(CPAlgorithm(name="ring", attention=_ring, takes_sinks=True
 
 
 # ------------------------------------------------------------------------------------------------ ulysses / hybrid
-def _check_heads(name: str, config: Any, tp: int, ulysses_size: int, size_field: str, head_chunks: Any) -> None:
-    """Head counts per TP rank vs the Ulysses degree (error names ``size_field``) and ``cp.head_chunks``."""
+def _check_heads(name: str, config: Any, tp: int, ulysses_size: int, size_field: str, head_chunks: Any,
+                 keys: Any = None) -> None:
+    """Head counts per TP rank vs the Ulysses degree (error names ``size_field``) and ``cp.head_chunks``, the keys in
+    the dialect of ``keys`` (an ``options.Context``; None: as the config spells them)."""
+    kn = keys.key if keys is not None else str
     hq, hkv = config.num_attention_heads, config.num_query_groups or config.num_attention_heads
     if hq % tp or hkv % tp:
         return  # reported by validation.long_context_problems (heads vs tensor_model_parallel_size)
@@ -172,15 +176,17 @@ def _check_heads(name: str, config: Any, tp: int, ulysses_size: int, size_field:
     try:
         plan_ulysses_heads(hq // tp, hkv // tp, ulysses_size, 1, fn=f"cp={name}")
     except ValueError as e:
-        raise ValueError(f"{size_field}={ulysses_size}: {e} ({where})") from None
+        raise ValueError(f"{kn(size_field)}={ulysses_size}: {e} ({where})") from None
     try:
         plan_ulysses_heads(hq // tp, hkv // tp, ulysses_size, head_chunks, fn=f"cp={name}")
     except ValueError as e:
-        raise ValueError(f"cp.head_chunks={head_chunks!r}: {e} ({where}, ulysses_size={ulysses_size})") from None
+        raise ValueError(f"{kn('cp.head_chunks')}={head_chunks!r}: {e} ({where}, ulysses_size={ulysses_size})"
+                         ) from None
 
 
-def _validate_ulysses(config: Any, cp_size: int, tp: int = 1, head_chunks: Any = 1, **kwargs: Any) -> None:
-    _check_heads("ulysses", config, tp, cp_size, "cp.size", head_chunks)
+def _validate_ulysses(config: Any, cp_size: int, tp: int = 1, head_chunks: Any = 1, keys: Any = None,
+                      **kwargs: Any) -> None:
+    _check_heads("ulysses", config, tp, cp_size, "cp.size", head_chunks, keys)
 
 
 def _ulysses(q, k, v, *, group, causal, softmax_scale, head_chunks: int = 1, **options):
@@ -188,8 +194,8 @@ def _ulysses(q, k, v, *, group, causal, softmax_scale, head_chunks: int = 1, **o
 
 
 def _validate_hybrid(config: Any, cp_size: int, tp: int = 1, ulysses_size: Any = None, head_chunks: Any = 1,
-                     **kwargs: Any) -> None:
-    _check_heads("hybrid", config, tp, ulysses_size, "cp.ulysses_size", head_chunks)
+                     keys: Any = None, **kwargs: Any) -> None:
+    _check_heads("hybrid", config, tp, ulysses_size, "cp.ulysses_size", head_chunks, keys)
 
 
 def _setup_hybrid(group, ulysses_size: int, **options: Any) -> Dict[str, Any]:

@@ -19,7 +19,7 @@ import random
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
-from nemo_longctx.options import CP_ALGORITHMS, Context, LongContextOptions
+from nemo_longctx.options import CP_ALGORITHMS, PLANNED_OFFLOAD, RECOMPUTE_MODES, Context, LongContextOptions
 
 MODELS = ("gqa", "mqa", "mha", "moe", "mla", "window")
 STATES = ("ddp", "distributed", "fsdp")
@@ -219,8 +219,8 @@ def draw_case(rng: random.Random, max_world: int, accept: Any = None) -> Case:
         dp = rng.choice((1, 2))
         if tp * cp * pp * dp > max_world:
             continue
-        recompute = rng.choice(("none", "selective", "full", "full_keep_attn"))
-        offload = rng.choice(("none", "layer_input")) if recompute in ("full", "full_keep_attn") else "none"
+        recompute = rng.choice(RECOMPUTE_MODES)
+        offload = rng.choice(PLANNED_OFFLOAD) if recompute in ("full", "full_keep_attn") else "none"
         data = rng.choice(DATA)
         case = Case(model=model, tp=tp, sp=tp > 1 and rng.random() < 0.5, cp=cp, cp_algorithm=algorithm,
                     ulysses_size=2 if algorithm == "hybrid" else None, pp=pp, vpp=vpp, ep=ep, dp=dp,

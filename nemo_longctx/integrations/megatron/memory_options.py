@@ -37,25 +37,28 @@ def _cuda_available() -> bool:
 
 def memory_model_problems(opts: MemoryOptions, model_config: Any, pp: int = 1,
                           keys: Optional[Context] = None) -> List[str]:
-    """The problems of ``opts`` that need the model config (valid options assumed: ``opts.problems()`` first)."""
+    """The problems of ``opts`` that need the model config (valid options assumed: ``opts.problems()`` first), each
+    naming its key in the dialect of ``keys`` (a ``Context``)."""
     ctx = keys or Context()
+    kn = ctx.key
     p: List[str] = []
     r, o = opts.recompute, opts.offload
     layers = int(model_config.num_layers) // max(1, pp)
     if opts.full and opts.recompute_num_layers > layers:
-        p.append(f"recompute.num_layers={opts.recompute_num_layers} exceeds the {layers} layers per pipeline stage "
-                 f"({ctx.key('num_layers')} / {ctx.key('pp')})")
+        p.append(f"{kn('recompute.num_layers')}={opts.recompute_num_layers} exceeds the {layers} layers per pipeline "
+                 f"stage ({ctx.key('num_layers')} / {ctx.key('pp')})")
     if (r == "selective" and "mlp" in opts.recompute_modules and getattr(model_config, "add_bias_linear", False)
             and not _cuda_available()):
-        p.append("recompute.modules=[mlp] with model.add_bias_linear=true recurses without end in Megatron's "
+        p.append(f"{kn('recompute.modules')}=[mlp] with model.add_bias_linear=true recurses without end in Megatron's "
                  "CheckpointFunction backward on CPU: set model.add_bias_linear=false or recompute another module")
     if opts.full and uses_fp8_or_fp4(model_config):
         p.append(f"recompute={r} in nemo_longctx runs Megatron's tensor_parallel.checkpoint: fp8/fp4 "
                  "(te_checkpoint) is not supported")
     softmax = getattr(model_config, "softmax_type", "vanilla")
     if softmax != "vanilla":  # these two paths compute attention without the sink term: refused, never dropped
+        chunks = f"{kn('recompute.sequence_chunks')}={opts.sequence_chunks}"
         for option, on in (("recompute=full_keep_attn", r == "full_keep_attn"),
-                           (f"recompute.sequence_chunks={opts.sequence_chunks}", opts.sequence_chunks != "off")):
+                           (chunks, opts.sequence_chunks != "off")):
             if on:
                 p.append(f"{option} does not take attention sinks (model.softmax_type={softmax!r}): its attention "
                          "path has no sink term; use recompute=full (without sequence_chunks) or selective")
@@ -65,7 +68,7 @@ def memory_model_problems(opts: MemoryOptions, model_config: Any, pp: int = 1,
         p.append(f"recompute=full_keep_attn does not take sliding windows (model.window_size="
                  f"{model_config.window_size}): use recompute=full or selective")
     if opts.sequence_chunks != "off":
-        key = f"recompute.sequence_chunks={opts.sequence_chunks}"
+        key = f"{kn('recompute.sequence_chunks')}={opts.sequence_chunks}"
         if getattr(model_config, "multi_latent_attention", False) and getattr(model_config, "apply_rope_fusion",
                                                                                False):
             p.append(f"{key} with multi-latent attention needs model.apply_rope_fusion=false: MLA's fused RoPE reads "

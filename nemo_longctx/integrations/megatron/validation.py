@@ -82,10 +82,10 @@ def long_context_problems(
         problems.append(f"model.softmax_type={softmax!r} must be one of {SOFTMAX_TYPES}")
     elif softmax != "vanilla" and not algo.takes_sinks:
         problems.append(f"model.softmax_type={softmax!r} (attention sinks) is not supported by "
-                        f"cp.algorithm={cp_algorithm!r}: its attention function takes no sinks")
+                        f"{k.key('cp.algorithm')}={cp_algorithm!r}: its attention function takes no sinks")
     if algo.validate is not None:
         try:
-            algo.validate(config, cp_size, tp=tp, **dict(cp_kwargs or {}))
+            algo.validate(config, cp_size, tp=tp, keys=k, **dict(cp_kwargs or {}))
         except ValueError as e:
             problems.append(str(e))
     if not problems:

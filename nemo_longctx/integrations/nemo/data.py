@@ -202,10 +202,11 @@ def pretraining_data_module(documents: bool, balance_data_parallel: bool = False
 
 def packed_sft_data_module(data: Any, seq_length: int, micro_batch_size: int, global_batch_size: int) -> Any:
     """NeMo's fine-tuning data module reading packed ``.npy`` files (``PackedSequenceSpecs``; the files are what
-    ``nemo.collections.llm.gpt.data.packed_sequence.prepare_packed_sequence_data`` writes). Config ``data.*``:
-    ``dataset_root``, ``tokenizer`` (HF name/path; its eos id pads), ``packed_train``, ``packed_val`` (``.npy``),
-    ``packed_metadata`` (optional), ``num_workers``, ``seed``. Its batches carry ``cu_seqlens`` (the packed layout)
-    and ``cu_seqlens_unpadded`` (real lengths): the data step lays the documents out for the CP group."""
+    ``nemo.collections.llm.gpt.data.packed_sequence.prepare_packed_sequence_data`` writes). ``data``: the run spec's
+    ``DataSpec``: ``dataset_root``, ``tokenizer`` (HF name/path; its eos id pads), ``packed_train``, ``packed_val``
+    (``.npy``), ``packed_metadata`` (optional), ``num_workers``, ``seed``. Its batches carry ``cu_seqlens`` (the
+    packed layout) and ``cu_seqlens_unpadded`` (real lengths): the data step lays the documents out for the CP
+    group."""
     import os
 
     from nemo.collections.common.tokenizers.huggingface.auto_tokenizer import AutoTokenizer
@@ -215,17 +216,17 @@ def packed_sft_data_module(data: Any, seq_length: int, micro_batch_size: int, gl
     if micro_batch_size != 1:
         raise ValueError(f"data.kind=packed_sft needs trainer.micro_batch_size=1 (got {micro_batch_size})")
     for key in ("packed_train", "packed_val"):
-        path = data.get(key)
+        path = getattr(data, key)
         if not path or not str(path).endswith(".npy") or not os.path.isfile(str(path)):
             raise ValueError(f"data.{key}={path!r} must be an existing packed .npy file (NeMo's "
                              "prepare_packed_sequence_data output)")
     specs = PackedSequenceSpecs(
         packed_sequence_size=seq_length, packed_train_data_path=str(data.packed_train),
         packed_val_data_path=str(data.packed_val),
-        packed_metadata_path=str(data.packed_metadata) if data.get("packed_metadata") else None)
-    tokenizer = data.get("tokenizer")
+        packed_metadata_path=str(data.packed_metadata) if data.packed_metadata else None)
+    tokenizer = data.tokenizer
     return FineTuningDataModule(
-        dataset_root=str(data.get("dataset_root") or os.path.dirname(str(data.packed_train))), seq_length=seq_length,
+        dataset_root=str(data.dataset_root or os.path.dirname(str(data.packed_train))), seq_length=seq_length,
         tokenizer=AutoTokenizer(str(tokenizer)) if isinstance(tokenizer, str) else tokenizer,
-        micro_batch_size=micro_batch_size, global_batch_size=global_batch_size, seed=int(data.get("seed", 1234)),
-        num_workers=int(data.get("num_workers", 0)), pin_memory=False, packed_sequence_specs=specs)
+        micro_batch_size=micro_batch_size, global_batch_size=global_batch_size, seed=int(data.seed),
+        num_workers=int(data.num_workers), pin_memory=False, packed_sequence_specs=specs)

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Any, List, Optional
 
-from omegaconf import DictConfig, OmegaConf
+from nemo_longctx.shared.run_spec import RunSpec
 
 DATA_KINDS = ("synthetic", "indexed", "documents", "packed_sft")
 PACKING_MODES = ("none", "documents")
@@ -22,15 +22,6 @@ def packing_problems(packing: Any, micro_batch_size: Any) -> List[str]:
         return [f"data.packing=documents needs trainer.micro_batch_size=1 (got {micro_batch_size}): a packed "
                 "sequence is one row of documents"]
     return []
-
-
-def _missing(data: DictConfig, key: str) -> bool:
-    return key not in data or OmegaConf.is_missing(data, key) or data.get(key) in (None, "")
-
-
-def _paths(data: DictConfig) -> List[str]:
-    paths = OmegaConf.to_container(data.paths, resolve=True) if OmegaConf.is_config(data.paths) else data.paths
-    return [str(paths)] if isinstance(paths, str) else [str(p) for p in paths]
 
 
 def _is_weight(text: str) -> bool:
@@ -74,51 +65,44 @@ def _in_hf_cache(repo_id: str) -> bool:
     return False
 
 
-def _memory_options(cfg: DictConfig) -> Any:
-    """The run's recompute/offload options, read by the option model's own reader."""
-    from nemo_longctx.options import MemoryOptions
-
-    return MemoryOptions.from_dict(cfg.get("recompute"), cfg.get("offload"))
-
-
-def data_problems(cfg: DictConfig) -> List[str]:
+def data_problems(spec: RunSpec) -> List[str]:
     """Every config-level problem of the ``data`` group, each naming its key."""
-    data = cfg.data
-    kind = data.get("kind")
+    data, memory = spec.data, spec.options.memory
+    kind = data.kind
     if kind not in DATA_KINDS:
         return [f"data.kind={kind!r} must be one of {list(DATA_KINDS)} (choose a data group: data=synthetic|"
                 "indexed|documents|packed_sft)"]
-    mbs = OmegaConf.select(cfg, "trainer.micro_batch_size", default=1)
-    init_from = cfg.get("init_from")
+    mbs = spec.trainer.micro_batch_size
+    init_from = spec.init_from.path
     if kind == "packed_sft":
         p = [] if mbs == 1 else [f"data=packed_sft needs trainer.micro_batch_size=1 (got {mbs}): a packed "
                                  "sequence is one row of documents"]
         for key in ("packed_train", "packed_val"):
-            path = None if _missing(data, key) else str(data.get(key))
+            path = None if data.absent(key) else str(getattr(data, key))
             if path is None or not path.endswith(".npy") or not os.path.isfile(path):
                 p.append(f"data.{key}={path!r} must be an existing packed .npy file (NeMo's "
                          "prepare_packed_sequence_data output)")
-        tok = None if _missing(data, "tokenizer") else str(data.tokenizer)
-        return p + _memory_options(cfg).packed_problems("data=packed_sft") + tokenizer_problems(tok, init_from)
-    p = packing_problems(data.get("packing", "none"), mbs)
-    if data.get("packing", "none") == "documents":
-        p += _memory_options(cfg).packed_problems("data.packing=documents")
+        tok = None if data.absent("tokenizer") else str(data.tokenizer)
+        return p + memory.packed_problems("data=packed_sft") + tokenizer_problems(tok, init_from)
+    p = packing_problems(data.packing, mbs)
+    if data.packing == "documents":
+        p += memory.packed_problems("data.packing=documents")
     if kind == "documents":
         from nemo_longctx.integrations.nemo.documents import documents_problems
 
-        return p + documents_problems(cfg)
+        return p + documents_problems(spec)
     if kind == "indexed":
-        if _missing(data, "paths"):
+        if data.absent("paths"):
             p.append("data=indexed needs data.paths: the .bin/.idx prefixes of Megatron indexed datasets "
                      "(data.paths=[/data/corpus_text_document]; nemo-longctx's data=documents writes them from JSONL)")
         else:
-            for prefix in _paths(data):
+            for prefix in data.path_list:
                 if _is_weight(prefix):  # a blend: [weight, prefix, weight, prefix, ...]
                     continue
                 absent = [ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
                 if absent:
                     p.append(f"data.paths: {prefix} has no {' / '.join(prefix + e for e in absent)} (a Megatron "
                              "indexed dataset is a .bin/.idx pair; give the prefix without the extension)")
-        tok = None if _missing(data, "tokenizer") else str(data.tokenizer)
+        tok = None if data.absent("tokenizer") else str(data.tokenizer)
         p += tokenizer_problems(tok, init_from)
     return p

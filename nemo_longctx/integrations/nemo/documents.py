@@ -23,9 +23,8 @@ import time
 from pathlib import Path
 from typing import Iterator, List, Optional, Tuple
 
-from omegaconf import DictConfig, OmegaConf
-
 from nemo_longctx.options import raise_problems
+from nemo_longctx.shared.run_spec import RunSpec
 from nemo_longctx.shared.progress import Progress, wait_for
 
 PREFIX_NAME = "documents_text_document"
@@ -42,58 +41,54 @@ def source_files(paths: List[str]) -> List[Path]:
     return out
 
 
-def documents_problems(cfg: DictConfig) -> List[str]:
+def documents_problems(spec: RunSpec) -> List[str]:
     """Config-level problems of ``data=documents`` (each naming its field)."""
-    if str(cfg.data.get("kind")) != "documents":
+    data = spec.data
+    if str(data.kind) != "documents":
         return []
     problems = []
-    paths = cfg.data.get("paths")
-    if paths is None or OmegaConf.is_missing(cfg.data, "paths"):
+    paths = data.paths
+    if paths is None or "paths" in data.missing:
         return ["data.paths must list JSONL files or directories of documents (data.paths=[/data/docs.jsonl])"]
-    paths = [paths] if isinstance(paths, str) else list(OmegaConf.to_container(paths, resolve=True))
+    paths = [paths] if isinstance(paths, str) else list(paths)
     for p in paths:
         if not Path(str(p)).exists():
             problems.append(f"data.paths: {p} does not exist")
     if not problems and not source_files([str(p) for p in paths]):
         problems.append(f"data.paths={paths}: no .jsonl/.json/.txt files found")
-    if cfg.data.get("tokenizer") is None and cfg.get("init_from") is None:
+    if data.tokenizer is None and spec.init_from.path is None:
         problems.append("data.tokenizer must name a local Hugging Face tokenizer directory (or set init_from: its "
                         "checkpoint's tokenizer is used)")
-    elif cfg.data.get("tokenizer") is not None and not Path(str(cfg.data.tokenizer)).is_dir():
-        problems.append(f"data.tokenizer={cfg.data.tokenizer} is not a local tokenizer directory")
+    elif data.tokenizer is not None and not Path(str(data.tokenizer)).is_dir():
+        problems.append(f"data.tokenizer={data.tokenizer} is not a local tokenizer directory")
     return problems
 
 
-def tokenizer_dir(cfg: DictConfig) -> Path:
+def tokenizer_dir(spec: RunSpec) -> Path:
     """``data.tokenizer``, else the tokenizer saved in init_from's checkpoint context (NeMo's ``nemo_tokenizer``)."""
-    if cfg.data.get("tokenizer") is not None:
-        return Path(str(cfg.data.tokenizer))
+    if spec.data.tokenizer is not None:
+        return Path(str(spec.data.tokenizer))
     from nemo_longctx.integrations.nemo.pretrained import checkpoint_path
 
-    return checkpoint_path(cfg) / "context" / "nemo_tokenizer"
+    return checkpoint_path(spec) / "context" / "nemo_tokenizer"
 
 
-def _paths(cfg: DictConfig) -> List[str]:
-    paths = cfg.data.paths
-    return [str(paths)] if isinstance(paths, str) else [str(p) for p in OmegaConf.to_container(paths, resolve=True)]
-
-
-def dataset_dir(cfg: DictConfig) -> Path:
+def dataset_dir(spec: RunSpec) -> Path:
     h = hashlib.sha256()
-    files = source_files(_paths(cfg))
+    files = source_files(spec.data.path_list)
     for f in files:
         st = f.stat()
         h.update(f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}\n".encode())
-    h.update(str(cfg.data.get("text_key", "text")).encode())
-    tok = tokenizer_dir(cfg)
+    h.update(str(spec.data.text_key).encode())
+    tok = tokenizer_dir(spec)
     for name in sorted(os.listdir(tok)) if tok.is_dir() else []:
         h.update(name.encode() + (tok / name).read_bytes() if (tok / name).is_file() else b"")
-    base = cfg.data.get("cache_dir") or os.path.join(str(cfg.output_dir), "data")
+    base = spec.data.cache_dir or os.path.join(str(spec.output_dir), "data")
     return Path(os.path.abspath(str(base))) / f"documents-{h.hexdigest()[:16]}"
 
 
-def dataset_prefix(cfg: DictConfig) -> str:
-    return str(dataset_dir(cfg) / PREFIX_NAME)
+def dataset_prefix(spec: RunSpec) -> str:
+    return str(dataset_dir(spec) / PREFIX_NAME)
 
 
 def read_documents(files: List[Path], text_key: str) -> Iterator[Tuple[str, str, int]]:
@@ -121,7 +116,7 @@ def read_documents(files: List[Path], text_key: str) -> Iterator[Tuple[str, str,
                 skipped = 0
 
 
-def build_indexed_dataset(cfg: DictConfig, out_dir: Path) -> dict:
+def build_indexed_dataset(spec: RunSpec, out_dir: Path) -> dict:
     """Tokenize every document (NeMo's AutoTokenizer over the HF tokenizer dir), append EOD, write ``.bin``/``.idx``
     with Megatron's IndexedDatasetBuilder into a temporary directory, rename it into place when complete."""
     import shutil
@@ -132,27 +127,27 @@ def build_indexed_dataset(cfg: DictConfig, out_dir: Path) -> dict:
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
     from nemo.collections.common.tokenizers.huggingface.auto_tokenizer import AutoTokenizer
 
-    tok = AutoTokenizer(str(tokenizer_dir(cfg)))
+    tok = AutoTokenizer(str(tokenizer_dir(spec)))
     eod = tok.eos_id
     if eod is None:
-        raise ValueError(f"data.tokenizer={tokenizer_dir(cfg)}: the tokenizer has no EOS token to end documents with")
+        raise ValueError(f"data.tokenizer={tokenizer_dir(spec)}: the tokenizer has no EOS token to end documents with")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=str(out_dir.parent)))
     try:
         builder = IndexedDatasetBuilder(str(tmp / f"{PREFIX_NAME}.bin"), dtype=DType.optimal_dtype(tok.vocab_size))
         docs = tokens = 0
-        files = source_files(_paths(cfg))
+        files = source_files(spec.data.path_list)
         with Progress("data=documents: tokenizing", total=sum(f.stat().st_size for f in files), unit="B",
                       rate_of="tokens") as progress:
-            for _, text, size in read_documents(files, str(cfg.data.get("text_key", "text"))):
+            for _, text, size in read_documents(files, str(spec.data.text_key)):
                 ids = tok.text_to_ids(text) + [eod]
                 builder.add_document(torch.tensor(ids, dtype=torch.int64), [len(ids)])
                 docs, tokens = docs + 1, tokens + len(ids)
                 progress.update(size, documents=1, tokens=len(ids))
         if docs == 0:
-            raise ValueError(f"data.paths={_paths(cfg)}: no documents found")
+            raise ValueError(f"data.paths={spec.data.path_list}: no documents found")
         builder.finalize(str(tmp / f"{PREFIX_NAME}.idx"))
-        summary = {"documents": docs, "tokens": tokens, "eod": int(eod), "tokenizer": str(tokenizer_dir(cfg)),
+        summary = {"documents": docs, "tokens": tokens, "eod": int(eod), "tokenizer": str(tokenizer_dir(spec)),
                    "dtype": numpy.dtype(DType.optimal_dtype(tok.vocab_size)).name}
         (tmp / DONE).write_text(json.dumps(summary))
         os.replace(tmp, out_dir)
@@ -162,46 +157,46 @@ def build_indexed_dataset(cfg: DictConfig, out_dir: Path) -> dict:
     return summary
 
 
-def split_problems(cfg: DictConfig, num_documents: int) -> List[str]:
+def split_problems(spec: RunSpec, num_documents: int) -> List[str]:
     """Megatron's GPTDataset loops forever building a split that has samples requested but no document
     (``_get_num_epochs`` never reaches the requested tokens): refuse a non-zero ``data.split`` part that gets none of
     the documents (the same rounding as Megatron's ``_get_split_indices``)."""
-    weights = [float(x) for x in str(cfg.data.get("split", "100,0,0")).replace("/", ",").split(",")]
+    split = spec.data.split
+    weights = [float(x) for x in str(split).replace("/", ",").split(",")]
     weights += [0.0] * (3 - len(weights))
     total = sum(weights)
     if total <= 0:
-        return [f"data.split={cfg.data.get('split')!r} must have a positive part"]
+        return [f"data.split={split!r} must have a positive part"]
     bounds = [0]
     for w in weights:
         bounds.append(bounds[-1] + int(round(w / total * float(num_documents))))
     names = ("train", "validation", "test")
-    return [f"data.split={cfg.data.get('split')!r}: the {names[i]} part gets none of the {num_documents} documents "
+    return [f"data.split={split!r}: the {names[i]} part gets none of the {num_documents} documents "
             f"(Megatron's dataset builder would loop forever on it): set that part to 0 or add documents"
             for i, w in enumerate(weights[:3]) if w > 0 and bounds[i + 1] - bounds[i] == 0]
 
 
-def prepare(cfg: DictConfig, rank: int = 0, timeout_s: float = 3600, local_rank: Optional[int] = None
+def prepare(spec: RunSpec, rank: int = 0, timeout_s: float = 3600, local_rank: Optional[int] = None
             ) -> Optional[Path]:
     """Write the indexed dataset of ``data=documents`` once (rank 0, showing its progress; the other ranks wait,
     one per node saying so: ``progress.wait_for``). No-op for other data."""
-    if str(cfg.data.get("kind")) != "documents":
+    if str(spec.data.kind) != "documents":
         return None
-    out = dataset_dir(cfg)
+    out = dataset_dir(spec)
     if (out / DONE).is_file():
-        _check_split(cfg, out)
+        _check_split(spec, out)
         return out
     if rank != 0:
         wait_for((out / DONE).is_file, f"tokenize the documents into {out} (data=documents)", rank=rank,
                  local_rank=local_rank, timeout_s=timeout_s)
         return out
     t0 = time.perf_counter()
-    summary = build_indexed_dataset(cfg, out)
+    summary = build_indexed_dataset(spec, out)
     print(f"nemo-longctx: data=documents: {summary['documents']} documents, {summary['tokens']} tokens (EOD "
           f"{summary['eod']} after each) -> {out} in {time.perf_counter() - t0:.1f} s", flush=True)
-    _check_split(cfg, out)
+    _check_split(spec, out)
     return out
 
 
-def _check_split(cfg: DictConfig, out: Path) -> None:
-
-    raise_problems(split_problems(cfg, int(json.loads((out / DONE).read_text())["documents"])))
+def _check_split(spec: RunSpec, out: Path) -> None:
+    raise_problems(split_problems(spec, int(json.loads((out / DONE).read_text())["documents"])))

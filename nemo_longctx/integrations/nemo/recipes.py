@@ -37,12 +37,11 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import fiddle as fdl
 import nemo_run as run
 
-from nemo_longctx.options import ConfigError, Context, LongContextOptions, Option, raise_problems
+from nemo_longctx.options import CP_CHOICES, ConfigError, Context, LongContextOptions, Option, raise_problems
 from nemo_longctx.shared.overrides import conf_dir
 
-from nemo_longctx.shared.app_keys import APP_ONLY, GROUP_CHOICES, RECIPE_KEYS, argument_name, rename_problems
+from nemo_longctx.shared.app_keys import APP_ONLY, GROUP_CHOICES, RECIPE_KEYS, argument_name
 
-CP_CHOICES = ("none", "ring", "ulysses", "hybrid")
 _TYPES = {"int": Optional[int], "number": Optional[float], "bool": Optional[bool], "choice": Optional[str],
           "modules": Optional[List[str]], "tiles": Optional[str], "str": Optional[str], "mapping": Optional[dict]}
 _DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -209,7 +208,8 @@ def recipe_model_config(recipe: Any) -> Any:
 
 
 def recipe_problems(recipe: Any, options: LongContextOptions, world_size: Optional[int] = None) -> List[str]:
-    """Every problem of ``options`` against the recipe, named by recipe argument / recipe key."""
+    """Every problem of ``options`` against the recipe, named by recipe argument / recipe key (the recipe's dialect,
+    ``RECIPE_KEYS``: written so where each message is made)."""
     from nemo.collections.llm.gpt.model.base import GPTConfig
 
     from nemo_longctx.integrations.megatron.validation import model_problems
@@ -223,7 +223,7 @@ def recipe_problems(recipe: Any, options: LongContextOptions, world_size: Option
                      "extension targets GPT models (Llama, Mistral, Qwen, ...)")
         else:
             p += model_problems(config, options, ctx.world_size, ctx.tp, ctx.pp, ctx)
-    return rename_problems(p)
+    return p
 
 
 # ------------------------------------------------------------------------------------------ the rewrite

@@ -24,7 +24,7 @@ from nemo import lightning as nl
 from nemo_longctx.integrations.megatron.validation import long_context_problems
 from nemo_longctx.options import Context, ModelStateOptions, raise_problems
 
-from nemo_longctx.shared.app_keys import NEMO_KEYS, RECIPE_KEYS, rename_problems
+from nemo_longctx.shared.app_keys import NEMO_KEYS, RECIPE_KEYS
 
 from .compat import megatron_groups_timeout
 from .model import enable_long_context
@@ -117,12 +117,11 @@ class LongContextStrategy(nl.MegatronStrategy):
         p = options.problems(ctx)
         if not p:
             if (options.cp.size, options.cp.algorithm) != (self.context_parallel_size, self.cp_algorithm):
-                p.append(f"cp.size={options.cp.size}/cp.algorithm={options.cp.algorithm} of the options disagree "
+                p.append(f"{ctx.key('cp.size')}={options.cp.size}/{ctx.key('cp.algorithm')}={options.cp.algorithm} "
+                         "of the options disagree "
                          f"with the strategy's context_parallel_size={self.context_parallel_size}/cp_algorithm="
                          f"{self.cp_algorithm}")
             p = p + model_problems(config, options, world_size, tp, pp, ctx)
-        if self.option_keys == "recipe":
-            p = rename_problems(p)
         return list(dict.fromkeys(p))
 
     def connect(self, model: Any) -> None:

@@ -1,8 +1,9 @@
 """The run's training settings: NVIDIA's NeMo recipe for a real model, the CPU demo's for the tiny models.
 
 The keys of ``DEMO_SETTINGS`` (precision, steps, tokens per step, the optimizer's and the schedule's
-hyper-parameters, the checkpoint interval) default to null in the YAML; ``resolve`` fills the ones still null from
-the run's recipe (``recipe=``) and leaves every value the user gave alone:
+hyper-parameters, the checkpoint interval) default to null in the YAML; ``resolve`` returns the run spec with the ones
+still null taken from the run's recipe (``recipe=``; ``RunSpec.with_recipe``: a new spec) and every value the user
+gave left alone:
 
 - ``recipe=demo`` (what ``auto`` means for the tiny models, ``model=tiny_*``): ``DEMO_SETTINGS``, made to learn the
   synthetic tokens in a few steps on a CPU.
@@ -29,11 +30,10 @@ import re
 from datetime import timedelta
 from typing import Any, Dict, Mapping, Optional, Tuple
 
-from omegaconf import DictConfig, OmegaConf, open_dict
-
 from nemo_longctx.options import ConfigError
 from nemo_longctx.shared.app_keys import DEMO_SETTINGS, recipe_global_batch
 from nemo_longctx.shared.overrides import is_demo_model
+from nemo_longctx.shared.run_spec import RunSpec
 
 DEMO = "demo"
 AUTO = "auto"
@@ -161,12 +161,10 @@ def _nemo_recipe_settings(name: str) -> Dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------ resolution
-def model_architecture(cfg: DictConfig) -> Tuple[str, Tuple[Any, ...]]:
-    """(config class name, architecture) of the run's model: ``init_from``'s checkpoint, else ``cfg.model``'s
+def model_architecture(spec: RunSpec) -> Tuple[str, Tuple[Any, ...]]:
+    """(config class name, architecture) of the run's model: ``init_from``'s checkpoint, else the model group's
     ``_target_`` class with the YAML's and the command line's values over its defaults."""
-    from nemo_longctx.integrations.nemo.pretrained import init_from_of
-
-    source = init_from_of(cfg)
+    source = spec.init_from.path
     if source is not None:
         from nemo_longctx.integrations.nemo import hf
 
@@ -177,27 +175,25 @@ def model_architecture(cfg: DictConfig) -> Tuple[str, Tuple[Any, ...]]:
             return (h.get("architectures") or ["?"])[0], _arch(lambda f: h.get(names.get(f, f)))
         from nemo_longctx.integrations.nemo.pretrained import pretrained_model_config
 
-        config = pretrained_model_config(cfg)[0]
+        config = pretrained_model_config(spec)[0]
         return type(config).__name__, _arch(lambda f: getattr(config, f, None))
     import dataclasses
 
     from hydra.utils import get_class
 
-    cls = get_class(str(cfg.model._target_))
+    cls = get_class(str(spec.model.get("_target_")))
     defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
-    return cls.__name__, _arch(lambda f: cfg.model.get(f, defaults.get(f)))
+    return cls.__name__, _arch(lambda f: spec.model.get(f, defaults.get(f)))
 
 
-def choose_recipe(cfg: DictConfig, model_choice: Optional[str]) -> str:
-    """The recipe name ``cfg.recipe`` stands for (``auto`` resolved; see the module's docstring)."""
-    from nemo_longctx.integrations.nemo.pretrained import init_from_of
-
-    name = str(cfg.get("recipe") or AUTO)
+def choose_recipe(spec: RunSpec, model_choice: Optional[str]) -> str:
+    """The recipe name ``recipe`` stands for (``auto`` resolved; see the module's docstring)."""
+    name = str(spec.recipe or AUTO)
     if name != AUTO:
         return name
-    if is_demo_model(model_choice) and init_from_of(cfg) is None:
+    if is_demo_model(model_choice) and spec.init_from.path is None:
         return DEMO
-    cls, arch = model_architecture(cfg)
+    cls, arch = model_architecture(spec)
     base = recipe_of_architecture(cls, arch)
     if base is None:
         shape = ", ".join(f"{f} {v}" for f, v in zip(ARCH_FIELDS, arch))
@@ -205,52 +201,52 @@ def choose_recipe(cfg: DictConfig, model_choice: Optional[str]) -> str:
                            "name the recipe whose precision, optimizer and schedule to use (recipe=<a recipe of "
                            "nemo.collections.llm.recipes>, e.g. recipe=llama31_8b) or recipe=demo (the CPU demo's "
                            "settings)"])
-    seq = cfg.model.get("seq_length")
+    seq = spec.model.seq_length
     return long_context_variant(base, int(seq)) if isinstance(seq, int) else base
 
 
-def resolve(cfg: DictConfig, model_choice: Optional[str], world_size: Optional[int] = None) -> Dict[str, Any]:
-    """Fill the null recipe keys of ``cfg`` in place (``cfg.recipe`` becomes the recipe's name); returns what was
-    filled. ``ConfigError`` for an unknown recipe, or a real model without a data choice."""
-    from nemo_longctx.integrations.nemo.pretrained import init_from_of
-
-    if not isinstance(cfg.get("recipe"), str) or not cfg.recipe.strip():
-        raise ConfigError([f"recipe={cfg.get('recipe')!r} must be auto, demo or a NeMo recipe name "
+def resolve(spec: RunSpec, model_choice: Optional[str], world_size: Optional[int] = None) -> RunSpec:
+    """The spec with its null recipe keys filled (``recipe`` becomes the recipe's name, ``data=auto`` synthetic):
+    a new spec (``RunSpec.with_recipe``). ``ConfigError`` for an unknown recipe, or a real model without a data
+    choice."""
+    if not isinstance(spec.recipe, str) or not spec.recipe.strip():
+        raise ConfigError([f"recipe={spec.recipe!r} must be auto, demo or a NeMo recipe name "
                            "(nemo.collections.llm.recipes.<name>)"])
-    data_kind = str(OmegaConf.select(cfg, "data.kind", default=""))
-    demo = str(cfg.get("recipe")) == DEMO or (str(cfg.get("recipe")) == AUTO and is_demo_model(model_choice)
-                                              and init_from_of(cfg) is None)
+    data_kind = "" if spec.data.kind is None else str(spec.data.kind)
+    demo = spec.recipe == DEMO or (spec.recipe == AUTO and is_demo_model(model_choice)
+                                   and spec.init_from.path is None)
     if not demo and data_kind == AUTO:  # (before NeMo's recipes are read: a quick answer)
         raise ConfigError(["data: a real model needs a data choice (it would otherwise train on random tokens): "
                            + " | ".join(DATA_CHOICES)])
-    name = choose_recipe(cfg, model_choice)
+    name = choose_recipe(spec, model_choice)
+    return spec.with_recipe({**recipe_values(spec, name, world_size),
+                             **({"data.kind": "synthetic"} if data_kind == AUTO else {}), "recipe": name})
+
+
+def recipe_values(spec: RunSpec, name: str, world_size: Optional[int] = None) -> Dict[str, Any]:
+    """The recipe ``name``'s values of the keys ``spec`` leaves null ({dotted key: value}; the interval's other
+    measure off when the user chose one)."""
     settings = dict(DEMO_SETTINGS) if name == DEMO else nemo_recipe_settings(name)
     tokens = settings.pop("tokens_per_step", None)
     filled: Dict[str, Any] = {}
-    user_interval = any(OmegaConf.select(cfg, k) is not None
-                        for k in ("checkpoint.every_n_steps", "checkpoint.every_minutes"))
-    with open_dict(cfg):
-        for key, value in settings.items():
-            if OmegaConf.select(cfg, key) is not None:
-                continue
-            if user_interval and key in ("checkpoint.every_n_steps", "checkpoint.every_minutes"):
-                value = 0  # the user chose the interval's measure: the other one is off
-            if key == "trainer.global_batch_size" and tokens and isinstance(cfg.model.get("seq_length"), int):
-                value = _global_batch(cfg, tokens, world_size)
-            if value is not None:
-                OmegaConf.update(cfg, key, value, merge=False)
-                filled[key] = value
-        if data_kind == AUTO:
-            cfg.data.kind = "synthetic"
-        cfg.recipe = name
+    user_interval = any(spec.setting(k) is not None for k in ("checkpoint.every_n_steps", "checkpoint.every_minutes"))
+    for key, value in settings.items():
+        if spec.setting(key) is not None:
+            continue
+        if user_interval and key in ("checkpoint.every_n_steps", "checkpoint.every_minutes"):
+            value = 0  # the user chose the interval's measure: the other one is off
+        if key == "trainer.global_batch_size" and tokens and isinstance(spec.model.seq_length, int):
+            value = _global_batch(spec, tokens, world_size)
+        if value is not None:
+            filled[key] = value
     return filled
 
 
-def _global_batch(cfg: DictConfig, tokens: int, world_size: Optional[int]) -> int:
-    s = cfg.trainer.strategy
-    world = world_size or int(cfg.trainer.devices) * int(cfg.trainer.num_nodes)
-    dp = max(1, world // (int(cfg.cp.size) * int(s.tensor_model_parallel_size) * int(s.pipeline_model_parallel_size)))
-    return recipe_global_batch(tokens, int(cfg.model.seq_length), int(cfg.trainer.micro_batch_size), dp)
+def _global_batch(spec: RunSpec, tokens: int, world_size: Optional[int]) -> int:
+    t = spec.trainer
+    world = world_size or int(t.devices) * int(t.num_nodes)
+    dp = max(1, world // (int(spec.options.cp.size) * int(t.layout.tp) * int(t.layout.pp)))
+    return recipe_global_batch(tokens, int(spec.model.seq_length), int(t.micro_batch_size), dp)
 
 
 def model_choice(choices: Optional[Mapping[str, Any]]) -> Optional[str]:
