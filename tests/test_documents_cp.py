@@ -399,6 +399,7 @@ def test_planner_predicts_the_gain_and_adds_the_option(tmp_path):
     from hydra import compose, initialize_config_dir
 
     from nemo_longctx.apps.plan import conf_dir, run
+    from nemo_longctx.shared.run_spec import read_plan_spec
 
     rng = random.Random(7)
     lengths = [int(min(131072, 1024 / (1 - rng.random()) ** (1 / 1.3))) for _ in range(1200)]
@@ -412,7 +413,7 @@ def test_planner_predicts_the_gain_and_adds_the_option(tmp_path):
                                               "plan.json=true", f"plan.document_lengths={path}"])
             buf = io.StringIO()
             try:
-                outputs[name] = (run(cfg, out=buf), json.loads(buf.getvalue()))
+                outputs[name] = (run(read_plan_spec(cfg), out=buf), json.loads(buf.getvalue()))
             except ValueError as e:
                 outputs[name] = (2, str(e))
     rc, d = outputs["nemo"]

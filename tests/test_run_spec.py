@@ -110,7 +110,9 @@ def test_the_context_is_built_once_from_the_spec():
                                             "trainer.precision=bf16-mixed", "checkpoint.every_minutes=5"]))
     assert spec.context(8, cuda=False) == Context(seq_length=4096, tp=2, pp=1, world_size=8, precision="bf16-mixed",
                                                  checkpointing=True, keys=NEMO_KEYS, fsdp_checkpoints=True,
-                                                 cuda=False)
+                                                 cuda=False, packed_data=False)
+    packed = read_run_spec(_compose("train", ["data.packing=documents"]))
+    assert packed.context().packed_data is True  # the option checks see packed documents (cp.split_min_tokens)
 
 
 # ---------------------------------------------------------------------------------------------------- problems
