@@ -9,7 +9,6 @@ import re
 import time
 
 import pytest
-from omegaconf import OmegaConf
 
 from nemo_longctx.shared import progress
 
@@ -86,17 +85,18 @@ def test_documents_preparation_prints_progress_in_a_batch_log(tmp_path, capsys, 
     from hf_models import corpus, make_tokenizer
 
     from nemo_longctx.integrations.nemo import documents
+    from nemo_longctx.shared.run_spec import spec_from_dict
 
     tok = tmp_path / "tokenizer"
     make_tokenizer().save_pretrained(str(tok))
     docs = corpus(300, seed=1)
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
-    cfg = OmegaConf.create({"output_dir": str(tmp_path / "out"), "seed": 1,
-                            "data": {"kind": "documents", "paths": [str(tmp_path / "docs.jsonl")], "text_key": "text",
-                                     "tokenizer": str(tok), "cache_dir": None, "split": "100,0,0"}})
+    spec = spec_from_dict({"output_dir": str(tmp_path / "out"), "seed": 1,
+                           "data": {"kind": "documents", "paths": [str(tmp_path / "docs.jsonl")], "text_key": "text",
+                                    "tokenizer": str(tok), "cache_dir": None, "split": "100,0,0"}})
     monkeypatch.setattr(progress, "EVERY_S", 3600.0)  # the every-tenth lines only (a test machine may be slow)
     monkeypatch.setattr(progress, "QUIET_S", 0.0)  # (a small input: done within the first seconds)
-    out = documents.prepare(cfg)
+    out = documents.prepare(spec)
     err = capsys.readouterr()
     lines = [ln for ln in err.err.splitlines() if "tokenizing" in ln]
     shown = [int(LINE.match(ln).group(1)) for ln in lines]  # at the first document past each tenth of the bytes
