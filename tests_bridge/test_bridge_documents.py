@@ -5,7 +5,7 @@ out for the CP group (every document zigzag-split, or short ones kept whole: ``c
 losses under ring CP=2 equal cp=none's, ``balance`` is in metrics.jsonl; bad inputs are refused by key.
 
 Three app runs (cp=none; ring CP=2 with every document split; ring CP=2 with documents under 256 tokens kept whole),
-3 steps at seq 1024, fp32; plus unit checks of the data step and the container checks (no ranks)."""
+3 steps at seq 1024, fp32; plus unit checks of the data step, the container checks and the CP guard (no ranks)."""
 
 from __future__ import annotations
 
@@ -84,6 +84,38 @@ def test_the_container_checks_name_their_keys():
     assert cfg.dataset.reset_position_ids is True
     assert [type(c).__name__ for c in long_context_callbacks(cfg, packed_documents=True)] == [
         "DocumentPlacement", "LongContextMemoryCallback", "LongContextRunGuards"]
+
+
+@pytest.mark.smoke
+def test_the_cp_guard_expects_traffic_only_when_a_document_was_split(monkeypatch):
+    """With packed documents the CP guard judges neither the sequence length (the layout pads each document) nor the
+    bytes of a step whose documents all stayed whole on one rank; a step that split one and sent nothing trips it."""
+    from types import SimpleNamespace
+
+    from nemo_longctx.apps.bridge import demo_config
+    from nemo_longctx.attention.comm import record_bytes_sent
+    from nemo_longctx.integrations.bridge import guards
+    from nemo_longctx.integrations.bridge.config import enable_long_context
+    from nemo_longctx.integrations.megatron import run_guards
+    from nemo_longctx.integrations.megatron.batch import STEP_COSTS
+
+    cfg = enable_long_context(demo_config(), cp={"size": 2, "split_min_tokens": 64}, packed_documents=True)
+    layers = [SimpleNamespace(layer_number=1, cp_size=2, last_key_tokens=77)]  # not seq_length / 2: not judged
+    monkeypatch.setattr(run_guards, "core_attentions", lambda model: layers)
+    guard = guards.run_guards_callback(cfg, packed_documents=True)
+    context = SimpleNamespace(model=[], state=SimpleNamespace(train_state=SimpleNamespace(step=0)))
+
+    def step(split, sent_bytes):
+        guard.on_train_step_start(context)
+        STEP_COSTS.update(costs=[1.0, 1.0], split=split)  # what the data step records for the micro-batch
+        record_bytes_sent(sent_bytes)
+        guard.on_train_step_end(context)
+
+    guard.on_train_start(context)
+    step(False, 0)  # every document kept whole: no CP traffic expected
+    step(True, 4096)
+    with pytest.raises(run_guards.GuardTripped, match="sent no bytes"):
+        step(True, 0)
 
 
 @pytest.mark.smoke
