@@ -268,8 +268,8 @@ class Context:
     keys: Mapping[str, str] = field(default_factory=dict)
     # whether the run's data are packed documents (cu_seqlens: per-document attention); None: not known here
     packed_data: Optional[bool] = None
-    # whether the front end places packed documents per document (cp.split_min_tokens): the NeMo 2 app's data step
-    # does; Megatron-Bridge's own data step does not
+    # whether the front end places packed documents per document (cp.split_min_tokens): the data steps of both apps
+    # for packed documents do (the NeMo 2 app's, and the Bridge app's forward step for data.packing=documents)
     document_placement: bool = True
     # the front end saves Megatron-FSDP's fsdp_dtensor checkpoints (nemo-longctx train: its optimizer-state hooks,
     # integrations/megatron/fsdp_checkpoint.py); the others refuse Megatron-FSDP with checkpointing

@@ -391,8 +391,8 @@ def test_option_values_and_problems():
 
 def test_planner_predicts_the_gain_and_adds_the_option(tmp_path):
     """``nemo-longctx plan ... plan.document_lengths=FILE``: the chosen CP plan's predicted gain from keeping short
-    documents whole, and ``cp.split_min_tokens=auto`` in the command when it pays; a bad file is refused naming the
-    key."""
+    documents whole, and ``cp.split_min_tokens=auto`` in the command when it pays (the train app's and, with
+    ``plan.frontend=bridge``, the Bridge app's); a bad file is refused naming the key."""
     import io
     import json
 
@@ -407,19 +407,22 @@ def test_planner_predicts_the_gain_and_adds_the_option(tmp_path):
     (tmp_path / "bad.txt").write_text("100\nabc\n")
     outputs = {}
     with initialize_config_dir(config_dir=conf_dir(), version_base=None):
-        for name in ("nemo", "bad"):
+        for name in ("nemo", "bridge", "bad"):
             path = tmp_path / ("bad.txt" if name == "bad" else "lengths.json")
             cfg = compose("plan", overrides=["model=llama3_8b", "plan.seq_length=131072", "plan.gpus=16",
-                                              "plan.json=true", f"plan.document_lengths={path}"])
+                                              "plan.json=true", f"plan.document_lengths={path}"]
+                          + (["plan.frontend=bridge"] if name == "bridge" else []))
             buf = io.StringIO()
             try:
-                outputs[name] = (run(read_plan_spec(cfg), out=buf), json.loads(buf.getvalue()))
+                outputs[name] = (run(read_plan_spec(cfg, model_name="llama3_8b"), out=buf), json.loads(buf.getvalue()))
             except ValueError as e:
                 outputs[name] = (2, str(e))
     rc, d = outputs["nemo"]
     assert rc == 0 and d["documents"]["cp_size"] > 1 and d["documents"]["speedup"] > 1.01, d["documents"]
     assert d["documents"]["perfect_speedup"] >= d["documents"]["speedup"]
     assert d["overrides"][-1] == "cp.split_min_tokens=auto" and d["documents"]["add"]
+    rc, d = outputs["bridge"]
+    assert rc == 0 and d["documents"]["add"] and d["overrides"][-1] == "cp.split_min_tokens=auto", d
     rc, msg = outputs["bad"]
     assert rc == 2 and "plan.document_lengths" in msg and "bad.txt:2: 'abc' is not a document length" in msg
 

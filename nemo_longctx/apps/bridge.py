@@ -13,8 +13,11 @@ torchrun/srun the app starts ``launcher.devices`` local ranks (default: tp x pp 
 like ``nemo-longctx train``. ``recipe=auto`` (the default) without
 ``init_from`` runs the CPU demo: a tiny Llama (``AutoBridge.from_hf_config``, no hub), mock data, ring CP=2 on 2 gloo
 ranks; with ``init_from=<HF dir>`` it trains the HF model with the training settings of the Megatron-Bridge recipe of
-its architecture (``integrations.bridge.training_recipe``; ``recipe=demo``: the CPU demo's). Each rank writes nothing
-but Bridge's own log; rank 0 appends one JSON line per step to ``<output_dir>/metrics.jsonl`` (step, loss, tokens/s).
+its architecture (``integrations.bridge.training_recipe``; ``recipe=demo``: the CPU demo's). ``data.packing=documents``:
+attention within each document of Bridge's pretraining data, with our forward step in place of Bridge's
+(``integrations.bridge.documents``; ``cp.split_min_tokens`` places the documents). Each rank writes nothing but
+Bridge's own log; rank 0 appends one JSON line per step to ``<output_dir>/metrics.jsonl`` (step, loss, tokens/s;
+``balance`` with packed documents).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from typing import Any, List, Optional, Tuple
 from nemo_longctx.shared.process_exit import exit_process
 
 OUR_KEYS = ("cp", "optim", "recompute", "offload", "tiling", "memory", "recipe", "init_from", "output_dir", "launcher",
-            "run")
+            "run", "data")
 # our keys under a root that is Bridge's (checkpoint.on_signal is mapped onto Bridge's train.exit_signal_handler)
 OUR_EXACT_KEYS = ("checkpoint.on_signal",)
 # the optim group's schedule keys: on this front end Bridge's own optimizer/scheduler keys rule
@@ -234,6 +237,10 @@ def build(spec: Any, bridge_overrides: List[str], output_dir: str, world_size: O
         report["precision"] = training_recipe.precision_name(container.mixed_precision)
     if init_from is not None:
         raise_problems(bridge_hf.model_problems(container, init_from, options))
+    if spec.data.packed:
+        from nemo_longctx.integrations.bridge.documents import packed_documents_problems
+
+        raise_problems(packed_documents_problems(container, keys))
     on_signal = spec.checkpoint.on_signal
     raise_problems(on_signal_problems(container, on_signal, keys))
     apply_on_signal(container, on_signal, list(spec.run.signals), keys)
@@ -252,7 +259,7 @@ def build(spec: Any, bridge_overrides: List[str], output_dir: str, world_size: O
               f"cp.algorithm={algorithm}: a TransformerEngine hint; nemo_longctx's {algorithm} attention runs the "
               "context parallelism", flush=True)
         m.cp_comm_type = None
-    return enable_long_context(container, options)
+    return enable_long_context(container, options, packed_documents=spec.data.packed)
 
 
 def run_kind(spec: Any) -> str:
@@ -260,11 +267,13 @@ def run_kind(spec: Any) -> str:
     from nemo_longctx.integrations.bridge.training_recipe import AUTO, DEMO
 
     name, init_from = str(spec.recipe), spec.init_from.path
+    packed = ", packed documents (data.packing=documents)" if spec.data.packed else ""
     if name not in (AUTO, DEMO):
-        return f"recipe {name}" + (f", init_from {init_from}" if init_from is not None else "")
+        return f"recipe {name}" + (f", init_from {init_from}" if init_from is not None else "") + packed
     if init_from is None:
-        return "CPU demo"
-    return f"init_from {init_from}" + (" with the CPU demo's settings (recipe=demo)" if name == DEMO else "")
+        return "CPU demo" + packed
+    return (f"init_from {init_from}" + (" with the CPU demo's settings (recipe=demo)" if name == DEMO else "")
+            + packed)
 
 
 def settings_line(container: Any, spec: Any, report: dict) -> str:
@@ -312,12 +321,16 @@ class StepMetrics:
     """A Bridge callback: at train start, every attention layer of the built model must run our core attention with
     the configured CP size and algorithm (else RuntimeError naming the layer; rank 0 prints the check); then rank 0
     appends {step, loss, tokens_per_s, step_time_s, elapsed_s, cp_size, world_size, activation_bytes_device,
-    activation_bytes_host, peak_bytes} per step and prints the NeMo app's step line. ``memory``: the run's
-    ``integrations.bridge.memory.LongContextMemory`` (its callback runs before this one)."""
+    activation_bytes_host, peak_bytes} per step -- with packed documents also ``balance`` (max / mean of the CP and
+    data-parallel ranks' predicted attention cost of the step: ``batch.step_balance_over_ranks``, a collective every
+    rank runs) -- and prints the NeMo app's step line. ``memory``: the run's
+    ``integrations.bridge.memory.LongContextMemory`` (its callback runs before this one); ``packed_documents``: the
+    run's data are packed documents (``balance`` written)."""
 
-    def __init__(self, path: str, tokens_per_step: int, options: Any, memory: Any = None) -> None:
+    def __init__(self, path: str, tokens_per_step: int, options: Any, memory: Any = None,
+                 packed_documents: bool = False) -> None:
         self.path, self.tokens_per_step, self.options, self.t0 = path, tokens_per_step, options, None
-        self.memory, self.start = memory, time.perf_counter()
+        self.memory, self.start, self.packed_documents = memory, time.perf_counter(), packed_documents
 
     def callback(self) -> Any:
         from megatron.bridge.training.callbacks import Callback
@@ -349,11 +362,18 @@ class StepMetrics:
                             print(f"nemo-longctx bridge: the previous run's metrics.jsonl moved to {moved}", flush=True)
 
             def on_train_step_start(self, context: Any) -> None:
+                from nemo_longctx.integrations.megatron.batch import reset_step_costs
+
+                reset_step_costs()
                 outer.t0 = time.perf_counter()
 
             def on_train_step_end(self, context: Any) -> None:
                 import torch.distributed as dist
 
+                from nemo_longctx.integrations.megatron.batch import step_balance_over_ranks
+
+                # (a collective: every rank, before rank 0 alone goes on)
+                balance = step_balance_over_ranks() if outer.packed_documents else None
                 if dist.get_rank() != 0:
                     return
                 now = time.perf_counter()
@@ -363,6 +383,8 @@ class StepMetrics:
                        "loss": float(loss) if loss is not None else None,
                        "tokens_per_s": outer.tokens_per_step / dt, "step_time_s": dt, "elapsed_s": now - outer.start,
                        "cp_size": context.state.cfg.model.context_parallel_size, "world_size": dist.get_world_size()}
+                if balance is not None:
+                    rec["balance"] = balance
                 if outer.memory is not None:
                     rec.update(outer.memory.metrics())
                 with open(outer.path, "a") as f:
@@ -409,6 +431,7 @@ def run_rank(spec: Any, bridge_overrides: List[str], container: Any = None) -> i
 
     from nemo_longctx.integrations.bridge.checkpoint import quiet_planned_exit
     from nemo_longctx.integrations.bridge.config import long_context_callbacks
+    from nemo_longctx.integrations.bridge.documents import packed_documents_forward_step
     from nemo_longctx.integrations.bridge.memory import memory_of
     from nemo_longctx.integrations.bridge.preemption import SaveOnSignal, latched_signals
 
@@ -421,7 +444,7 @@ def run_rank(spec: Any, bridge_overrides: List[str], container: Any = None) -> i
                                                                int(world) if world else None)
     metrics = StepMetrics(os.path.join(output_dir, "metrics.jsonl"),
                           container.train.global_batch_size * container.model.seq_length, spec.options,
-                          memory_of(container))
+                          memory_of(container), spec.data.packed)
     quiet_planned_exit()  # train.exit_interval's sys.exit(0) is not a failure
     # ours first: the memory callback closes the step's tracker before the metrics line reads it
     drills = [FaultDrill(str(spec.run.fault)).callback()] if spec.run.fault else []
@@ -430,10 +453,12 @@ def run_rank(spec: Any, bridge_overrides: List[str], container: Any = None) -> i
                           str(container.checkpoint.save)).install() if signals else None)
     if saver is None:  # nothing to save: an interrupt ends the rank by its default action, without a traceback
         signal.signal(signal.SIGINT, signal.SIG_DFL)
-    callbacks = long_context_callbacks(container) + [metrics.callback()] + drills
+    callbacks = long_context_callbacks(container, spec.data.packed) + [metrics.callback()] + drills
+    # packed documents: our forward step (the full micro-batch, per-document layout for the CP group); else Bridge's
+    step = packed_documents_forward_step if spec.data.packed else forward_step
     collector.resume()  # paused since the entry (shared/collector.py)
     try:
-        pretrain(container, forward_step, callbacks=callbacks + ([saver.callback()] if saver else []))
+        pretrain(container, step, callbacks=callbacks + ([saver.callback()] if saver else []))
     except SystemExit as e:  # Bridge's own stop (a signal, train.exit_interval, ...): sys.exit(0)
         if saver is None or e.code not in (0, None):
             raise
@@ -483,7 +508,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     console.setup("debug" if verbose else "info", console.rank_from_env())
     from nemo_longctx.apps.help import maybe_print_help
 
-    from nemo_longctx.shared.app_keys import BRIDGE_OPTIONS
+    from nemo_longctx.shared.app_keys import BRIDGE_APP_KEYS, BRIDGE_OPTIONS
 
     maybe_print_help("bridge", args, app_options=BRIDGE_OPTIONS)  # -h/--help: our groups and keys, exit 0
     from nemo_longctx.integrations.bridge.hf import init_from_problems
@@ -495,7 +520,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         ours, bridge = split_args(args)
         spec = compose(ours)  # the run spec: read once, nothing below sees the composed config
         options = spec.options
-        raise_problems(options.problems(Context(document_placement=False)) + app_problems(ours, spec)
+        raise_problems(options.problems(Context(packed_data=spec.data.packed, keys=BRIDGE_APP_KEYS))
+                       + app_problems(ours, spec)
                        + init_from_problems(spec.init_from.path))
     except ConfigError as e:
         print(f"nemo-longctx bridge: {e}", file=sys.stderr)

@@ -53,6 +53,8 @@ EXAMPLES = {
         ("a Bridge recipe with our CP and memory options and Bridge's own keys",
          "nemo-longctx bridge recipe=llama3_8b_pretrain_config cp=ring cp.size=8 recompute=full_keep_attn "
          "offload=layer_input train.train_iters=100"),
+        ("packed documents (attention within each EOD-ended document), short ones kept whole on one CP rank",
+         "nemo-longctx bridge data.packing=documents cp.split_min_tokens=auto"),
     ),
 }
 INTROS = {

@@ -808,7 +808,7 @@ def document_prediction(spec: PlanSpec, p: Plan, ev: Evaluation, frontend: str,
     """``plan.document_lengths``: the chosen row's predicted gain from keeping short documents whole on one CP rank
     (``planner.documents.predict_gain`` over the lengths packed into sequences of the plan's length, the cost model of
     the model's shape on this hardware); None without the key. ``add``: the command gets
-    ``cp.split_min_tokens=auto`` (CP > 1, the NeMo 2 app, a predicted gain of at least 1 %)."""
+    ``cp.split_min_tokens=auto`` (CP > 1, a predicted gain of at least 1 %)."""
     path = spec.get("document_lengths", None)
     if not path:
         return None
@@ -833,11 +833,10 @@ def document_prediction(spec: PlanSpec, p: Plan, ev: Evaluation, frontend: str,
     gain = predict_gain(seqs, cp, "auto", model)
     out.update(speedup=gain.speedup, perfect_speedup=gain.perfect_speedup, zigzag_balance=gain.zigzag_balance,
                documents_balance=gain.documents_balance)
-    out["add"] = frontend == "nemo" and gain.speedup >= 1.01
-    verdict = ("added cp.split_min_tokens=auto (for packed documents: data.packing=documents or data=packed_sft)"
-               if out["add"] else
-               "not worth it: every document split" if gain.speedup < 1.01 else
-               "the Bridge front end splits every document")
+    out["add"] = gain.speedup >= 1.01
+    packed_by = "data.packing=documents" if frontend == "bridge" else "data.packing=documents or data=packed_sft"
+    verdict = (f"added cp.split_min_tokens=auto (for packed documents: {packed_by})" if out["add"] else
+               "not worth it: every document split")
     out["line"] = (f"packed documents ({len(lengths)} documents in {len(seqs)} sequences of {p.seq_length}): keeping "
                    f"short ones whole on one of the {cp} CP ranks predicts {gain.speedup:.2f}x the layer time's "
                    f"speed (perfect balance {gain.perfect_speedup:.2f}x; balance {gain.zigzag_balance:.3f} -> "

@@ -98,9 +98,15 @@ BRIDGE_OPTIONS = (
            nullable=True),
     _SHARED["run.signals"],
     _SHARED["run.signal_grace_s"],
+    Option("data.packing", "choice", "none", "none (Bridge's own data step: dense sequences) | documents (packed "
+           "documents: attention within each document of Bridge's pretraining data, the documents ending at the EOD "
+           "token, dataset.reset_position_ids; our data step lays them out for the CP group, "
+           "cp.split_min_tokens)", choices=("none", "documents")),
 )
 # the Bridge app's groups whose keys are all declared in BRIDGE_OPTIONS
-BRIDGE_GROUPS = ("launcher", "run", "checkpoint")
+BRIDGE_GROUPS = ("launcher", "run", "checkpoint", "data")
+# the Bridge app's names of the values the option checks need that are its own keys (messages name them)
+BRIDGE_APP_KEYS = {"packed_data": "the data (data.packing)"}
 
 # The training settings a recipe gives: the keys above left null (the YAML defaults) take the recipe's value
 # (integrations/nemo/training_recipe.py). These are the CPU demo's (recipe=demo: the tiny models), chosen to learn

@@ -29,11 +29,12 @@ from nemo_longctx.integrations.megatron.cp_algorithms import align_cp_comm_type
 from nemo_longctx.integrations.megatron.spec import LongContextSpec
 from nemo_longctx.integrations.megatron.tiled_mlp_layer import TiledMLPLayerSpec
 from nemo_longctx.options import Context, LongContextOptions, raise_problems
+from nemo_longctx.shared.app_keys import BRIDGE_APP_KEYS
 
 BRIDGE_KEYS = {"seq_length": "model.seq_length", "tp": "model.tensor_model_parallel_size",
                "pp": "model.pipeline_model_parallel_size", "sequence_parallel": "model.sequence_parallel",
                "precision": "mixed_precision", "checkpointing": "checkpoint.save_interval",
-               "world_size": "the world size (WORLD_SIZE)", "num_layers": "model.num_layers"}
+               "world_size": "the world size (WORLD_SIZE)", "num_layers": "model.num_layers", **BRIDGE_APP_KEYS}
 
 
 TARGET_PREFIX = "nemo_longctx"  # the _target_ prefix of our classes in a saved run config
@@ -61,25 +62,31 @@ def precision_of(cfg: Any) -> str:
     return "bf16-mixed" if "bf16" in name else "16-mixed" if "fp16" in name or "16" in name else "32"
 
 
-def context_of(cfg: Any) -> Context:
+def context_of(cfg: Any, packed_documents: bool = False) -> Context:
+    """What the option checks need from the container; ``packed_documents``: the run's data are packed documents
+    (``data.packing=documents``: our forward step, ``integrations.bridge.documents``)."""
     m = cfg.model
     save = getattr(cfg.checkpoint, "save", None)
     interval = getattr(cfg.checkpoint, "save_interval", None)
     return Context(seq_length=m.seq_length, tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
                    sequence_parallel=bool(m.sequence_parallel), precision=precision_of(cfg),
-                   checkpointing=bool(save) and bool(interval), keys=BRIDGE_KEYS, document_placement=False)
+                   checkpointing=bool(save) and bool(interval), keys=BRIDGE_KEYS, packed_data=packed_documents)
 
 
 def as_options(options: Union[LongContextOptions, Mapping[str, Any], None]) -> LongContextOptions:
     return options if isinstance(options, LongContextOptions) else LongContextOptions.from_dict(options or {})
 
 
-def enable_long_context(cfg: Any, options: Union[LongContextOptions, Mapping[str, Any], None] = None,
-                        **groups: Any) -> Any:
+def enable_long_context(cfg: Any, options: Union[LongContextOptions, Mapping[str, Any], None] = None, *,
+                        packed_documents: bool = False, **groups: Any) -> Any:
     """Write the long-context options onto ``cfg`` (a Bridge ``ConfigContainer``) in place; returns it. The options
     are a ``LongContextOptions``, a mapping of the option groups, or the groups as keywords::
 
         enable_long_context(cfg, cp={"algorithm": "ring", "size": 8}, recompute={"name": "full"})
+
+    ``packed_documents``: the run trains on packed documents with our forward step
+    (``documents.packed_documents_forward_step``; the dataset's ``reset_position_ids`` is set): only then is
+    ``cp.split_min_tokens`` taken.
 
     Every problem is raised at once (``ConfigError``, each naming its key, Bridge's names for Bridge's keys)."""
     import torch
@@ -89,7 +96,12 @@ def enable_long_context(cfg: Any, options: Union[LongContextOptions, Mapping[str
             raise TypeError("enable_long_context: pass the options either as one object/mapping or as keywords")
         options = dict(groups)
     options = as_options(options)
-    raise_problems(options.problems(replace(context_of(cfg), cuda=torch.cuda.is_available())))
+    raise_problems(options.problems(replace(context_of(cfg, packed_documents), cuda=torch.cuda.is_available())))
+    if packed_documents:
+        from nemo_longctx.integrations.bridge.documents import packed_documents_problems, use_packed_documents
+
+        raise_problems(packed_documents_problems(cfg) + options.memory.packed_problems("data.packing=documents"))
+        use_packed_documents(cfg)
     allow_our_targets()  # the run config Bridge saves names our layer spec
     m = cfg.model
     cp = options.cp
@@ -108,14 +120,21 @@ def enable_long_context(cfg: Any, options: Union[LongContextOptions, Mapping[str
     return cfg
 
 
-def long_context_callbacks(cfg: Any) -> List[Any]:
-    """The Bridge callbacks ``enable_long_context`` set up for ``cfg`` (pass them to Bridge's ``pretrain``)."""
+def long_context_callbacks(cfg: Any, packed_documents: bool = False) -> List[Any]:
+    """The Bridge callbacks ``enable_long_context`` set up for ``cfg`` (pass them to Bridge's ``pretrain``);
+    ``packed_documents``: with our forward step for packed documents (its placement policy set at train start on
+    every rank; the run guards judge the documents' layout)."""
     memory = memory_of(cfg)
     if memory is None:
         raise ValueError("long_context_callbacks: call enable_long_context(cfg, options) first")
     from nemo_longctx.integrations.bridge.guards import run_guards_callback
 
-    return [memory.callback(), run_guards_callback(cfg)]
+    out = [memory.callback(), run_guards_callback(cfg, packed_documents)]
+    if packed_documents:
+        from nemo_longctx.integrations.bridge.documents import placement_callback
+
+        out.insert(0, placement_callback(memory.options))
+    return out
 
 
 def _apply_model_state(cfg: Any, options: LongContextOptions) -> None:

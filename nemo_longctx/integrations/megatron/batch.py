@@ -13,8 +13,8 @@ per document (each padded to a multiple of 2*cp) and sharded per document like M
 rank and only the long ones are split (``planner.documents``); the model then gets ``DocumentPackedSeqParams``.
 
 Per step (``STEP_COSTS``): each CP rank's predicted attention cost summed over the step's micro-batches (the front
-ends reset it at step start and report ``balance`` from it) and whether any micro-batch split a document over the CP
-group (the run guards expect CP traffic only then).
+ends reset it at step start and report ``balance`` from it: ``step_balance_over_ranks``) and whether any
+micro-batch split a document over the CP group (the run guards expect CP traffic only then).
 """
 
 from __future__ import annotations
@@ -55,6 +55,30 @@ def _note_costs(costs: Sequence[float], split: bool) -> None:
     old = STEP_COSTS["costs"]
     STEP_COSTS["costs"] = list(costs) if old is None else [a + b for a, b in zip(old, costs)]
     STEP_COSTS["split"] = bool(STEP_COSTS["split"] or split)
+
+
+def step_balance_over_ranks() -> Optional[float]:
+    """``balance`` of the step that just ran: max / mean of the predicted attention cost of every data- and
+    context-parallel rank (``batch.STEP_COSTS``: each CP rank's, summed over the step's micro-batches; every rank of
+    a CP group computes the whole group's), reduced over the data-parallel ranks of this pipeline stage. A
+    collective: every rank calls it at every step. None when no micro-batch recorded a cost."""
+    import torch
+    from megatron.core import parallel_state as ps
+
+    costs = STEP_COSTS["costs"]
+    local = torch.tensor([max(costs) if costs else 0.0, sum(costs) if costs else 0.0, len(costs) if costs else 0.0],
+                         dtype=torch.float64)
+    if (torch.distributed.is_initialized() and ps.model_parallel_is_initialized()
+            and ps.get_data_parallel_world_size() > 1):
+        group = ps.get_data_parallel_group()
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else local.device
+        local = local.to(device)
+        top = local[:1].clone()
+        torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX, group=group)
+        torch.distributed.all_reduce(local, group=group)
+        local[0] = top[0]
+    top, total, count = (float(x) for x in local.cpu())
+    return top / (total / count) if count and total > 0 else None
 
 
 @dataclass(frozen=True)
@@ -320,3 +344,21 @@ def documents_from_position_ids(position_ids: Any) -> List[int]:
         raise ValueError("per-document position_ids must start at 0")
     bounds = starts + [pos.numel()]
     return [b - a for a, b in zip(bounds, bounds[1:])]
+
+
+def packed_from_position_ids(batch: Dict[str, Any]) -> Dict[str, Any]:
+    """A ``[1, S]`` pretraining micro-batch whose ``position_ids`` restart at 0 where a document starts (Megatron's
+    ``reset_position_ids``: a document ends after each EOD token) as a packed batch in NeMo's format: the token keys
+    plus ``cu_seqlens`` (int32, on the host: the layout is computed there), ready for ``shard_packed_batch_for_cp``.
+    ValueError when the batch is not one such row."""
+    import torch
+
+    pos = batch.get("position_ids")
+    if pos is None:
+        raise ValueError("packed documents need the batch's position_ids (the documents are where they restart at 0)")
+    if pos.dim() != 2 or pos.shape[0] != 1:
+        raise ValueError(f"packed documents need micro batch size 1: position_ids have shape {tuple(pos.shape)}")
+    lengths = documents_from_position_ids(pos[0].cpu())
+    out = {k: batch.get(k) for k in TOKEN_KEYS}
+    out["cu_seqlens"] = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32)
+    return out

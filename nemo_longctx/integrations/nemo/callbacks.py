@@ -26,7 +26,8 @@ from typing import Any, Optional
 
 import lightning.pytorch as pl
 
-from nemo_longctx.integrations.megatron.batch import LAST_SHARD, STEP_COSTS, reset_step_costs
+from nemo_longctx.integrations.megatron.batch import (  # noqa: F401  (step_balance_over_ranks: re-exported)
+    LAST_SHARD, STEP_COSTS, reset_step_costs, step_balance_over_ranks)
 from nemo_longctx.integrations.megatron.run_guards import (StepBytes, core_attentions, cp_problems, loss_problems,
                                                            mfu_problems, raise_if, tokens_problems)
 from nemo_longctx.planner.flops import mfu, model_flops_per_token, peak_flops
@@ -161,29 +162,6 @@ class StepMetrics(pl.Callback):
         if rec["step"] % self.print_every == 0 or rec["step"] == trainer.max_steps:
             print(step_line(rec, int(trainer.max_steps), self.extra.summary() if self.extra is not None else None),
                   flush=True)
-
-
-def step_balance_over_ranks() -> Optional[float]:
-    """``balance`` of the step that just ran: max / mean of the predicted attention cost of every data- and
-    context-parallel rank (``batch.STEP_COSTS``: each CP rank's, summed over the step's micro-batches; every rank of
-    a CP group computes the whole group's), reduced over the data-parallel ranks of this pipeline stage. A
-    collective: every rank calls it at every step. None when no micro-batch recorded a cost."""
-    from megatron.core import parallel_state as ps
-
-    costs = STEP_COSTS["costs"]
-    local = torch.tensor([max(costs) if costs else 0.0, sum(costs) if costs else 0.0, len(costs) if costs else 0.0],
-                         dtype=torch.float64)
-    if (torch.distributed.is_initialized() and ps.model_parallel_is_initialized()
-            and ps.get_data_parallel_world_size() > 1):
-        group = ps.get_data_parallel_group()
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else local.device
-        local = local.to(device)
-        top = local[:1].clone()
-        torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX, group=group)
-        torch.distributed.all_reduce(local, group=group)
-        local[0] = top[0]
-    top, total, count = (float(x) for x in local.cpu())
-    return top / (total / count) if count and total > 0 else None
 
 
 def _unwrapped_named_parameters(pl_module: Any) -> dict:
