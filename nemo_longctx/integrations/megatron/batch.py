@@ -211,6 +211,28 @@ def cp_packed_layout(lengths: Sequence[int], cp_size: int) -> List[int]:
     return out
 
 
+def _gather_tokens(batch: Dict[str, Any], src: Any, real: Any, offset: Any) -> Dict[str, Any]:
+    """This rank's token tensors of a packed batch: position i takes sequence position ``src[i]`` where ``real[i]``
+    (a real token), else padding (token/label 0, loss mask 0); ``position_ids`` are ``offset`` (the position within
+    its document)."""
+    out: Dict[str, Any] = {}
+    for key in TOKEN_KEYS:
+        val = batch.get(key)
+        if val is None:
+            out[key] = None
+            continue
+        picked = val.index_select(1, src.to(val.device))
+        keep = real.to(val.device)
+        if key == "position_ids":
+            picked = offset.to(val.device, val.dtype)[None]
+        elif key == "loss_mask":
+            picked = picked * keep.to(picked.dtype)
+        else:
+            picked = picked.masked_fill(~keep, 0)
+        out[key] = picked
+    return out
+
+
 def _document_packed_seq_params():
     """``DocumentPackedSeqParams``: Megatron's ``PackedSeqParams`` that also carries this rank's ``DocumentShard``
     (``documents``) and its ``placement``. Megatron's RoPE reads ``cu_seqlens_q_padded`` (the placement's
@@ -237,22 +259,7 @@ def _shard_documents(batch: Dict[str, Any], starts: List[int], lengths: List[int
     docs, offs = placement.token_sources(cp_rank)
     src = torch.tensor([starts[i] + o if i >= 0 else 0 for i, o in zip(docs, offs)], dtype=torch.long)
     real = torch.tensor([i >= 0 for i in docs], dtype=torch.bool)
-    offset = torch.tensor(offs, dtype=torch.long)
-    out: Dict[str, Any] = {}
-    for key in TOKEN_KEYS:
-        val = batch.get(key)
-        if val is None:
-            out[key] = None
-            continue
-        picked = val.index_select(1, src.to(val.device))
-        keep = real.to(val.device)
-        if key == "position_ids":
-            picked = offset.to(val.device, val.dtype)[None]
-        elif key == "loss_mask":
-            picked = picked * keep.to(picked.dtype)
-        else:
-            picked = picked.masked_fill(~keep, 0)
-        out[key] = picked
+    out = _gather_tokens(batch, src, real, torch.tensor(offs, dtype=torch.long))
     device = ref.device if ref is not None else torch.device("cpu")
     cu, cup = placement.split_layout()
     shard = DocumentShard(placement.split_local, cu, cup, *placement.kept_layout(cp_rank))
@@ -304,21 +311,7 @@ def shard_packed_batch_for_cp(batch: Dict[str, Any], cp_size: int, cp_rank: int,
             real[a:a + n] = True
         offset[a:b] = torch.arange(b - a)
     idx = zigzag_shard(torch.arange(total), 0, cp_size, cp_rank, cu_seqlens_padded=layout)
-    out: Dict[str, Any] = {}
-    for key in TOKEN_KEYS:
-        val = batch.get(key)
-        if val is None:
-            out[key] = None
-            continue
-        picked = val.index_select(1, src[idx].to(val.device))
-        keep = real[idx].to(val.device)
-        if key == "position_ids":
-            picked = offset[idx].to(val.device, val.dtype)[None]
-        elif key == "loss_mask":
-            picked = picked * keep.to(picked.dtype)
-        else:
-            picked = picked.masked_fill(~keep, 0)
-        out[key] = picked
+    out = _gather_tokens(batch, src[idx], real[idx], offset[idx])
     device = ref.device if ref is not None else torch.device("cpu")
     cu = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32, device=device)
     cu_padded = torch.tensor(layout, dtype=torch.int32, device=device)
