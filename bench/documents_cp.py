@@ -42,19 +42,15 @@ import torch.multiprocessing as mp
 
 def long_tail_sequences(seq: int, batches: int, seed: int, alpha: float, min_len: int):
     """``batches`` packed sequences of ``seq`` tokens, each a list of document (piece) lengths (module docstring)."""
+    from nemo_longctx.planner.documents import pack_documents
+
     rng = random.Random(seed)
-    out, cur, room = [], [], seq
-    while len(out) < batches:
-        n = min(seq, int(min_len / (1.0 - rng.random()) ** (1.0 / alpha)))
-        while n > 0 and len(out) < batches:
-            take = min(n, room)
-            cur.append(take)
-            n -= take
-            room -= take
-            if room == 0:
-                out.append(cur)
-                cur, room = [], seq
-    return out
+
+    def lengths():
+        while True:
+            yield min(seq, int(min_len / (1.0 - rng.random()) ** (1.0 / alpha)))
+
+    return pack_documents(lengths(), seq, max_sequences=batches)
 
 
 def calibrate(hq: int, hkv: int, d: int):

@@ -403,10 +403,12 @@ def cost_model_for(hidden: int, num_heads: int, kv_heads: int, head_dim: int, ff
                               token=token)
 
 
-def pack_documents(lengths: Iterable[int], seq_length: int) -> List[List[int]]:
+def pack_documents(lengths: Iterable[int], seq_length: int,
+                   max_sequences: Optional[int] = None) -> List[List[int]]:
     """Documents of ``lengths`` concatenated and cut into packed sequences of ``seq_length`` tokens, as Megatron's
     GPT dataset cuts its token stream (a document crossing a boundary continues in the next sequence); each sequence
-    a list of its document pieces' lengths. The last, incomplete sequence is dropped."""
+    a list of its document pieces' lengths. The last, incomplete sequence is dropped. ``max_sequences``: stop once
+    that many are full (``lengths`` may then be an endless iterator)."""
     if isinstance(seq_length, bool) or not isinstance(seq_length, int) or seq_length < 1:
         raise ValueError(f"pack_documents: seq_length={seq_length!r} must be a positive int")
     out: List[List[int]] = []
@@ -422,6 +424,8 @@ def pack_documents(lengths: Iterable[int], seq_length: int) -> List[List[int]]:
             room -= take
             if room == 0:
                 out.append(cur)
+                if max_sequences is not None and len(out) >= max_sequences:
+                    return out
                 cur, room = [], seq_length
     return out
 
