@@ -141,15 +141,6 @@ def config_values(config_name: str) -> Dict[str, Any]:
     return out
 
 
-def _lookup(values: Dict[str, Any], key: str) -> Any:
-    node: Any = values
-    for part in key.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return _MISSING
-        node = node[part]
-    return node
-
-
 def _show(value: Any) -> str:
     if value is None:
         return "null"
@@ -191,7 +182,9 @@ def _model_state_key(key: str) -> bool:
 
 
 def _option_line(o: Any, values: Dict[str, Any], width: int) -> str:
-    value = _lookup(values, o.key)
+    from nemo_longctx.shared.run_spec import select_path
+
+    value = select_path(values, o.key, _MISSING)
     default = _show(o.default if value is _MISSING else value)
     requires = tuple(getattr(o, "requires", ()))
     when = f" (with {', '.join(requires)})" if requires and not o.help.startswith(requires[0]) else ""

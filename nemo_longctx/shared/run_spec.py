@@ -71,15 +71,7 @@ def _plain(value: Any) -> Any:
     return tuple(_plain(v) for v in value) if isinstance(value, list) else value
 
 
-def _node(data: Mapping[str, Any], path: str) -> Mapping[str, Any]:
-    """The mapping at a dotted ``path`` of ``data`` (empty when absent or not a mapping)."""
-    node: Any = data
-    for part in path.split("."):
-        node = node.get(part) if isinstance(node, Mapping) else None
-    return node if isinstance(node, Mapping) else {}
-
-
-def _select(data: Mapping[str, Any], key: str, default: Any = None) -> Any:
+def select_path(data: Mapping[str, Any], key: str, default: Any = None) -> Any:
     """The value at a dotted ``key`` of plain ``data`` (``default`` when a part is absent)."""
     node: Any = data
     for part in key.split("."):
@@ -87,6 +79,12 @@ def _select(data: Mapping[str, Any], key: str, default: Any = None) -> Any:
             return default
         node = node[part]
     return node
+
+
+def _node(data: Mapping[str, Any], path: str) -> Mapping[str, Any]:
+    """The mapping at a dotted ``path`` of ``data`` (empty when absent or not a mapping)."""
+    node = select_path(data, path, {})
+    return node if isinstance(node, Mapping) else {}
 
 
 def _group_values(cls: type, prefix: str, node: Mapping[str, Any], table: Sequence[Option]) -> Dict[str, Any]:
@@ -415,7 +413,7 @@ class RunSpec:
         is refused, not ignored; ``run.fault``'s form; ``checkpoint.on_signal`` without saving; a ``checkpoint.resume``
         path that is no checkpoint."""
         table, groups = TABLES[self.app]
-        present = {o.key: v for o in table for v in [_select(self.source, o.key, KeyError)] if v is not KeyError}
+        present = {o.key: v for o in table for v in [select_path(self.source, o.key, KeyError)] if v is not KeyError}
         p = [m for o in table if o.key in present for m in [o.problem(present[o.key])] if m]
         train = self.app == "train"
         # train: the option model's keys in the app's groups (run.print_every) are declared too, and a sub-mapping
@@ -454,7 +452,7 @@ class RunSpec:
     def choice_problems(self) -> List[str]:
         """Contradictions between a config group's choice and a value set beside it (``cp=none cp.size=2`` is
         refused, not run as ring x 2)."""
-        size = _select(self.source, "cp.size", 1)
+        size = select_path(self.source, "cp.size", 1)
         if self.choices.get("cp") == "none" and size != 1:
             return [f"cp=none with cp.size={size}: cp=none means no context parallelism (one rank holds the whole "
                     f"sequence); for {size} context-parallel ranks choose the algorithm: cp=ring|ulysses|hybrid "
@@ -533,7 +531,7 @@ class PlanSpec:
 
     def get(self, key: str, default: Any = None) -> Any:
         """The value of ``plan.<key>`` (dotted below ``plan``), ``default`` when absent or null."""
-        value = _select(self.plan, key, None)
+        value = select_path(self.plan, key, None)
         return default if value is None else value
 
     def with_model(self, fields: Mapping[str, Any]) -> "PlanSpec":
