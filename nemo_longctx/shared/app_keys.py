@@ -165,3 +165,9 @@ RECIPE_KEYS = {"seq_length": "model.config.seq_length", "tp": "trainer.strategy.
                "checkpointing": "log.ckpt", "world_size": "trainer.devices x trainer.num_nodes",
                "num_layers": "model.config.num_layers",
                **{o.key: argument_name(o.key) for o in LongContextOptions.options()}}
+# A Megatron-Bridge ``ConfigContainer``'s dialect (``Context.keys``): Bridge's own fields keep their names in messages
+# (``model.tensor_model_parallel_size``, ...), the option keys theirs; the Bridge app's own keys as it spells them
+BRIDGE_KEYS = {"seq_length": "model.seq_length", "tp": "model.tensor_model_parallel_size",
+               "pp": "model.pipeline_model_parallel_size", "sequence_parallel": "model.sequence_parallel",
+               "precision": "mixed_precision", "checkpointing": "checkpoint.save_interval",
+               "world_size": "the world size (WORLD_SIZE)", "num_layers": "model.num_layers", **BRIDGE_APP_KEYS}

@@ -27,6 +27,13 @@ model's): ``problems()`` reports every bad value at once, each naming its key; `
 option checks' ``Context``, built here once. ``with_recipe(values)`` returns a new spec (the composed config is never
 changed in place). Nothing below the reader sees a ``DictConfig`` except the model node handed to ``instantiate``.
 
+The other front ends describe a run with their framework's objects; each has an adapter that makes a spec of it, in
+its dialect (``dialect``: whose names the messages use, ``DIALECTS``), and takes its ``Context`` from
+``spec.context(...)`` too: ``integrations/nemo/recipes.spec_of_recipe`` (a NeMo-Run recipe),
+``LongContextStrategy.run_spec`` (the strategy's final layout) and ``integrations/bridge/config.spec_of_container``
+(a Megatron-Bridge ``ConfigContainer``). Those fill what the framework object has (``data`` None where the front end
+does not read the data) and leave the rest at the defaults.
+
 Standard library + the option model + shared modules; OmegaConf and Hydra's override parser are imported inside
 the reader only.
 """
@@ -36,7 +43,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from nemo_longctx.options import ConfigError, Context, LongContextOptions, Option, unknown_keys
@@ -45,8 +52,10 @@ from nemo_longctx.shared.app_keys import (
     APP_GROUPS,
     APP_OPTIONS,
     BRIDGE_GROUPS,
+    BRIDGE_KEYS,
     BRIDGE_OPTIONS,
     NEMO_KEYS,
+    RECIPE_KEYS,
     RESUME_MODES,
     parse_fault,
 )
@@ -54,6 +63,17 @@ from nemo_longctx.shared.app_keys import (
 MISSING = "???"  # OmegaConf's mandatory value, as to_container leaves it
 # the app -> (its Option table, the groups whose every key is declared there)
 TABLES = {"train": (APP_OPTIONS, APP_GROUPS), "bridge": (BRIDGE_OPTIONS, BRIDGE_GROUPS)}
+# the front ends a spec is read for (``RunSpec.dialect``) -> (their names for the values the option checks need and
+# for the option keys: ``Context.keys``, whether they save Megatron-FSDP's fsdp_dtensor checkpoints:
+# ``Context.fsdp_checkpoints``). train: ``nemo-longctx train``'s Hydra keys (read_run_spec; and a
+# ``LongContextStrategy`` with option_keys="hydra"); recipe: a NeMo-Run recipe's arguments and fields
+# (integrations/nemo/recipes.spec_of_recipe, the strategy it sets up); bridge: a Megatron-Bridge ConfigContainer's
+# fields (integrations/bridge/config.spec_of_container)
+DIALECTS: Dict[str, Tuple[Mapping[str, str], bool]] = {
+    "train": (NEMO_KEYS, True),
+    "recipe": (RECIPE_KEYS, False),
+    "bridge": (BRIDGE_KEYS, False),
+}
 
 
 def _row(key: str, table: Sequence[Option]) -> Optional[Option]:
@@ -143,6 +163,12 @@ class TrainerSpec:
                                                       "micro_batch_size", "global_batch_size", "val_check_interval",
                                                       "limit_val_batches")}
 
+    @property
+    def world_size(self) -> Optional[int]:
+        """``devices x num_nodes`` when both are ints (None: not known from the trainer)."""
+        devices, nodes = self.devices, self.num_nodes
+        return devices * nodes if isinstance(devices, int) and isinstance(nodes, int) else None
+
 
 @dataclass(frozen=True)
 class CheckpointSpec:
@@ -155,6 +181,9 @@ class CheckpointSpec:
     keep: Any = 2
     async_save: Any = None
     on_signal: Any = None
+    # whether the run saves, where a front end says so outright (not a key: a NeMo-Run recipe's ``log.ckpt``, a
+    # Bridge container's ``checkpoint.save`` with its ``save_interval``); None: by the intervals above
+    saving: Optional[bool] = None
     given: Tuple[str, ...] = field(default=(), compare=False, repr=False)
 
     KEYS: ClassVar[Dict[str, str]] = {n: n for n in ("every_n_steps", "every_minutes", "dir", "resume", "keep",
@@ -162,7 +191,10 @@ class CheckpointSpec:
 
     @property
     def saves(self) -> bool:
-        """Whether the run saves checkpoints: ``every_n_steps > 0`` or ``every_minutes > 0``."""
+        """Whether the run saves checkpoints: ``saving`` where the front end set it, else ``every_n_steps > 0`` or
+        ``every_minutes > 0``."""
+        if self.saving is not None:
+            return self.saving
         steps, minutes = self.every_n_steps, self.every_minutes
         return (isinstance(steps, int) and steps > 0) or (isinstance(minutes, (int, float)) and minutes > 0)
 
@@ -306,14 +338,17 @@ class ModelSpec:
 # ---------------------------------------------------------------------------------------------------- the spec
 @dataclass(frozen=True)
 class RunSpec:
-    """A whole run (see the module docstring). ``app``: whose keys these are (train | bridge)."""
+    """A whole run (see the module docstring). ``app``: whose keys these are (train | bridge); ``dialect``: the front
+    end whose names the option checks' messages use (``DIALECTS``: train | recipe | bridge); ``data``: None where
+    the front end does not read the run's data (a NeMo-Run recipe's data module, a strategy's): the option checks
+    then leave what needs packed documents to it."""
 
     options: LongContextOptions = field(default_factory=LongContextOptions)
     trainer: TrainerSpec = field(default_factory=TrainerSpec)
     checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
     launcher: LauncherSpec = field(default_factory=LauncherSpec)
     run: RunFlags = field(default_factory=RunFlags)
-    data: DataSpec = field(default_factory=DataSpec)
+    data: Optional[DataSpec] = field(default_factory=DataSpec)
     init_from: InitFromSpec = field(default_factory=InitFromSpec)
     model: ModelSpec = field(default_factory=ModelSpec)
     recipe: Any = "auto"
@@ -321,6 +356,7 @@ class RunSpec:
     seed: Any = 1234
     choices: Mapping[str, Any] = field(default_factory=dict)
     app: str = "train"
+    dialect: str = "train"
     source: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)  # the resolved config
 
     # the groups a dotted key of the recipe's settings lives in (``setting``)
@@ -373,14 +409,21 @@ class RunSpec:
             return self.init_from.overrides.get("seq_length")
         return self.model.seq_length
 
+    @property
+    def keys(self) -> Mapping[str, str]:
+        """The dialect's names (``Context.keys``)."""
+        return DIALECTS[self.dialect][0]
+
     def context(self, world_size: Optional[int] = None, **changes: Any) -> Context:
-        """What the option checks need from the run's other keys (their values as typed: checked by ``problems``);
-        ``changes``: Context fields to set besides (``cuda``, ``te``)."""
+        """What the option checks need from the run's other keys (their values as typed: checked by ``problems``),
+        named in the spec's dialect; ``changes``: Context fields to set besides (``cuda``, ``te``). The one place a
+        front end's ``Context`` is built from a run (the app's spec, a recipe's, a strategy's, a container's)."""
         layout = self.trainer.layout
+        keys, fsdp_checkpoints = DIALECTS[self.dialect]
         return Context(seq_length=self.seq_length(), tp=layout.tp, pp=layout.pp, world_size=world_size,
                        sequence_parallel=layout.sequence_parallel, precision=str(self.trainer.precision),
-                       checkpointing=self.checkpoint.saves, keys=NEMO_KEYS, fsdp_checkpoints=True,
-                       packed_data=self.data.packed, **changes)
+                       checkpointing=self.checkpoint.saves, keys=keys, fsdp_checkpoints=fsdp_checkpoints,
+                       packed_data=None if self.data is None else self.data.packed, **changes)
 
     def config_hash(self) -> str:
         """sha256 of the resolved config (keys sorted, the recipe's values filled in): every rank must train exactly
@@ -405,7 +448,8 @@ class RunSpec:
             for part in parents:
                 node = node.setdefault(part, {})
             node[name] = value
-        return spec_from_dict(source, self.model, self.init_from, self.choices, self.app)
+        return replace(spec_from_dict(source, self.model, self.init_from, self.choices, self.app),
+                       dialect=self.dialect)
 
     # ------------------------------------------------------------------------------------------- problems
     def key_problems(self) -> List[str]:
@@ -463,7 +507,7 @@ class RunSpec:
         """Every problem of the spec that needs no model and no framework: the app's keys, the group choices and
         the option model's (against ``ctx``; default: ``context()``), each naming its key."""
         p = self.key_problems()
-        ctx = ctx or (self.context() if not p else Context(keys=NEMO_KEYS))
+        ctx = ctx or (self.context() if not p else Context(keys=self.keys))
         return p + self.choice_problems() + self.options.problems(ctx)
 
 

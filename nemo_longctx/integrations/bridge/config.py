@@ -15,26 +15,24 @@ validation of any option: ``nemo_longctx.options`` checks them, ``integrations/m
 ``model_problems_of(cfg, options, world_size)``  the checks against the model (heads, sequence length vs 2*cp,
                                        layers per stage, ...), once, before any process group exists.
 
+``spec_of_container(cfg, options)``   the container as a run spec (Bridge's dialect): ``spec.context()`` is what the
+                                       option checks need.
+
 Bridge's own keys keep their names in messages (``BRIDGE_KEYS``: ``model.tensor_model_parallel_size``, ...).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
-from typing import Any, Dict, List, Mapping, Union
+from typing import Any, Dict, List, Mapping, Optional, Union
 
 from nemo_longctx.integrations.bridge.memory import LongContextMemory, memory_of
 from nemo_longctx.integrations.megatron.cp_algorithms import align_cp_comm_type
 from nemo_longctx.integrations.megatron.spec import LongContextSpec
 from nemo_longctx.integrations.megatron.tiled_mlp_layer import TiledMLPLayerSpec
 from nemo_longctx.options import Context, LongContextOptions, raise_problems
-from nemo_longctx.shared.app_keys import BRIDGE_APP_KEYS
-
-BRIDGE_KEYS = {"seq_length": "model.seq_length", "tp": "model.tensor_model_parallel_size",
-               "pp": "model.pipeline_model_parallel_size", "sequence_parallel": "model.sequence_parallel",
-               "precision": "mixed_precision", "checkpointing": "checkpoint.save_interval",
-               "world_size": "the world size (WORLD_SIZE)", "num_layers": "model.num_layers", **BRIDGE_APP_KEYS}
+from nemo_longctx.shared.app_keys import BRIDGE_KEYS
+from nemo_longctx.shared.run_spec import CheckpointSpec, DataSpec, Layout, ModelSpec, RunSpec, TrainerSpec
 
 
 TARGET_PREFIX = "nemo_longctx"  # the _target_ prefix of our classes in a saved run config
@@ -62,15 +60,32 @@ def precision_of(cfg: Any) -> str:
     return "bf16-mixed" if "bf16" in name else "16-mixed" if "fp16" in name or "16" in name else "32"
 
 
-def context_of(cfg: Any, packed_documents: bool = False) -> Context:
-    """What the option checks need from the container; ``packed_documents``: the run's data are packed documents
-    (``data.packing=documents``: our forward step, ``integrations.bridge.documents``)."""
-    m = cfg.model
-    save = getattr(cfg.checkpoint, "save", None)
-    interval = getattr(cfg.checkpoint, "save_interval", None)
-    return Context(seq_length=m.seq_length, tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
-                   sequence_parallel=bool(m.sequence_parallel), precision=precision_of(cfg),
-                   checkpointing=bool(save) and bool(interval), keys=BRIDGE_KEYS, packed_data=packed_documents)
+# the provider's fields a container's spec carries (``ModelSpec.fields``)
+CONTAINER_MODEL_FIELDS = ("seq_length", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                          "num_query_groups", "vocab_size")
+
+
+def spec_of_container(cfg: Any, options: Union[LongContextOptions, Mapping[str, Any], None] = None,
+                      packed_documents: Optional[bool] = False) -> RunSpec:
+    """The run spec of a Bridge ``ConfigContainer``, in Bridge's dialect (``BRIDGE_KEYS``): the trainer (steps,
+    precision, batch sizes) and the provider's layout, where and every how many steps ``checkpoint`` saves (it saves
+    with ``checkpoint.save`` and a ``save_interval``), the provider's model fields, and the data
+    (``packed_documents``: packed documents, ``data.packing=documents``: our forward step,
+    ``integrations.bridge.documents``; None: not known). The world size is the launch's (``spec.context(world)``)."""
+    m, train, ckpt = cfg.model, getattr(cfg, "train", None), cfg.checkpoint
+    save = getattr(ckpt, "save", None)
+    interval = getattr(ckpt, "save_interval", None)
+    layout = Layout(tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
+                    sequence_parallel=bool(m.sequence_parallel))
+    trainer = TrainerSpec(devices=None, num_nodes=None, max_steps=getattr(train, "train_iters", None),
+                          precision=precision_of(cfg), micro_batch_size=getattr(train, "micro_batch_size", None),
+                          global_batch_size=getattr(train, "global_batch_size", None), layout=layout)
+    checkpoint = CheckpointSpec(every_n_steps=interval, dir=save, async_save=getattr(ckpt, "async_save", None),
+                                saving=bool(save) and bool(interval))
+    data = None if packed_documents is None else DataSpec(packing="documents" if packed_documents else "none")
+    model = {name: getattr(m, name) for name in CONTAINER_MODEL_FIELDS if getattr(m, name, None) is not None}
+    return RunSpec(options=as_options(options), trainer=trainer, checkpoint=checkpoint, data=data,
+                   model=ModelSpec(fields=model), app="bridge", dialect="bridge")
 
 
 def as_options(options: Union[LongContextOptions, Mapping[str, Any], None]) -> LongContextOptions:
@@ -96,7 +111,8 @@ def enable_long_context(cfg: Any, options: Union[LongContextOptions, Mapping[str
             raise TypeError("enable_long_context: pass the options either as one object/mapping or as keywords")
         options = dict(groups)
     options = as_options(options)
-    raise_problems(options.problems(replace(context_of(cfg, packed_documents), cuda=torch.cuda.is_available())))
+    raise_problems(options.problems(spec_of_container(cfg, options, packed_documents).context(
+        cuda=torch.cuda.is_available())))
     if packed_documents:
         from nemo_longctx.integrations.bridge.documents import packed_documents_problems, use_packed_documents
 

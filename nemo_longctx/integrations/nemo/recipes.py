@@ -37,10 +37,11 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import fiddle as fdl
 import nemo_run as run
 
-from nemo_longctx.options import CP_CHOICES, ConfigError, Context, LongContextOptions, Option, raise_problems
+from nemo_longctx.options import CP_CHOICES, ConfigError, LongContextOptions, Option, raise_problems
 from nemo_longctx.shared.overrides import conf_dir
+from nemo_longctx.shared.run_spec import CheckpointSpec, Layout, ModelSpec, RunSpec, TrainerSpec
 
-from nemo_longctx.shared.app_keys import APP_ONLY, GROUP_CHOICES, RECIPE_KEYS, argument_name
+from nemo_longctx.shared.app_keys import APP_ONLY, GROUP_CHOICES, argument_name
 
 _TYPES = {"int": Optional[int], "number": Optional[float], "bool": Optional[bool], "choice": Optional[str],
           "modules": Optional[List[str]], "tiles": Optional[str], "str": Optional[str], "mapping": Optional[dict]}
@@ -174,17 +175,36 @@ def recipe_precision(recipe: Any) -> str:
     return "32"
 
 
-def recipe_context(recipe: Any, world_size: Optional[int] = None) -> Context:
-    """What the option checks need, read from the recipe (``world_size``: the executor's, else the trainer's)."""
-    if world_size is None:
-        devices, nodes = recipe_value(recipe, "trainer.devices", 1), recipe_value(recipe, "trainer.num_nodes", 1)
-        world_size = devices * nodes if isinstance(devices, int) and isinstance(nodes, int) else None
-    return Context(seq_length=recipe_value(recipe, "model.config.seq_length"),
-                   tp=recipe_value(recipe, "trainer.strategy.tensor_model_parallel_size", 1),
-                   pp=recipe_value(recipe, "trainer.strategy.pipeline_model_parallel_size", 1), world_size=world_size,
-                   sequence_parallel=bool(recipe_value(recipe, "trainer.strategy.sequence_parallel", False)),
-                   precision=recipe_precision(recipe), checkpointing=recipe_value(recipe, "log.ckpt") is not None,
-                   keys=RECIPE_KEYS)
+# the model config's fields a recipe's spec carries (``ModelSpec.fields``; those the recipe sets)
+RECIPE_MODEL_FIELDS = ("seq_length", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                       "num_query_groups", "vocab_size")
+
+
+def spec_of_recipe(recipe: Any, options: Optional[LongContextOptions] = None) -> RunSpec:
+    """The run spec of a NeMo-Run recipe, in the recipe's dialect (``RECIPE_KEYS``): the trainer (devices, nodes,
+    steps, the precision plugin's precision, the data module's batch sizes, validation) and its strategy's layout,
+    whether ``log.ckpt`` saves checkpoints (and every how many steps), the model config's fields; the recipe's data
+    module is its own (``data`` None). ``spec.context(world_size)`` is what the option checks need
+    (``spec.trainer.world_size``: the trainer's devices x nodes)."""
+    ckpt = recipe_value(recipe, "log.ckpt")
+    layout = Layout(tp=recipe_value(recipe, "trainer.strategy.tensor_model_parallel_size", 1),
+                    pp=recipe_value(recipe, "trainer.strategy.pipeline_model_parallel_size", 1),
+                    sequence_parallel=bool(recipe_value(recipe, "trainer.strategy.sequence_parallel", False)))
+    trainer = TrainerSpec(accelerator=recipe_value(recipe, "trainer.accelerator", "auto"),
+                          devices=recipe_value(recipe, "trainer.devices", 1),
+                          num_nodes=recipe_value(recipe, "trainer.num_nodes", 1),
+                          max_steps=recipe_value(recipe, "trainer.max_steps"), precision=recipe_precision(recipe),
+                          micro_batch_size=recipe_value(recipe, "data.micro_batch_size", 1),
+                          global_batch_size=recipe_value(recipe, "data.global_batch_size"),
+                          val_check_interval=recipe_value(recipe, "trainer.val_check_interval"),
+                          limit_val_batches=recipe_value(recipe, "trainer.limit_val_batches"), layout=layout)
+    checkpoint = CheckpointSpec(every_n_steps=recipe_value(ckpt, "every_n_train_steps") if ckpt is not None else None,
+                                async_save=recipe_value(recipe, "trainer.strategy.ckpt_async_save"),
+                                saving=ckpt is not None)
+    model = {name: value for name in RECIPE_MODEL_FIELDS
+             for value in [recipe_value(recipe, f"model.config.{name}")] if value is not None}
+    return RunSpec(options=options if options is not None else LongContextOptions(), trainer=trainer,
+                   checkpoint=checkpoint, data=None, model=ModelSpec(fields=model), dialect="recipe")
 
 
 def recipe_model_config(recipe: Any) -> Any:
@@ -214,7 +234,8 @@ def recipe_problems(recipe: Any, options: LongContextOptions, world_size: Option
 
     from nemo_longctx.integrations.megatron.validation import model_problems
 
-    ctx = recipe_context(recipe, world_size)
+    spec = spec_of_recipe(recipe, options)
+    ctx = spec.context(world_size if world_size is not None else spec.trainer.world_size)
     p = options.problems(ctx)
     if not p:
         config = recipe_model_config(recipe)

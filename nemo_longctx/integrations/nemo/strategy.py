@@ -22,9 +22,9 @@ import torch
 from nemo import lightning as nl
 
 from nemo_longctx.integrations.megatron.validation import long_context_problems
-from nemo_longctx.options import Context, ModelStateOptions, raise_problems
-
-from nemo_longctx.shared.app_keys import NEMO_KEYS, RECIPE_KEYS
+from nemo_longctx.options import Context, LongContextOptions, ModelStateOptions, raise_problems
+from nemo_longctx.shared.app_keys import NEMO_KEYS
+from nemo_longctx.shared.run_spec import Layout, ModelSpec, RunSpec, TrainerSpec
 
 from .compat import megatron_groups_timeout
 from .model import enable_long_context
@@ -106,14 +106,10 @@ class LongContextStrategy(nl.MegatronStrategy):
         """``long_context_options`` against this strategy's final layout and ``config`` (the front end checked them
         against what it knew; a later ``trainer.devices=`` override is caught here with the same message)."""
         from nemo_longctx.integrations.megatron.validation import model_problems
-        from nemo_longctx.options import LongContextOptions
 
         options = LongContextOptions.from_dict(self.long_context_options)
-        keys = RECIPE_KEYS if self.option_keys == "recipe" else NEMO_KEYS
         tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
-        precision = str(getattr(getattr(self, "_precision_plugin", None), "precision", "32"))
-        ctx = Context(seq_length=int(config.seq_length), tp=tp, pp=pp, world_size=world_size,
-                      sequence_parallel=bool(self.sequence_parallel), precision=precision, keys=keys)
+        ctx = self.run_spec(config, options).context(world_size)
         p = options.problems(ctx)
         if not p:
             if (options.cp.size, options.cp.algorithm) != (self.context_parallel_size, self.cp_algorithm):
@@ -123,6 +119,18 @@ class LongContextStrategy(nl.MegatronStrategy):
                          f"{self.cp_algorithm}")
             p = p + model_problems(config, options, world_size, tp, pp, ctx)
         return list(dict.fromkeys(p))
+
+    def run_spec(self, config: Any, options: Optional[Any] = None) -> RunSpec:
+        """This strategy's final layout (tensor / pipeline parallel sizes, sequence parallelism, its precision
+        plugin's precision) and ``config``'s sequence length as a run spec, in the dialect ``option_keys`` names
+        (recipe: the NeMo-Run recipe's, hydra: the app's); no checkpointing and no data known here."""
+        precision = str(getattr(getattr(self, "_precision_plugin", None), "precision", "32"))
+        layout = Layout(tp=self.tensor_model_parallel_size, pp=self.pipeline_model_parallel_size,
+                        sequence_parallel=bool(self.sequence_parallel))
+        return RunSpec(options=options if options is not None else LongContextOptions(),
+                       trainer=TrainerSpec(devices=None, num_nodes=None, precision=precision, layout=layout),
+                       model=ModelSpec(fields={"seq_length": int(config.seq_length)}), data=None,
+                       dialect="recipe" if self.option_keys == "recipe" else "train")
 
     def connect(self, model: Any) -> None:
         super().connect(model)  # copies the parallel sizes onto model.config
