@@ -1,6 +1,8 @@
 """The run spec (``nemo_longctx/shared/run_spec.py``): one typed, frozen form of a run, read once from the composed
 Hydra config. The reader round-trips the default config and overrides, every declared key's bad values are named
-with their key, the spec is frozen, and the recipe fills a new spec (in-process, no NeMo import; seconds)."""
+with their key, the spec is frozen, and the recipe fills a new spec (in-process, no NeMo import; seconds). The
+NeMo-Run front end's adapters (a recipe's spec, the strategy's) are checked at the end against real recipes (those
+import NeMo); the Bridge container's in tests_bridge/test_bridge_app.py."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from nemo_longctx.shared.run_spec import (
     CheckpointSpec,
     DataSpec,
     Layout,
+    ModelSpec,
     RunSpec,
     TrainerSpec,
     read_run_spec,
@@ -275,3 +278,105 @@ def test_the_plan_keys_speak_the_callers_dialect():
                                               "host_memory_gb=-1 must be a number >= 0"]
     assert plan_key_problems({"seq_length": 3}, names) == [
         "seq_length=3 must be divisible by 2*cp.size = 2 (zigzag layout: 2 chunks per CP rank): use 2 or 4"]
+
+
+# ---------------------------------------------------------------------------------------------------- the adapters
+def test_a_spec_speaks_its_front_ends_dialect():
+    """``RunSpec.dialect`` names the messages' keys (and whether the front end saves Megatron-FSDP checkpoints);
+    ``data=None``: the front end does not know the data; ``CheckpointSpec.saving``: it says outright whether it
+    saves."""
+    from nemo_longctx.shared.app_keys import BRIDGE_KEYS, RECIPE_KEYS
+
+    spec = RunSpec(trainer=TrainerSpec(devices=4, num_nodes=2, precision="bf16-mixed", layout=Layout(tp=2)),
+                   checkpoint=CheckpointSpec(saving=True), data=None, model=ModelSpec(fields={"seq_length": 4096}),
+                   dialect="recipe")
+    assert spec.trainer.world_size == 8 and TrainerSpec(devices=None).world_size is None
+    assert spec.keys is RECIPE_KEYS
+    assert spec.context(8) == Context(seq_length=4096, tp=2, world_size=8, checkpointing=True, keys=RECIPE_KEYS)
+    bridge = dataclasses.replace(spec, dialect="bridge", data=DataSpec(packing="documents"))
+    assert bridge.context() == Context(seq_length=4096, tp=2, checkpointing=True, keys=BRIDGE_KEYS, packed_data=True)
+    assert not CheckpointSpec(every_n_steps=5, saving=False).saves and CheckpointSpec(every_n_steps=5).saves
+    fsdp = LongContextOptions.from_dict({"optim": {"megatron_fsdp": True, "use_distributed_optimizer": True}})
+    assert [p.split(":")[0] for p in fsdp.problems(spec.context(8))] == ["optim_megatron_fsdp=true with log.ckpt > 0"]
+    assert fsdp.problems(dataclasses.replace(spec, dialect="train").context(8)) == []  # the app saves them
+
+
+def _llama3_8b(nodes=1, gpus=8):
+    pytest.importorskip("nemo")
+    from nemo.collections.llm.recipes import llama3_8b
+
+    return llama3_8b.pretrain_recipe(name="x", num_nodes=nodes, num_gpus_per_node=gpus)
+
+
+def test_a_nemo_run_recipe_is_read_into_a_spec_in_the_recipes_dialect(tmp_path):
+    """``spec_of_recipe``: the trainer, the strategy's layout, ``log.ckpt``, the model config's fields of a real
+    recipe; its ``context`` is what ``recipe_context`` built by hand before (the recipe's dialect, no data, no
+    Megatron-FSDP checkpoints)."""
+    recipe = _llama3_8b(nodes=2)
+    from nemo_run_recipes import SEQ, STEPS, tiny_llama3_recipe
+
+    from nemo_longctx.integrations.nemo.recipes import spec_of_recipe
+    from nemo_longctx.shared.app_keys import RECIPE_KEYS
+
+    spec = spec_of_recipe(recipe)
+    t = spec.trainer
+    assert (t.devices, t.num_nodes, t.world_size, t.precision, t.micro_batch_size, t.global_batch_size) == (
+        8, 2, 16, "bf16-mixed", 1, 512)
+    assert (t.layout, spec.checkpoint.saves, spec.data, spec.dialect) == (Layout(), True, None, "recipe")
+    assert (spec.model.seq_length, spec.model.get("num_layers"), spec.model.get("num_query_groups")) == (8192, 32, 8)
+    assert spec.context(t.world_size) == Context(seq_length=8192, world_size=16, checkpointing=True, keys=RECIPE_KEYS)
+    recipe.log.ckpt = None
+    recipe.trainer.strategy.tensor_model_parallel_size, recipe.trainer.strategy.sequence_parallel = 2, True
+    spec = spec_of_recipe(recipe)
+    assert (spec.trainer.layout, spec.checkpoint.saves) == (Layout(tp=2, sequence_parallel=True), False)
+    tiny = spec_of_recipe(tiny_llama3_recipe(str(tmp_path)))
+    assert (tiny.trainer.max_steps, tiny.trainer.precision, tiny.trainer.world_size) == (STEPS, "32", 2)
+    assert tiny.context(4) == Context(seq_length=SEQ, world_size=4, precision="32", keys=RECIPE_KEYS)
+
+
+def test_a_bad_option_through_the_recipes_spec_is_named_as_before():
+    """The recipe's checks take their Context from its spec: the messages are the recipe's, byte for byte."""
+    recipe = _llama3_8b()
+    from nemo_longctx.integrations.nemo.recipes import options_from_arguments, recipe_problems
+
+    options, _, problems = options_from_arguments({"cp_size": 3}, recipe)
+    assert problems == []
+    layout = ("cp_size=3 x trainer.strategy.tensor_model_parallel_size=1 x "
+              "trainer.strategy.pipeline_model_parallel_size=1 = 3 does not divide the world size {} "
+              "(trainer.devices x trainer.num_nodes)")
+    seq = ("model.config.seq_length=8192 must be divisible by 2*cp_size = 6 (zigzag layout: 2 chunks per CP rank): "
+           "use 8190 or 8196")
+    assert recipe_problems(recipe, options) == [seq, layout.format(8)]
+    assert recipe_problems(recipe, options, world_size=4) == [seq, layout.format(4)]
+    fsdp, _, _ = options_from_arguments({"optim_megatron_fsdp": True}, recipe)
+    assert recipe_problems(recipe, fsdp) == [
+        "optim_megatron_fsdp=true with log.ckpt > 0: Megatron-FSDP checkpoints (the fsdp_dtensor format) are saved "
+        "by nemo-longctx train only, which gives every rank the optimizer state of every parameter that format needs "
+        "(set log.ckpt=0, or train with nemo-longctx train)"]
+    placed, _, _ = options_from_arguments({"cp_size": 8, "cp_split_min_tokens": 256}, recipe)
+    assert recipe_problems(recipe, placed) == []  # the recipe's data are its own: not refused as dense
+
+
+def test_the_strategys_spec_is_its_final_layout_in_the_dialect_it_was_given():
+    """``LongContextStrategy.run_spec``: the layout a later override left, the model config's sequence length; a bad
+    layout is named in the recipe's dialect (``cp_size``) or the app's (``cp.size``) as before."""
+    import fiddle as fdl
+
+    from nemo_longctx.integrations.nemo.recipes import long_context_recipe, recipe_model_config
+    from nemo_longctx.shared.app_keys import NEMO_KEYS, RECIPE_KEYS
+
+    recipe = long_context_recipe(_llama3_8b(), cp_size=8)
+    recipe.trainer.strategy.tensor_model_parallel_size = 2  # a later override
+    config = recipe_model_config(recipe)
+    strategy = fdl.build(recipe.trainer.strategy)
+    spec = strategy.run_spec(config)
+    assert (spec.trainer.layout, spec.model.seq_length, spec.data, spec.checkpoint.saves) == (
+        Layout(tp=2), 8192, None, False)
+    # no trainer yet: no precision plugin (NeMo's MegatronStrategy reads it from the trainer)
+    assert spec.context(8) == Context(seq_length=8192, tp=2, world_size=8, precision="32", keys=RECIPE_KEYS)
+    message = ("{}=8 x trainer.strategy.tensor_model_parallel_size=2 x trainer.strategy.pipeline_model_parallel_size=1 "
+               "= 16 does not divide the world size 8 (trainer.devices x trainer.num_nodes)")
+    assert strategy.option_problems(config, 8) == [message.format("cp_size")]
+    strategy.option_keys = "hydra"
+    assert strategy.run_spec(config).keys is NEMO_KEYS
+    assert strategy.option_problems(config, 8) == [message.format("cp.size")]

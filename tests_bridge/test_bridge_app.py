@@ -105,6 +105,48 @@ def test_control_a_wrong_kernel_in_our_attention_changes_the_losses(tmp_path, de
 
 
 @pytest.mark.smoke
+def test_a_config_container_is_read_into_a_spec_in_bridges_dialect():
+    """``spec_of_container``: the trainer, the provider's layout and fields, whether the container saves, the data
+    of a real ConfigContainer (the demo's), in Bridge's dialect; ``enable_long_context`` takes its Context from that
+    spec and names bad options as before, byte for byte."""
+    from nemo_longctx.apps.bridge import demo_config
+    from nemo_longctx.integrations.bridge.config import enable_long_context, spec_of_container
+    from nemo_longctx.options import ConfigError, Context
+    from nemo_longctx.shared.app_keys import BRIDGE_KEYS
+    from nemo_longctx.shared.run_spec import Layout
+
+    cfg = demo_config()
+    spec = spec_of_container(cfg, {"cp": {"size": 2}})
+    t = spec.trainer
+    assert (t.max_steps, t.micro_batch_size, t.global_batch_size, t.precision, t.layout, t.world_size) == (
+        3, 1, 1, "bf16-mixed", Layout(), None)
+    assert (spec.model.seq_length, spec.model.get("num_layers"), spec.options.cp.size, spec.dialect) == (
+        256, 2, 2, "bridge")
+    assert spec.checkpoint.saves and spec.checkpoint.dir == cfg.checkpoint.save
+    assert spec.context() == Context(seq_length=256, checkpointing=True, keys=BRIDGE_KEYS, packed_data=False)
+    assert spec_of_container(cfg, packed_documents=True).context().packed_data is True
+    assert spec_of_container(cfg, packed_documents=None).data is None
+    cfg.checkpoint.save_interval, cfg.mixed_precision = None, "fp16_mixed"
+    cfg.model.tensor_model_parallel_size, cfg.model.sequence_parallel = 2, True
+    spec = spec_of_container(cfg)
+    assert (spec.trainer.layout, spec.trainer.precision, spec.checkpoint.saves) == (
+        Layout(tp=2, sequence_parallel=True), "16-mixed", False)
+    cfg = demo_config()
+    for groups, message in (
+            ({"cp": {"size": 3}}, "model.seq_length=256 must be divisible by 2*cp.size = 6 (zigzag layout: 2 chunks "
+                                  "per CP rank): use 252 or 258"),
+            ({"cp": {"size": 2}, "optim": {"megatron_fsdp": True, "use_distributed_optimizer": True}},
+             "optim.megatron_fsdp=true with checkpoint.save_interval > 0: Megatron-FSDP checkpoints (the fsdp_dtensor "
+             "format) are saved by nemo-longctx train only, which gives every rank the optimizer state of every "
+             "parameter that format needs (set checkpoint.save_interval=0, or train with nemo-longctx train)"),
+            ({"cp": {"size": 2, "split_min_tokens": 64}}, "cp.split_min_tokens=64 places packed documents, but the "
+             "data (data.packing) are dense sequences (no document boundaries): use packed documents or drop it")):
+        with pytest.raises(ConfigError) as e:
+            enable_long_context(cfg, groups)
+        assert e.value.problems == [message], groups
+
+
+@pytest.mark.smoke
 def test_python_api_enable_long_context_with_keyword_groups():
     """``enable_long_context(cfg, **groups)`` on a Bridge ConfigContainer (the demo's): the provider gets the CP size,
     our layer spec (core attention, tiled MLP) and Megatron's recompute fields, the callbacks exist; bad values raise
