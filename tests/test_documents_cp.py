@@ -471,3 +471,17 @@ def test_data_parallel_schedule_balances_each_global_batch():
     for g in range(len(seqs) // G):
         assert sorted(ids[g * G:(g + 1) * G]) == list(range(g * G, (g + 1) * G))
     assert ids != list(range(len(seqs)))
+
+
+def test_step_balance_is_a_collective_only_where_the_data_are_packed(tmp_path, monkeypatch):
+    """The metrics callback reduces the step's document costs over the data-parallel ranks (a collective every step)
+    only when it is told the data are packed documents; a dense run's ranks skip it (nothing to compare)."""
+    from nemo_longctx.integrations.nemo import callbacks
+
+    calls = []
+    monkeypatch.setattr(callbacks, "step_balance_over_ranks", lambda: calls.append(1) or 1.25)
+    for packed, expected in ((False, []), (True, [1])):
+        calls.clear()
+        metrics = callbacks.StepMetrics(str(tmp_path), tokens_per_step=8, balance=packed)
+        metrics.on_train_batch_end(None, None, None, None, 0)  # not the metrics rank: returns after the collective
+        assert calls == expected, (packed, calls)

@@ -556,7 +556,8 @@ def build(spec: RunSpec, launch: Optional[Launch] = None, extra_callbacks: Optio
     callbacks: List[Any] = [
         ConfigConsensus(spec.config_hash(), os.environ.get("NEMO_LONGCTX_CONFIG_HASH")),
         mem_metrics,
-        StepMetrics(str(spec.output_dir), tokens_per_step, metrics.print_every, extra=mem_metrics),
+        StepMetrics(str(spec.output_dir), tokens_per_step, metrics.print_every, extra=mem_metrics,
+                    balance=spec.data.packed),
         VerifyLongContextAttention(cp.size, cp.algorithm, p["pp"]),
         RunGuards(cp.size, tokens_per_step, metrics.print_every),
     ]

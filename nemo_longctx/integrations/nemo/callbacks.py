@@ -59,8 +59,13 @@ def device_peak_flops(trainer: Any) -> Optional[float]:
 class StepMetrics(pl.Callback):
     ETA_WINDOW = 20  # step-end intervals the ETA's median is taken over
 
-    def __init__(self, output_dir: str, tokens_per_step: int, print_every: int = 1, extra: Any = None) -> None:
+    def __init__(self, output_dir: str, tokens_per_step: int, print_every: int = 1, extra: Any = None,
+                 balance: bool = True) -> None:
         self.output_dir = output_dir
+        # whether each step's ``balance`` is computed (a collective over the data-parallel ranks): a run whose data are
+        # dense has no document costs to compare (the app passes whether its data are packed documents; a recipe's
+        # data module is not read, so there it stays on)
+        self.balance = bool(balance)
         self.extra = extra  # object with metrics() -> dict (merged into each record) and summary() -> str (printed)
         self.tokens_per_step = int(tokens_per_step)
         self.print_every = max(1, int(print_every))
@@ -120,7 +125,8 @@ class StepMetrics(pl.Callback):
         reset_step_costs()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        balance = step_balance_over_ranks()  # (a collective: every rank, before the metrics rank alone goes on)
+        # (a collective: every rank, before the metrics rank alone goes on)
+        balance = step_balance_over_ranks() if self.balance else None
         if not self._active:
             return
         now = time.perf_counter()
