@@ -28,16 +28,15 @@ cannot appear in the table.
 from __future__ import annotations
 
 import argparse
-import os
 import random
-import socket
 import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from gloo_ranks import run_ranks  # bench/ (the script's directory)
 
 
 def long_tail_sequences(seq: int, batches: int, seed: int, alpha: float, min_len: int):
@@ -113,89 +112,68 @@ def _step(rank, world, algorithm, placement, shard_tensors):
     return t.item(), cpu, out.detach()
 
 
-def _worker(rank, world, port, args, alpha, cost, queue):
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        from dataclasses import replace
+def _worker(rank, world, args, alpha, cost):
+    """One rank's measurements (run_ranks: gloo, 1 thread); rank 0's result goes back to the parent."""
+    from dataclasses import replace
 
-        from nemo_longctx.planner.documents import layer_token_pairs, place_documents, predict_gain, resolve_placement
+    from nemo_longctx.planner.documents import layer_token_pairs, place_documents, predict_gain, resolve_placement
 
-        send = _send_time(rank, 1024, args.hkv, args.d) / 1024 / cost[1]
-        hidden = args.hq * args.d
-        token = layer_token_pairs(hidden, args.hq, args.hkv, args.d, 4 * hidden) if args.layer_tokens else 0.0
-        model = replace(cost[0], send=send, token=token)
-        seqs = long_tail_sequences(args.seq, args.batches, args.seed, alpha, args.min_len)
-        gen = torch.Generator().manual_seed(args.seed)
-        rows = {(algo, key): [] for algo in args.algorithms for key in "ab"}
-        for lengths in seqs:
-            T = sum(lengths)
-            full = [torch.randn(1, T, h, args.d, generator=gen) for h in (args.hq, args.hkv, args.hkv, args.hq)]
-            starts = [sum(lengths[:i]) for i in range(len(lengths))]
-            plans = {"a": place_documents(lengths, world, None, model),
-                     "b": resolve_placement(lengths, world, "auto", model)}
-            shards, index = {}, {}
-            for key, pl in plans.items():
-                docs, offs = pl.token_sources(rank)
-                src = torch.tensor([starts[i] + o if i >= 0 else 0 for i, o in zip(docs, offs)])
-                real = torch.tensor([i >= 0 for i in docs])
-                shards[key] = [(t[:, src] * real[None, :, None, None]).contiguous() for t in full]
-                index[key] = (src, real)
-            variants = [(algo, key) for algo in args.algorithms for key in plans]
-            times = {v: [] for v in variants}
-            cpus = {v: [] for v in variants}
-            outs = {}
-            for rep in range(args.repeats + 1):  # the first round is a warm-up; the order alternates (drift)
-                for algo, key in (variants if rep % 2 else variants[::-1]):
-                    dt, cpu, out = _step(rank, world, algo, plans[key], shards[key])
-                    outs[(algo, key)] = out
-                    if rep:
-                        times[(algo, key)].append(dt)
-                        cpus[(algo, key)].append(cpu)
-            # every variant against ring (a) on the same tokens: scatter the shards' real rows to packed positions
-            got = {}
-            for algo, key in variants:
-                src, real = index[key]
-                buf = torch.zeros(T, args.hq, args.d)
-                buf[src[real]] = outs[(algo, key)][0, real]
-                dist.all_reduce(buf)
-                got[(algo, key)] = buf
-            base = got[(args.algorithms[0], "a")]
-            cpu_t = torch.tensor([[statistics.median(cpus[v]) for v in variants]])
-            gathered = [torch.zeros_like(cpu_t) for _ in range(world)]
-            dist.all_gather(gathered, cpu_t)
-            cpu_all = torch.cat(gathered)  # [world, variants]
-            for j, (algo, key) in enumerate(variants):
-                pl = plans[key]
-                col = cpu_all[:, j]
-                t = statistics.median(times[(algo, key)])
-                rows[(algo, key)].append(dict(
-                    tokens=T, time=t, balance=pl.balance, measured=(col.max() / col.mean()).item(),
-                    kept=len(pl.kept), docs=sum(1 for n in lengths if n), split_min=pl.split_min_tokens,
-                    local=pl.local_len, zigzag_local=plans["a"].local_len,
-                    err=(got[(algo, key)] - base).abs().max().item(), bound=t / pl.balance,
-                    cost_max=max(pl.costs), cost_mean=sum(pl.costs) / len(pl.costs)))
-        gain = predict_gain(seqs, world, "auto", model)
-        if rank == 0:
-            queue.put(dict(rows=rows, gain=gain, model=model, seqs=seqs))
-    finally:
-        dist.destroy_process_group()
-
-
-def run(world, args, alpha, cost):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, args, alpha, cost, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    res = queue.get(timeout=7200)
-    for p in procs:
-        p.join()
-    return res
+    send = _send_time(rank, 1024, args.hkv, args.d) / 1024 / cost[1]
+    hidden = args.hq * args.d
+    token = layer_token_pairs(hidden, args.hq, args.hkv, args.d, 4 * hidden) if args.layer_tokens else 0.0
+    model = replace(cost[0], send=send, token=token)
+    seqs = long_tail_sequences(args.seq, args.batches, args.seed, alpha, args.min_len)
+    gen = torch.Generator().manual_seed(args.seed)
+    rows = {(algo, key): [] for algo in args.algorithms for key in "ab"}
+    for lengths in seqs:
+        T = sum(lengths)
+        full = [torch.randn(1, T, h, args.d, generator=gen) for h in (args.hq, args.hkv, args.hkv, args.hq)]
+        starts = [sum(lengths[:i]) for i in range(len(lengths))]
+        plans = {"a": place_documents(lengths, world, None, model),
+                 "b": resolve_placement(lengths, world, "auto", model)}
+        shards, index = {}, {}
+        for key, pl in plans.items():
+            docs, offs = pl.token_sources(rank)
+            src = torch.tensor([starts[i] + o if i >= 0 else 0 for i, o in zip(docs, offs)])
+            real = torch.tensor([i >= 0 for i in docs])
+            shards[key] = [(t[:, src] * real[None, :, None, None]).contiguous() for t in full]
+            index[key] = (src, real)
+        variants = [(algo, key) for algo in args.algorithms for key in plans]
+        times = {v: [] for v in variants}
+        cpus = {v: [] for v in variants}
+        outs = {}
+        for rep in range(args.repeats + 1):  # the first round is a warm-up; the order alternates (drift)
+            for algo, key in (variants if rep % 2 else variants[::-1]):
+                dt, cpu, out = _step(rank, world, algo, plans[key], shards[key])
+                outs[(algo, key)] = out
+                if rep:
+                    times[(algo, key)].append(dt)
+                    cpus[(algo, key)].append(cpu)
+        # every variant against ring (a) on the same tokens: scatter the shards' real rows to packed positions
+        got = {}
+        for algo, key in variants:
+            src, real = index[key]
+            buf = torch.zeros(T, args.hq, args.d)
+            buf[src[real]] = outs[(algo, key)][0, real]
+            dist.all_reduce(buf)
+            got[(algo, key)] = buf
+        base = got[(args.algorithms[0], "a")]
+        cpu_t = torch.tensor([[statistics.median(cpus[v]) for v in variants]])
+        gathered = [torch.zeros_like(cpu_t) for _ in range(world)]
+        dist.all_gather(gathered, cpu_t)
+        cpu_all = torch.cat(gathered)  # [world, variants]
+        for j, (algo, key) in enumerate(variants):
+            pl = plans[key]
+            col = cpu_all[:, j]
+            t = statistics.median(times[(algo, key)])
+            rows[(algo, key)].append(dict(
+                tokens=T, time=t, balance=pl.balance, measured=(col.max() / col.mean()).item(),
+                kept=len(pl.kept), docs=sum(1 for n in lengths if n), split_min=pl.split_min_tokens,
+                local=pl.local_len, zigzag_local=plans["a"].local_len,
+                err=(got[(algo, key)] - base).abs().max().item(), bound=t / pl.balance,
+                cost_max=max(pl.costs), cost_mean=sum(pl.costs) / len(pl.costs)))
+    gain = predict_gain(seqs, world, "auto", model)
+    return dict(rows=rows, gain=gain, model=model, seqs=seqs)
 
 
 def fmt(x):
@@ -234,7 +212,7 @@ def main(argv=None):
         dist_name = (f"Pareto {alpha:g} (median {statistics.median(docs):.0f}, longest {max(docs)}; "
                      f"{100 * short:.0f}% of pairs in docs < {args.seq // 8})")
         for world in args.ranks:
-            res = run(world, args, alpha, cost)
+            res = run_ranks(_worker, world, args, alpha, cost, timeout=7200)
             rows, gain = res["rows"], res["gain"]
             for algo in args.algorithms:
                 ra, rb = rows[(algo, "a")], rows[(algo, "b")]

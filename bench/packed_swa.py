@@ -18,15 +18,14 @@ repeats (variants interleaved), slowest rank.
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from gloo_ranks import run_ranks  # bench/ (the script's directory)
 
 
 def _inputs(S, hq, hkv, d, seed=0):
@@ -112,31 +111,9 @@ def _swa(rank, world, args):
     return rows
 
 
-def _worker(rank, world, port, section, args, queue):
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        rows = _packed(rank, world, args) if section == "packed" else _swa(rank, world, args)
-        if rank == 0:
-            queue.put(rows)
-    finally:
-        dist.destroy_process_group()
-
-
-def _spawn(section, world, args):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, section, args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    rows = queue.get(timeout=3600)
-    for p in procs:
-        p.join()
-    return rows
+def _worker(rank, world, section, args):
+    """One rank of a section (run_ranks: gloo, 1 thread); rank 0's rows go back to the parent."""
+    return _packed(rank, world, args) if section == "packed" else _swa(rank, world, args)
 
 
 def main(argv=None):
@@ -154,7 +131,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     sections = args.sections.split(",")
     if "packed" in sections:
-        rows = _spawn("packed", 2, args)
+        rows = run_ranks(_worker, 2, "packed", args, timeout=3600)
         print(f"packed vs dense, causal fwd+bwd, P=2 gloo ranks x 1 thread, {args.docs} documents of S/{args.docs}, "
               f"hq={args.hq} hkv={args.hkv} d={args.d} fp32, median of {args.repeats}, slowest rank")
         print("| S | algorithm | dense (s) | packed (s) | packed / dense | max abs diff ring vs Ulysses |")
@@ -164,7 +141,7 @@ def main(argv=None):
                   f"{r['err']:.1e} |")
         sys.stdout.flush()
     if "swa" in sections:
-        rows = _spawn("swa", args.swa_ranks, args)
+        rows = run_ranks(_worker, args.swa_ranks, "swa", args, timeout=3600)
         print(f"\nsliding window vs full causal, ring, fwd+bwd, hq={args.hq} hkv={args.hkv} d={args.d} fp32, median of "
               f"{args.repeats}, slowest rank; bytes = max over ranks of bytes sent (forward + backward)")
         print("| S | P | chunk | window | full: sent/rank (MiB) | SWA: sent/rank (MiB) | SWA / full bytes | 1/(P-1) "

@@ -16,15 +16,14 @@ minute); the table reports medians. Bytes sent per rank are counted and compared
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from gloo_ranks import run_ranks  # bench/ (the script's directory)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -43,10 +42,8 @@ def _fwd_bwd(fn, q, k, v, dout):
     return time.perf_counter() - t0
 
 
-def _worker(rank, world, port, args, queue):
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _worker(rank, world, args):
+    """One rank's measurements (run_ranks: gloo, 1 thread); rank 0's rows go back to the parent."""
     from nemo_longctx.attention import count_bytes_sent, local_attention, ring_attention, zigzag_shard
 
     dtype = DTYPES[args.dtype]
@@ -74,10 +71,7 @@ def _worker(rank, world, port, args, queue):
             rows.append(dict(S=S, t_full=statistics.median(full_times), t_ring=statistics.median(ring_times),
                              fwd_bytes=fwd_c.bytes_sent, bwd_bytes=bwd_c.bytes_sent,
                              itemsize=torch.empty(0, dtype=dtype).element_size()))
-    if rank == 0:
-        queue.put(rows)
-    dist.barrier()
-    dist.destroy_process_group()
+    return rows
 
 
 def main(argv=None):
@@ -93,17 +87,7 @@ def main(argv=None):
     for S in args.sizes:
         if S % (2 * args.world):
             sys.exit(f"--sizes: {S} is not divisible by 2*world = {2 * args.world}")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, args.world, port, args, queue)) for r in range(args.world)]
-    for proc in procs:
-        proc.start()
-    rows = queue.get()
-    for proc in procs:
-        proc.join()
+    rows = run_ranks(_worker, args.world, args, timeout=None)
     P = args.world
     print(f"ring attention, causal fwd+bwd, P={P} gloo ranks x 1 thread vs 1 process x 1 thread; "
           f"hq={args.hq} hkv={args.hkv} d={args.d} {args.dtype}; median of {args.repeats}")

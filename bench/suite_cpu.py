@@ -100,7 +100,7 @@ def table(rows: List[dict]) -> str:
         by[kind(r)][1] += r["cpu"]
     by["app fork servers: their import (CPU at the first fork)"] = [len(servers), sum(servers.values())]
     total = sum(v[1] for v in by.values())
-    out = [f"| kind | processes | CPU s | share |", "|---|---:|---:|---:|"]
+    out = ["| kind | processes | CPU s | share |", "|---|---:|---:|---:|"]
     for k, (n, s) in sorted(by.items(), key=lambda kv: -kv[1][1]):
         out.append(f"| {k} | {n} | {s:,.0f} | {s / total:.0%} |")
     out.append(f"| all | {sum(v[0] for v in by.values())} | {total:,.0f} ({total / 60:.1f} CPU-min) | |")
