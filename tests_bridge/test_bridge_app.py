@@ -55,6 +55,8 @@ def test_ring_and_ulysses_cp2_match_one_rank(demo_runs):
     (["--recipe"], "--recipe needs a Bridge recipe name"),
     (["--recipe", "no_such_recipe"], "recipe='no_such_recipe' is not a Megatron-Bridge recipe"),
     (["+run.timout_s=3"], "run: unknown key(s) ['timout_s']"),
+    (["dataset.reset_attention_mask=true"], "dataset.reset_attention_mask=true without data.packing=documents: "
+                                            "nemo_longctx attention (every cp, cp=none too) is causal"),
 ])
 def test_bad_values_fail_before_any_rank_with_the_shared_messages(tmp_path, args, message):
     code, log, _ = _run(tmp_path, "bad", *args, timeout=300)

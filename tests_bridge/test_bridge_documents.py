@@ -86,6 +86,61 @@ def test_the_container_checks_name_their_keys():
         "DocumentPlacement", "LongContextMemoryCallback", "LongContextRunGuards"]
 
 
+MASK_KEY, POSITIONS_KEY = "dataset.reset_attention_mask", "dataset.reset_position_ids"
+CP_CHOICES = [{"size": 1}, {"algorithm": "ring", "size": 2}, {"algorithm": "ulysses", "size": 2}]
+
+
+def _dense(cp, packed_documents=False, **dataset):
+    """``enable_long_context`` on the CPU demo's container (a rotary Llama) with the dataset fields ``dataset``: the
+    problems it raises (empty: accepted)."""
+    from nemo_longctx.apps.bridge import demo_config
+    from nemo_longctx.integrations.bridge.config import enable_long_context
+    from nemo_longctx.options import ConfigError
+
+    cfg = demo_config()
+    model = dataset.pop("model", {})
+    for name, value in dataset.items():
+        setattr(cfg.dataset, name, value)
+    for name, value in model.items():
+        setattr(cfg.model, name, value)
+    try:
+        enable_long_context(cfg, cp=dict(cp), packed_documents=packed_documents)
+    except ConfigError as e:
+        return e.problems
+    return []
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("cp", CP_CHOICES, ids=["none", "ring2", "ulysses2"])
+def test_dense_runs_refuse_the_datasets_per_document_flags(cp):
+    """Without ``data.packing=documents`` Bridge's forward step hands our attention no documents: a dataset asking for
+    a per-document mask (whether the mask is dropped by Bridge, built at all, or passed on) or, on a rotary model,
+    per-document positions is refused before any rank, in one message naming the key(s) and what to do."""
+    for flags, keys in [({"reset_attention_mask": True}, [MASK_KEY]),
+                        ({"reset_attention_mask": True, "create_attention_mask": False}, [MASK_KEY]),
+                        ({"reset_attention_mask": True, "skip_getting_attention_mask_from_dataset": False}, [MASK_KEY]),
+                        ({"reset_position_ids": True}, [POSITIONS_KEY]),
+                        ({"reset_attention_mask": True, "reset_position_ids": True}, [MASK_KEY, POSITIONS_KEY])]:
+        problems = _dense(cp, **flags)
+        assert len(problems) == 1, (flags, problems)
+        head = " and ".join(k + "=true" for k in keys) + " without data.packing=documents"
+        assert problems[0].startswith(head), (flags, problems)
+        assert "use data.packing=documents, else set " + " and ".join(k + "=false" for k in keys) in problems[0]
+    assert "model.position_embedding_type=rope" in _dense(cp, reset_position_ids=True)[0]
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("cp", CP_CHOICES, ids=["none", "ring2", "ulysses2"])
+def test_runs_that_honour_the_flags_are_accepted(cp):
+    """Accepted: the flags off; ``data.packing=documents`` with both (our forward step: attention within each
+    document); ``dataset.reset_position_ids`` on a model whose learned absolute position embedding reads the ids;
+    Megatron's ``inter_document_masking`` (the documents come as ``cu_seqlens``)."""
+    assert _dense(cp) == []
+    assert _dense(cp, True, reset_attention_mask=True, reset_position_ids=True) == []
+    assert _dense(cp, reset_position_ids=True, model={"position_embedding_type": "learned_absolute"}) == []
+    assert _dense(cp, reset_attention_mask=True, reset_position_ids=True, inter_document_masking=True) == []
+
+
 @pytest.mark.smoke
 def test_the_cp_guard_expects_traffic_only_when_a_document_was_split(monkeypatch):
     """With packed documents the CP guard judges neither the sequence length (the layout pads each document) nor the

@@ -101,7 +101,9 @@ def enable_long_context(cfg: Any, options: Union[LongContextOptions, Mapping[str
 
     ``packed_documents``: the run trains on packed documents with our forward step
     (``documents.packed_documents_forward_step``; the dataset's ``reset_position_ids`` is set): only then is
-    ``cp.split_min_tokens`` taken.
+    ``cp.split_min_tokens`` taken. Without it, a dataset asking for per-document attention
+    (``dataset.reset_attention_mask``) or, on a rotary model, per-document positions (``dataset.reset_position_ids``)
+    is refused (``documents.dense_document_problems``): Bridge's forward step would train across the documents.
 
     Every problem is raised at once (``ConfigError``, each naming its key, Bridge's names for Bridge's keys)."""
     import torch
@@ -111,8 +113,13 @@ def enable_long_context(cfg: Any, options: Union[LongContextOptions, Mapping[str
             raise TypeError("enable_long_context: pass the options either as one object/mapping or as keywords")
         options = dict(groups)
     options = as_options(options)
-    raise_problems(options.problems(spec_of_container(cfg, options, packed_documents).context(
-        cuda=torch.cuda.is_available())))
+    problems = options.problems(spec_of_container(cfg, options, packed_documents).context(
+        cuda=torch.cuda.is_available()))
+    if not packed_documents:  # Bridge's own forward step: the dataset's per-document flags it would not honour
+        from nemo_longctx.integrations.bridge.documents import dense_document_problems
+
+        problems += dense_document_problems(cfg)
+    raise_problems(problems)
     if packed_documents:
         from nemo_longctx.integrations.bridge.documents import packed_documents_problems, use_packed_documents
 

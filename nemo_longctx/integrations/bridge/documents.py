@@ -15,6 +15,7 @@ own ``gpt_step.forward_step`` slices that micro-batch over the CP ranks as one c
         its share of the micro-batch's loss tokens, which differ between ranks in this layout, so the gradient is
         the micro-batch's token mean, as at cp=none);
 ``packed_documents_problems(cfg, keys)``  what such a run needs from the container, each naming its key;
+``dense_document_problems(cfg)``  a run without it: the dataset's per-document flags our attention cannot honour;
 ``use_packed_documents(cfg)``  the dataset's ``reset_position_ids`` on (the documents' boundaries);
 ``placement_callback(options)``  a Bridge callback setting this process's document placement at train start (every
         rank), with the cost model of the built model's config.
@@ -57,6 +58,53 @@ def packed_documents_problems(cfg: Any, keys: Sequence[str] = ()) -> List[str]:
         p.append(f"{PACKING_KEY} with model.overlap_moe_expert_parallel_comm=true: Bridge's schedule plan of that "
                  "overlap takes its own data step; set it false")
     return p
+
+
+# the position embeddings that read the batch's position ids (Megatron's GPTModel: rotary and YaRN angles are
+# computed from the sequence length, the position ids are not read)
+READS_POSITION_IDS = ("learned_absolute",)
+
+
+def dense_document_problems(cfg: Any) -> List[str]:
+    """A run without ``data.packing=documents`` (Bridge's own forward step) whose dataset asks for per-document
+    attention or positions that the run would not give -- silently, so refused by key (one message):
+
+    ``dataset.reset_attention_mask=true``: nemo_longctx core attention is installed at every ``cp`` (``cp=none`` runs
+    our ring attention on one rank; there is no path through Bridge's own attention here) and is causal over the
+    whole sequence, with no per-document mask: Bridge's ``gpt_step`` drops the dataset's mask
+    (``skip_getting_attention_mask_from_dataset``, true by default: ``attention_mask=None`` reaches the model); with
+    that flag false and Megatron's ``create_attention_mask`` on, the per-document mask reaches our attention, which
+    refuses explicit masks at the first step, after every rank has started; with ``create_attention_mask`` off the
+    dataset builds no mask at all. In every case the documents of a sequence would attend to each other.
+
+    ``dataset.reset_position_ids=true``: the position ids never reach the core attention; Megatron's model reads them
+    only for learned absolute position embeddings, where they restart at the documents as asked (the same training
+    as with Bridge's own attention; the documents attend to each other, which is what
+    ``dataset.reset_attention_mask=false`` asks): not refused. Rotary (and YaRN) angles are computed from the sequence
+    length, so there the flag would silently change nothing: refused.
+
+    Not judged: ``dataset.inter_document_masking`` (Megatron's dataset then gives the documents' ``cu_seqlens`` and
+    Bridge's step passes them as packed sequences), and datasets without these flags."""
+    ds, m = getattr(cfg, "dataset", None), cfg.model
+    if ds is None or getattr(ds, "inter_document_masking", False):
+        return []
+    embedding = getattr(m, "position_embedding_type", None)
+    mask = bool(getattr(ds, "reset_attention_mask", False))
+    positions = bool(getattr(ds, "reset_position_ids", False)) and embedding not in READS_POSITION_IDS
+    if not (mask or positions):
+        return []
+    keys = [k for k, on in (("dataset.reset_attention_mask", mask), ("dataset.reset_position_ids", positions)) if on]
+    why = []
+    if mask:
+        why.append("nemo_longctx attention (every cp, cp=none too) is causal over the whole sequence and takes no "
+                   "per-document mask (Bridge's forward step drops the dataset's mask by default), so the "
+                   "documents would attend to each other")
+    if positions:
+        why.append(f"the model's position embedding (model.position_embedding_type={embedding}) is computed from "
+                   "the sequence length, not from the position ids, so the positions would not restart at the "
+                   "documents")
+    return [f"{' and '.join(k + '=true' for k in keys)} without {PACKING_KEY}: {'; '.join(why)}; for attention "
+            f"within each document use {PACKING_KEY}, else set {' and '.join(k + '=false' for k in keys)}"]
 
 
 def use_packed_documents(cfg: Any) -> Any:
