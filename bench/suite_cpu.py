@@ -30,6 +30,7 @@ import atexit, json, os, resource, sys, time
 _LOG = os.environ.get("NEMO_LONGCTX_CPU_LOG")
 _FORKED = None  # None: exec'd; else whether NeMo was imported in the parent at the fork
 _PARENT_CPU = None
+_START = time.time()
 def _record(*_):
     if not _LOG:
         return
@@ -37,13 +38,14 @@ def _record(*_):
         r = resource.getrusage(resource.RUSAGE_SELF)
         line = {"pid": os.getpid(), "argv": " ".join(sys.argv)[:500], "cpu": round(r.ru_utime + r.ru_stime, 2),
                 "nemo": "nemo.collections.llm" in sys.modules, "mcore": "megatron.core" in sys.modules,
-                "forked": _FORKED, "parent_cpu": _PARENT_CPU}
+                "forked": _FORKED, "parent_cpu": _PARENT_CPU, "start": _START, "end": time.time()}
         with open(_LOG, "a") as f:
             f.write(json.dumps(line) + "\n")
     except Exception:
         pass
 def _after_fork():
-    global _FORKED, _PARENT_CPU
+    global _FORKED, _PARENT_CPU, _START
+    _START = time.time()
     _FORKED = "nemo.collections.llm" in sys.modules
     try:
         stat = open(f"/proc/{os.getppid()}/stat").read().rsplit(")", 1)[1].split()
@@ -61,16 +63,22 @@ os.register_at_fork(after_in_child=_after_fork)
 
 
 def read_log(path: Path) -> List[dict]:
-    """One row per process (a process that wrote twice, at ``atexit`` and at ``os._exit``, keeps its larger CPU)."""
-    rows: Dict[int, dict] = {}
+    """One row per process: a process writes at ``atexit`` and at ``os._exit`` (the larger CPU is kept); processes are
+    told apart by pid and start time (pids are reused over a long run)."""
+    rows: Dict[tuple, dict] = {}
     for line in path.read_text().splitlines():
         try:
             r = json.loads(line)
         except ValueError:
             continue
-        if r["pid"] not in rows or r["cpu"] > rows[r["pid"]]["cpu"]:
-            rows[r["pid"]] = r
+        key = (r["pid"], r.get("start"))
+        if key not in rows or r["cpu"] > rows[key]["cpu"]:
+            rows[key] = r
     return list(rows.values())
+
+
+def _wrote_a_line(rows: List[dict], pid: int, at: float) -> bool:
+    return any(r["pid"] == pid and r["start"] <= at <= r["end"] for r in rows)
 
 
 def kind(r: dict) -> str:
@@ -78,7 +86,7 @@ def kind(r: dict) -> str:
     if r["forked"] is True:
         return "forked from a process with NeMo imported (an app run's ranks)"
     if r["forked"] is False:
-        return "forked from a process without NeMo (tests' gloo ranks, pytest workers' children)"
+        return "forked from a process without NeMo (tests' gloo ranks, the Bridge app's ranks)"
     if r["nemo"]:
         return "started with NeMo imported (spawned/srun ranks, CLIs that import it, pytest workers)"
     if r["mcore"]:
@@ -89,16 +97,25 @@ def kind(r: dict) -> str:
 
 
 def table(rows: List[dict]) -> str:
-    servers: Dict[int, float] = {}
+    by_pid = collections.defaultdict(list)
     for r in rows:
-        if r["forked"] and r["parent_cpu"]:
-            pid, cpu = r["parent_cpu"]
-            servers[pid] = min(servers.get(pid, cpu), cpu)
+        by_pid[r["pid"]].append(r)
+    # the parents of forked processes that wrote no line (fork servers killed at the end of their run), told apart by
+    # pid and the time of the fork
+    servers: Dict[tuple, float] = {}
+    for r in sorted((r for r in rows if r["forked"] is not None and r["parent_cpu"]), key=lambda r: r["start"]):
+        pid, cpu = r["parent_cpu"]
+        if _wrote_a_line(by_pid[pid], pid, r["start"]):
+            continue
+        # the same server: the pid's earlier fork whose CPU then was no more than now
+        key = next((k for k in servers if k[0] == pid and servers[k] <= cpu and r["start"] - k[1] < 3600), None)
+        if key is None:
+            servers[(pid, r["start"])] = cpu
     by = collections.defaultdict(lambda: [0, 0.0])
     for r in rows:
         by[kind(r)][0] += 1
         by[kind(r)][1] += r["cpu"]
-    by["app fork servers: their import (CPU at the first fork)"] = [len(servers), sum(servers.values())]
+    by["fork servers that wrote no line: their imports (CPU at the first fork)"] = [len(servers), sum(servers.values())]
     total = sum(v[1] for v in by.values())
     out = ["| kind | processes | CPU s | share |", "|---|---:|---:|---:|"]
     for k, (n, s) in sorted(by.items(), key=lambda kv: -kv[1][1]):
