@@ -77,10 +77,6 @@ def read_log(path: Path) -> List[dict]:
     return list(rows.values())
 
 
-def _wrote_a_line(rows: List[dict], pid: int, at: float) -> bool:
-    return any(r["pid"] == pid and r["start"] <= at <= r["end"] for r in rows)
-
-
 def kind(r: dict) -> str:
     a = r["argv"]
     if r["forked"] is True:
@@ -100,26 +96,30 @@ def table(rows: List[dict]) -> str:
     by_pid = collections.defaultdict(list)
     for r in rows:
         by_pid[r["pid"]].append(r)
-    # the parents of forked processes that wrote no line (fork servers killed at the end of their run), told apart by
-    # pid and the time of the fork
+    # fork servers: the parents of forked processes (the app's per-run server, the tests' gloo server, the Bridge
+    # app's). One that wrote a line counts with its own CPU; one killed at the end of its run wrote none: its CPU at
+    # the first fork (its import) stands for it. Told apart by pid and the time of the fork (pids are reused).
     servers: Dict[tuple, float] = {}
+    logged_servers = set()
     for r in sorted((r for r in rows if r["forked"] is not None and r["parent_cpu"]), key=lambda r: r["start"]):
         pid, cpu = r["parent_cpu"]
-        if _wrote_a_line(by_pid[pid], pid, r["start"]):
-            continue
-        # the same server: the pid's earlier fork whose CPU then was no more than now
-        key = next((k for k in servers if k[0] == pid and servers[k] <= cpu and r["start"] - k[1] < 3600), None)
-        if key is None:
+        parent = next((p for p in by_pid[pid] if p["start"] <= r["start"] <= p["end"]), None)
+        if parent is not None:
+            logged_servers.add(id(parent))
+        elif not any(k[0] == pid and servers[k] <= cpu and r["start"] - k[1] < 3600 for k in servers):
             servers[(pid, r["start"])] = cpu
     by = collections.defaultdict(lambda: [0, 0.0])
+    server_kind = "fork servers: their imports (their CPU; the CPU at the first fork of one killed at the end)"
     for r in rows:
-        by[kind(r)][0] += 1
-        by[kind(r)][1] += r["cpu"]
-    by["fork servers that wrote no line: their imports (CPU at the first fork)"] = [len(servers), sum(servers.values())]
+        k = server_kind if id(r) in logged_servers else kind(r)
+        by[k][0] += 1
+        by[k][1] += r["cpu"]
+    by[server_kind][0] += len(servers)
+    by[server_kind][1] += sum(servers.values())
     total = sum(v[1] for v in by.values())
     out = ["| kind | processes | CPU s | share |", "|---|---:|---:|---:|"]
-    for k, (n, s) in sorted(by.items(), key=lambda kv: -kv[1][1]):
-        out.append(f"| {k} | {n} | {s:,.0f} | {s / total:.0%} |")
+    for k, (n, cpu) in sorted(by.items(), key=lambda kv: -kv[1][1]):
+        out.append(f"| {k} | {n} | {cpu:,.0f} | {cpu / total:.0%} |")
     out.append(f"| all | {sum(v[0] for v in by.values())} | {total:,.0f} ({total / 60:.1f} CPU-min) | |")
     return "\n".join(out)
 
