@@ -131,14 +131,27 @@ def test_dense_runs_refuse_the_datasets_per_document_flags(cp):
 
 @pytest.mark.smoke
 @pytest.mark.parametrize("cp", CP_CHOICES, ids=["none", "ring2", "ulysses2"])
+def test_dense_runs_refuse_megatrons_inter_document_masking(cp):
+    """Megatron's ``dataset.inter_document_masking`` without ``data.packing=documents``: Bridge's forward step passes
+    the dataset's ``cu_seqlens`` on as packed sequences and fails at the first step (the CPU demo: no documents left
+    at cp=none, TransformerEngine's partitioning under CP), so it is refused before any rank, in one message naming
+    the key and pointing to ``data.packing=documents``, whatever the other flags."""
+    for flags in ({}, {"reset_attention_mask": True, "reset_position_ids": True},
+                  {"model": {"position_embedding_type": "learned_absolute"}}):
+        problems = _dense(cp, inter_document_masking=True, **flags)
+        assert len(problems) == 1, (flags, problems)
+        assert problems[0].startswith("dataset.inter_document_masking=true without data.packing=documents"), problems
+        assert "use data.packing=documents with dataset.inter_document_masking=false" in problems[0], problems
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("cp", CP_CHOICES, ids=["none", "ring2", "ulysses2"])
 def test_runs_that_honour_the_flags_are_accepted(cp):
     """Accepted: the flags off; ``data.packing=documents`` with both (our forward step: attention within each
-    document); ``dataset.reset_position_ids`` on a model whose learned absolute position embedding reads the ids;
-    Megatron's ``inter_document_masking`` (the documents come as ``cu_seqlens``)."""
+    document); ``dataset.reset_position_ids`` on a model whose learned absolute position embedding reads the ids."""
     assert _dense(cp) == []
     assert _dense(cp, True, reset_attention_mask=True, reset_position_ids=True) == []
     assert _dense(cp, reset_position_ids=True, model={"position_embedding_type": "learned_absolute"}) == []
-    assert _dense(cp, reset_attention_mask=True, reset_position_ids=True, inter_document_masking=True) == []
 
 
 @pytest.mark.smoke

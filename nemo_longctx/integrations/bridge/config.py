@@ -103,7 +103,8 @@ def enable_long_context(cfg: Any, options: Union[LongContextOptions, Mapping[str
     (``documents.packed_documents_forward_step``; the dataset's ``reset_position_ids`` is set): only then is
     ``cp.split_min_tokens`` taken. Without it, a dataset asking for per-document attention
     (``dataset.reset_attention_mask``) or, on a rotary model, per-document positions (``dataset.reset_position_ids``)
-    is refused (``documents.dense_document_problems``): Bridge's forward step would train across the documents.
+    is refused (``documents.dense_document_problems``): Bridge's forward step would train across the documents; so is
+    Megatron's ``dataset.inter_document_masking``, whose ``cu_seqlens`` path fails at the first step.
 
     Every problem is raised at once (``ConfigError``, each naming its key, Bridge's names for Bridge's keys)."""
     import torch

@@ -83,11 +83,29 @@ def dense_document_problems(cfg: Any) -> List[str]:
     ``dataset.reset_attention_mask=false`` asks): not refused. Rotary (and YaRN) angles are computed from the sequence
     length, so there the flag would silently change nothing: refused.
 
-    Not judged: ``dataset.inter_document_masking`` (Megatron's dataset then gives the documents' ``cu_seqlens`` and
-    Bridge's step passes them as packed sequences), and datasets without these flags."""
+    ``dataset.inter_document_masking=true`` (refused alone, whatever the other flags; not silent, but late): Megatron's
+    dataset then gives each sample's document ``cu_seqlens`` (padded to ``sequence_length + 1`` entries with copies of
+    the sequence length) and Bridge's forward step passes them to the model as packed sequences. Checked on the CPU
+    demo (rotary), both runs fail at the first step, after every rank has started: at ``cp=none`` Bridge trims the
+    ``cu_seqlens`` at their ``argmin`` (it expects -1 padding), which is the leading 0, so no documents are left and
+    Megatron's rotary embedding fails (``split_with_sizes ... got split_sizes=[]``; without rotary the empty
+    ``cu_seqlens`` would reach our attention); under ring CP=2 Bridge partitions the batch with TransformerEngine's
+    ``thd_get_partitioned_indices``, which needs an NVIDIA driver (on a GPU, by Bridge's code, it would ask for a
+    ``cu_seqlens_argmin`` the dataset does not give, and TE's per-document split needs documents padded to a
+    multiple of ``2 * cp``, which the dataset's are not). ``data.packing=documents`` gives attention within each
+    document.
+
+    Not judged: datasets without these flags."""
     ds, m = getattr(cfg, "dataset", None), cfg.model
-    if ds is None or getattr(ds, "inter_document_masking", False):
+    if ds is None:
         return []
+    if getattr(ds, "inter_document_masking", False):
+        return [f"dataset.inter_document_masking=true without {PACKING_KEY}: Bridge's forward step passes the "
+                "dataset's document cu_seqlens to the model as packed sequences, and that path does not train here "
+                "(it fails at the first step, after every rank has started: Bridge trims the cu_seqlens Megatron's "
+                "dataset pads with the sequence length down to no documents, and under context parallelism it "
+                "partitions them with TransformerEngine, which needs documents padded to a multiple of 2*cp); for "
+                f"attention within each document use {PACKING_KEY} with dataset.inter_document_masking=false"]
     embedding = getattr(m, "position_embedding_type", None)
     mask = bool(getattr(ds, "reset_attention_mask", False))
     positions = bool(getattr(ds, "reset_position_ids", False)) and embedding not in READS_POSITION_IDS
