@@ -155,6 +155,24 @@ def test_runs_that_honour_the_flags_are_accepted(cp):
 
 
 @pytest.mark.smoke
+def test_packed_documents_refuse_megatrons_inter_document_masking():
+    """``data.packing=documents`` finds the documents where the position ids restart; with Megatron's
+    ``dataset.inter_document_masking`` the dataset gives boundaries of its own (the first losses of such a run differ
+    from packed documents alone): refused, naming the key, and accepted again with it off."""
+    from nemo_longctx.apps.bridge import demo_config
+    from nemo_longctx.integrations.bridge.documents import packed_documents_problems
+
+    cfg = demo_config()
+    cfg.dataset.inter_document_masking = True
+    problems = packed_documents_problems(cfg)
+    assert len(problems) == 1 and problems[0].startswith(
+        "data.packing=documents with dataset.inter_document_masking=true"), problems
+    assert problems[0].endswith("set dataset.inter_document_masking=false"), problems
+    cfg.dataset.inter_document_masking = False
+    assert packed_documents_problems(cfg) == []
+
+
+@pytest.mark.smoke
 def test_the_cp_guard_expects_traffic_only_when_a_document_was_split(monkeypatch):
     """With packed documents the CP guard judges neither the sequence length (the layout pads each document) nor the
     bytes of a step whose documents all stayed whole on one rank; a step that split one and sent nothing trips it."""
