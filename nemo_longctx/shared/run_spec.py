@@ -327,6 +327,10 @@ class ModelSpec:
     fields: Mapping[str, Any] = field(default_factory=dict)
     node: Any = field(default=None, compare=False, repr=False)
 
+    # the fields an adapter copies from a framework's model config (a recipe's, a Bridge provider's): those set
+    ADAPTED_FIELDS: ClassVar[Tuple[str, ...]] = ("seq_length", "num_layers", "hidden_size", "ffn_hidden_size",
+                                                 "num_attention_heads", "num_query_groups", "vocab_size")
+
     @property
     def seq_length(self) -> Any:
         return self.fields.get("seq_length")

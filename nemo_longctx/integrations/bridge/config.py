@@ -60,11 +60,6 @@ def precision_of(cfg: Any) -> str:
     return "bf16-mixed" if "bf16" in name else "16-mixed" if "fp16" in name or "16" in name else "32"
 
 
-# the provider's fields a container's spec carries (``ModelSpec.fields``)
-CONTAINER_MODEL_FIELDS = ("seq_length", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                          "num_query_groups", "vocab_size")
-
-
 def spec_of_container(cfg: Any, options: Union[LongContextOptions, Mapping[str, Any], None] = None,
                       packed_documents: Optional[bool] = False) -> RunSpec:
     """The run spec of a Bridge ``ConfigContainer``, in Bridge's dialect (``BRIDGE_KEYS``): the trainer (steps,
@@ -83,7 +78,7 @@ def spec_of_container(cfg: Any, options: Union[LongContextOptions, Mapping[str, 
     checkpoint = CheckpointSpec(every_n_steps=interval, dir=save, async_save=getattr(ckpt, "async_save", None),
                                 saving=bool(save) and bool(interval))
     data = None if packed_documents is None else DataSpec(packing="documents" if packed_documents else "none")
-    model = {name: getattr(m, name) for name in CONTAINER_MODEL_FIELDS if getattr(m, name, None) is not None}
+    model = {name: getattr(m, name) for name in ModelSpec.ADAPTED_FIELDS if getattr(m, name, None) is not None}
     return RunSpec(options=as_options(options), trainer=trainer, checkpoint=checkpoint, data=data,
                    model=ModelSpec(fields=model), app="bridge", dialect="bridge")
 

@@ -175,11 +175,6 @@ def recipe_precision(recipe: Any) -> str:
     return "32"
 
 
-# the model config's fields a recipe's spec carries (``ModelSpec.fields``; those the recipe sets)
-RECIPE_MODEL_FIELDS = ("seq_length", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                       "num_query_groups", "vocab_size")
-
-
 def spec_of_recipe(recipe: Any, options: Optional[LongContextOptions] = None) -> RunSpec:
     """The run spec of a NeMo-Run recipe, in the recipe's dialect (``RECIPE_KEYS``): the trainer (devices, nodes,
     steps, the precision plugin's precision, the data module's batch sizes, validation) and its strategy's layout,
@@ -201,7 +196,7 @@ def spec_of_recipe(recipe: Any, options: Optional[LongContextOptions] = None) ->
     checkpoint = CheckpointSpec(every_n_steps=recipe_value(ckpt, "every_n_train_steps") if ckpt is not None else None,
                                 async_save=recipe_value(recipe, "trainer.strategy.ckpt_async_save"),
                                 saving=ckpt is not None)
-    model = {name: value for name in RECIPE_MODEL_FIELDS
+    model = {name: value for name in ModelSpec.ADAPTED_FIELDS
              for value in [recipe_value(recipe, f"model.config.{name}")] if value is not None}
     return RunSpec(options=options if options is not None else LongContextOptions(), trainer=trainer,
                    checkpoint=checkpoint, data=None, model=ModelSpec(fields=model), dialect="recipe")
