@@ -89,7 +89,7 @@ def kind(r: dict) -> str:
         return "started with Megatron-core imported, no NeMo"
     if "reaper" in a:
         return "started, light: the launchers' reapers"
-    return "started, light: launchers, dry runs, refusals, planners"
+    return "started, light: launchers, dry runs, refusals, planners, pip"
 
 
 def table(rows: List[dict]) -> str:
