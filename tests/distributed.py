@@ -44,10 +44,12 @@ def _worker(rank: int, world_size: int, store: str, fn: Callable, args: tuple, q
     exit_process(0)
 
 
-# what the fork server imports before it forks any rank: the imports every rank of these tests pays (not NeMo: its
-# import starts threads, and few jobs need it)
+# what the fork server imports before it forks any rank: the imports the ranks of these tests pay, NeMo's included
+# (about 7 s of one core, once per test process instead of once per rank of the jobs that build NeMo's configs; the
+# app's own fork server forks its ranks from NeMo imported the same way)
 PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.core.transformer.transformer_config",
-           "megatron.core.models.gpt", "nemo_longctx.attention", "nemo_longctx.integrations.megatron"]
+           "megatron.core.models.gpt", "nemo.collections.llm", "nemo.lightning", "lightning.pytorch",
+           "nemo_longctx.attention", "nemo_longctx.integrations.megatron"]
 
 
 def _context():
