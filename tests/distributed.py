@@ -4,15 +4,17 @@ One start is slow (and much slower when megatron is imported), so tests pass a f
 cases and returns a list of results; assertions happen in the parent on the returned values, and any
 exception in a worker is re-raised in the parent with its traceback.
 
-Ranks start from Python's fork server (one per test process, started at the first job), which has imported torch and
-Megatron-core once: each rank is a fresh fork of that server, which runs no test code (no state of earlier jobs or of
-the test process), and does not pay those imports again (about half the time of the Megatron-heavy test files).
+Ranks start from Python's fork server (one per test process, started at the first job), which has imported torch,
+Megatron-core and NeMo once (``PRELOAD``): each rank is a fresh fork of that server, which runs no test
+code (no state of earlier jobs or of the test process), and does not pay those imports again (about half the time of
+the Megatron-heavy test files).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 import traceback
 from typing import Any, Callable, List
@@ -21,7 +23,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from nemo_longctx.shared.process_exit import exit_process
 
 
 def _worker(rank: int, world_size: int, store: str, fn: Callable, args: tuple, queue, threads: int) -> None:
@@ -37,16 +38,21 @@ def _worker(rank: int, world_size: int, store: str, fn: Callable, args: tuple, q
         queue.put((rank, True, result))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         queue.put((rank, False, traceback.format_exc()))
-    # the result is on its way (the queue's feeder thread has written it); then no module teardown: ~1.7 s per
-    # process once Megatron is imported (nemo_longctx/shared/process_exit.py)
+    # the result is on its way (the queue's feeder thread has written it); then the process ends at once: no module
+    # teardown (~1.7 s once Megatron is imported: nemo_longctx/shared/process_exit.py) and no atexit handlers either
+    # (NeMo's imports register some that take ~1.5 s, e.g. a full garbage collection; a test rank needs none of them)
     queue.close()
     queue.join_thread()
-    exit_process(0)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(0)
 
 
 # what the fork server imports before it forks any rank: the imports the ranks of these tests pay, NeMo's included
 # (about 7 s of one core, once per test process instead of once per rank of the jobs that build NeMo's configs; the
-# app's own fork server forks its ranks from NeMo imported the same way)
+# app's own fork server forks its ranks from NeMo imported the same way). Module names only: the server (Python 3.11)
+# does not get the test process's sys.path, and it skips a module it cannot import (NeMo on a stack whose PyPI NeMo
+# cannot run), leaving it to the ranks that need it.
 PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.core.transformer.transformer_config",
            "megatron.core.models.gpt", "nemo.collections.llm", "nemo.lightning", "lightning.pytorch",
            "nemo_longctx.attention", "nemo_longctx.integrations.megatron"]
