@@ -5,9 +5,9 @@ cases and returns a list of results; assertions happen in the parent on the retu
 exception in a worker is re-raised in the parent with its traceback.
 
 Ranks start from Python's fork server (one per test process, started at the first job), which has imported torch,
-Megatron-core and NeMo once (``PRELOAD``): each rank is a fresh fork of that server, which runs no test
-code (no state of earlier jobs or of the test process), and does not pay those imports again (about half the time of
-the Megatron-heavy test files).
+Megatron-core and NeMo once (``PRELOAD``): each rank is a fresh fork of that server, which runs no test code (no
+state of earlier jobs or of the test process), and does not pay those imports again (about half the time of the
+Megatron-heavy test files).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from typing import Any, Callable, List
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
 
 
 def _worker(rank: int, world_size: int, store: str, fn: Callable, args: tuple, queue, threads: int) -> None:
