@@ -15,13 +15,37 @@ ROOT = Path(__file__).resolve().parents[1]
 MEMORY_LIMIT_KB = 8_000_000
 
 
-def run_app(cmd: Sequence[str], timeout: float = 400) -> Tuple[int, str]:
+_SERVER = {}  # this test process's warm rank server (rank_server.start), started by its first run_app
+
+
+def rank_server_env() -> dict:
+    """``{NEMO_LONGCTX_RANK_SERVER: ...}`` for a launch of the train app: its ranks fork from one server this test
+    process starts once (NeMo & co. imported once per pytest worker instead of once per run: ~10 s of one core each)."""
+    from nemo_longctx.apps.train import RANK_PRELOAD
+    from nemo_longctx.shared import rank_server
+
+    if "server" not in _SERVER:
+        import resource
+
+        # the server and the ranks it forks under the memory bound a launch gets (``ulimit -v`` below)
+        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+        resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT_KB * 1024, hard))
+        try:
+            _SERVER["server"] = rank_server.start(RANK_PRELOAD)
+        finally:
+            resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    return {rank_server.VAR: _SERVER["server"].env()}
+
+
+def run_app(cmd: Sequence[str], timeout: float = 400, shared_ranks: bool = True) -> Tuple[int, str]:
     """Run ``cmd`` under ``ulimit -v`` with PYTHONUNBUFFERED; return (returncode, stdout + stderr); 124 and the output
-    so far when it runs past ``timeout`` (the ranks of a local launch die with it: PR_SET_PDEATHSIG)."""
+    so far when it runs past ``timeout`` (the launcher's reaper and the ranks' watch of the launcher end its ranks).
+    A local launch forks its ranks from this process's warm rank server (``rank_server_env``), unless
+    ``shared_ranks=False`` (a server of its own, as a launch from a shell has)."""
     shell = f"ulimit -v {MEMORY_LIMIT_KB}; exec {' '.join(shlex.quote(str(c)) for c in cmd)}"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(rank_server_env() if shared_ranks else {})}
     try:
-        p = subprocess.run(["bash", "-c", shell], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        p = subprocess.run(["bash", "-c", shell], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired as e:  # the output so far, for the assertion message (the process was killed)
         def text(b):
             return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
@@ -96,10 +120,27 @@ def live_processes(match: Callable[[str, list], bool]) -> list:
 
 
 def leftover_processes() -> list:
-    """Live processes started by a local launch of the calling test (ranks and everything they started: they carry
-    NEMO_LONGCTX_SPAWNED=1 and this test's PYTEST_CURRENT_TEST in their environment)."""
+    """Live processes started by a local launch of the calling test: ranks and everything they started (they carry
+    NEMO_LONGCTX_SPAWNED=1 and this test's PYTEST_CURRENT_TEST in their environment), and any live process forked by
+    this test process's rank server (its ranks: once a run has ended, none; tests of one process run one at a time)."""
     ours = f"PYTEST_CURRENT_TEST={os.environ.get('PYTEST_CURRENT_TEST', '').rsplit(' (', 1)[0]} (".encode()
-    return live_processes(lambda _, env: b"NEMO_LONGCTX_SPAWNED=1" in env and any(v.startswith(ours) for v in env))
+    server = _SERVER.get("server")
+    forked = [f"{pid}: (forked by the rank server)" for pid in children(server.pid)] if server is not None else []
+    return live_processes(lambda _, env: b"NEMO_LONGCTX_SPAWNED=1" in env and any(v.startswith(ours) for v in env)) \
+        + forked
+
+
+def children(pid: int) -> list:
+    """Pids of the live children of process ``pid``."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            stat = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(stat[1]) == pid and stat[0] != "Z":
+            found.append(int(proc.name))
+    return found
 
 
 def train_config(overrides):

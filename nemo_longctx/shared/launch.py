@@ -25,6 +25,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Dict, Optional, Sequence
 
+from nemo_longctx.shared import rank_server
 from nemo_longctx.shared.reaper import RUN_TOKEN_VAR
 from nemo_longctx.shared.signals import PREEMPTED_EXIT
 
@@ -146,10 +147,17 @@ def launch_local(nproc: int, argv: Sequence[str], threads_per_process: int, *, w
         LAUNCHER_PID_VAR: str(os.getpid()), RANK_PIDS_VAR: pid_dir, console.LOG_LEVEL_VAR: console.level()},
         **(env or {}))
     start_method = start_method_for(preload, start_method)
+    if start_method == "forkserver" and os.environ.get(rank_server.VAR):
+        try:  # the ranks fork from a server started for many runs
+            rank_server.attach(os.environ[rank_server.VAR], preload)
+        except ValueError as e:
+            shutil.rmtree(pid_dir, ignore_errors=True)
+            print(f"nemo-longctx: {e}", file=sys.stderr, flush=True)
+            return CONFIG_ERROR_EXIT
     forward = tuple(signal.Signals(s) for s in forward_signals)
     # the agent handles the signals it knows, except those forwarded (its handler would stop the ranks at once)
     agent_signals = ",".join(n for n in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT") if signal.Signals[n] not in forward)
-    reaper = _Reaper()
+    reaper = _Reaper(pid_dir)
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"nemo-longctx-{uuid.uuid4().hex[:12]}",
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.5,
@@ -173,7 +181,7 @@ def launch_local(nproc: int, argv: Sequence[str], threads_per_process: int, *, w
         agent_log.addFilter(_agent_failure_record)
         forwarding.install()
         processes.start()
-        elastic_launch(config, entrypoint=run_rank)(module, list(argv))
+        elastic_launch(config, entrypoint=run_rank)(module, list(argv), _FromLauncher())
         return 0
     except ChildFailedError as e:
         failures = processes.failures(e.failures, config.logs_specs.error_files)  # type: ignore[union-attr]
@@ -246,12 +254,45 @@ def start_method_for(preload: Sequence[str], requested: str = "auto") -> str:
     # the server imports these once; every rank forks from it (a module that fails to import is left to the rank,
     # which then reports the error itself)
     multiprocessing.get_context("forkserver").set_forkserver_preload(
-        ["nemo_longctx.shared.rank_preamble", "nemo_longctx.shared.launch", *preload])
+        [*rank_server.BASE_PRELOAD, *preload])
     return "forkserver"
 
 
-def run_rank(module: str, argv: Sequence[str]) -> None:
-    """A rank of ``launch_local``: ``python -m <module> *argv`` in this (forked or spawned) process.
+class _FromLauncher:
+    """One of each rank's arguments: the launcher's environment and standard output, taken as the rank is started
+    (when its arguments are pickled) and handed to it (``adopt``). A rank forked from a fork server starts with the
+    server's: the same as the launcher's when the launcher started the server, not when the server serves many runs
+    (``rank_server``)."""
+
+    def __init__(self, env: Optional[Dict[str, str]] = None, stdout: object = None) -> None:
+        self.env, self.stdout = env, stdout
+
+    def __reduce__(self):
+        from multiprocessing import context, reduction
+
+        # the launcher's stdout travels as a file descriptor (multiprocessing passes it with the rank's start)
+        stdout = reduction.DupFd(1) if context.get_spawning_popen() is not None else None
+        return (_FromLauncher, (dict(os.environ), stdout))
+
+    def adopt(self) -> None:
+        """In the rank: the launcher's environment (plus what the elastic agent set for this rank: RANK & co.) and
+        its stdout. A spawned rank (a fresh interpreter started with both) keeps its own."""
+        base = rank_server.SERVER_ENV  # the server's environment as it started (None in a spawned rank)
+        if base is not None and self.env is not None:
+            agent = {k: v for k, v in os.environ.items() if base.get(k) != v}
+            os.environ.clear()
+            os.environ.update(self.env)
+            os.environ.update(agent)
+        if base is not None and self.stdout is not None:
+            fd = self.stdout.detach()  # type: ignore[attr-defined]
+            sys.stdout.flush()
+            os.dup2(fd, 1)
+            os.close(fd)
+
+
+def run_rank(module: str, argv: Sequence[str], launcher: Optional[_FromLauncher] = None) -> None:
+    """A rank of ``launch_local``: ``python -m <module> *argv`` in this (forked or spawned) process, with the
+    launcher's environment and stdout (``launcher``, ``_FromLauncher``).
 
     The rank leads its own session, as a rank ``torchrun`` starts does (so the launcher can stop what it started, and
     a Ctrl-C on the terminal reaches the launcher, not each rank), and writes its pid where the launcher reads it. An
@@ -259,6 +300,8 @@ def run_rank(module: str, argv: Sequence[str]) -> None:
     rank that succeeded; any other status ends the process with it."""
     import runpy
 
+    if launcher is not None:
+        launcher.adopt()
     os.setsid()
     pid_dir = os.environ.get(RANK_PIDS_VAR)
     if pid_dir:
@@ -409,17 +452,18 @@ class _RankProcesses:
 
 class _Reaper:
     """``python -m nemo_longctx.shared.reaper``: a process that outlives the launcher by a moment to SIGKILL every
-    process still carrying this run's token (``RUN_TOKEN_VAR``, set in this process's environment, so every rank and
-    every process a rank starts inherits it). It waits for EOF on a pipe whose write end only the launcher holds: the
-    kernel closes it however the launcher ends. ``release()`` (the launcher's normal end) closes it now and waits for
-    the sweep."""
+    process still carrying this run's token (``RUN_TOKEN_VAR``, set in this process's environment, so every process
+    a rank starts inherits it) and every process in a rank's session (the ranks write their pids to ``pid_dir``: a
+    rank forked from a fork server was not started with this environment). It waits for EOF on a pipe whose write
+    end only the launcher holds: the kernel closes it however the launcher ends. ``release()`` (the launcher's normal
+    end) closes it now and waits for the sweep."""
 
-    def __init__(self) -> None:
+    def __init__(self, pid_dir: str) -> None:
         import subprocess
 
         token = uuid.uuid4().hex
         env = {k: v for k, v in os.environ.items() if k != RUN_TOKEN_VAR}
-        self._proc = subprocess.Popen([sys.executable, "-m", "nemo_longctx.shared.reaper", token],
+        self._proc = subprocess.Popen([sys.executable, "-m", "nemo_longctx.shared.reaper", token, pid_dir],
                                       stdin=subprocess.PIPE, env=env, start_new_session=True, close_fds=True)
         os.environ[RUN_TOKEN_VAR] = token
         self.pid = self._proc.pid
@@ -573,9 +617,14 @@ def record_error(exc: BaseException) -> None:
 
 
 def die_with_parent() -> None:
-    """In a rank the local launcher started: ask the kernel to SIGKILL this process when the launcher dies, however it
-    dies (a SIGKILL or a ``subprocess`` timeout cannot be handled by the launcher), so no rank is ever orphaned."""
+    """In a rank the local launcher started: SIGKILL this process when the launcher dies, however it dies (a SIGKILL
+    or a ``subprocess`` timeout cannot be handled by the launcher), so no rank is ever orphaned. The kernel does it
+    (``PR_SET_PDEATHSIG``) for a rank whose parent ends with the launcher (a spawned rank, or one forked from the
+    launcher's own fork server); a rank forked from a shared server (``rank_server``) watches the launcher itself."""
     if os.environ.get("NEMO_LONGCTX_SPAWNED") != "1" or not sys.platform.startswith("linux"):
+        return
+    if os.environ.get(rank_server.VAR) and os.environ.get(FORKED_RANK_VAR):
+        _watch_launcher(launcher_pid())
         return
     import ctypes
 
@@ -583,6 +632,22 @@ def die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
     if os.getppid() == 1:  # the launcher was already gone before the request took effect
         os._exit(128 + int(signal.SIGKILL))
+
+
+def _watch_launcher(pid: int) -> None:
+    """SIGKILL this process once process ``pid`` has ended (a thread waiting on its pidfd)."""
+    import select
+
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os._exit(128 + int(signal.SIGKILL))
+
+    def wait() -> None:
+        select.select([fd], [], [])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=wait, name="nemo-longctx-launcher-watch", daemon=True).start()
 
 
 def inject_fault(kind: str, step: int, rank: int) -> None:

@@ -8,7 +8,9 @@ from __future__ import annotations
 import logging
 import os
 
-from nemo_longctx.shared import console
+from nemo_longctx.shared import console, rank_server
+
+rank_server.remember_environment()  # what each rank forked from here starts with (launch.run_rank swaps it)
 
 # Python's last-resort output for a library's WARNING records (a message per line on stderr), with the console's
 # filter (``console.setup`` gives it ``ConsoleFilter``); a rank's own logging set-up (Hydra's job logging) replaces it

@@ -1,14 +1,18 @@
-"""``python -m nemo_longctx.shared.reaper TOKEN``: the local launcher's reaper (``launch._Reaper``; standard library
-only).
+"""``python -m nemo_longctx.shared.reaper TOKEN [PID_DIR]``: the local launcher's reaper (``launch._Reaper``; standard
+library only).
 
 Blocks until its stdin reaches EOF -- the launcher closed the pipe at its end, or the kernel did because the launcher
 died, a SIGKILL included -- then SIGKILLs every process whose environment carries ``NEMO_LONGCTX_RUN_TOKEN=TOKEN``
-(the ranks and whatever they started: checkpoint writers, their resource trackers), until none is left.
+(whatever the ranks started: checkpoint writers, their resource trackers; and every rank started with the launcher's
+environment) and every process in the session of a rank whose pid file is in ``PID_DIR`` (each rank leads its own
+session; a rank forked from a fork server shared by many runs was not started with the token), until none is left;
+then removes ``PID_DIR``.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 import time
@@ -32,11 +36,45 @@ def carriers(token: str) -> list:
     return found
 
 
-def sweep(token: str, rounds: int = 50) -> int:
-    """SIGKILL the carriers of ``token`` until none is left (a dying rank may still start one); how many were killed."""
+def rank_sessions(pid_dir: str) -> set:
+    """The session ids of the ranks that wrote their pids to ``pid_dir`` (a rank's session id is its pid, and stays
+    that of what it started after it ended); not one whose pid now belongs to a process in another session."""
+    sessions = set()
+    for name in os.listdir(pid_dir) if pid_dir and os.path.isdir(pid_dir) else ():
+        try:
+            with open(os.path.join(pid_dir, name)) as f:
+                pid = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if session_of(pid) in (pid, -1):
+            sessions.add(pid)
+    return sessions
+
+
+def session_of(pid: int) -> int:
+    """The session id of process ``pid`` (-1 when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[3])  # state ppid pgrp session
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
+def members(sessions: set) -> list:
+    """Pids of the live processes (this one excepted) in one of ``sessions``."""
+    if not sessions:
+        return []
+    return [int(e) for e in os.listdir("/proc") if e.isdigit() and int(e) != os.getpid()
+            and session_of(int(e)) in sessions]
+
+
+def sweep(token: str, pid_dir: str = "", rounds: int = 50) -> int:
+    """SIGKILL the carriers of ``token`` and the members of the ranks' sessions until none is left (a dying rank may
+    still start one); how many were killed."""
     killed = set()
+    sessions = rank_sessions(pid_dir)
     for _ in range(rounds):
-        found = carriers(token)
+        found = set(carriers(token)) | set(members(sessions))
         if not found:
             break
         for pid in found:
@@ -51,4 +89,6 @@ def sweep(token: str, rounds: int = 50) -> int:
 
 if __name__ == "__main__":
     sys.stdin.buffer.read()
-    sweep(sys.argv[1])
+    sweep(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "")
+    if len(sys.argv) > 2:
+        shutil.rmtree(sys.argv[2], ignore_errors=True)

@@ -1,0 +1,156 @@
+"""A warm rank server shared by many local launches: the frameworks imported once, every rank of every run forked from
+there (standard library only).
+
+A local launch without CUDA forks its ranks from a fork server that imports the frameworks every rank needs (NeMo,
+Megatron-core, Lightning: ~10 s of one core) -- one server per run. A process that starts many short runs one after
+the other (a test session, a notebook, a sweep of tiny runs) can start one server itself (``start``) and hand its
+address to the runs it launches in the environment variable ``NEMO_LONGCTX_RANK_SERVER`` (``RankServer.env``); a
+launch that finds it forks its ranks from that server (``attach``) instead of starting one of its own. What a rank
+sees is the same either way: the launcher's environment, working directory, ``sys.path`` and standard output are
+handed to each rank (``launch.run_rank``); the ranks lead their own sessions, and the launcher's reaper stops those
+sessions however the launcher ends (``reaper``), as it stops the ranks of a server of its own.
+
+The server is Python's own (``multiprocessing.forkserver``: ``main`` serves fork requests on a Unix socket); it ends
+when the process that started it closes it (``RankServer.close``) or exits. It serves the Python it was started with
+and imports what it was started with: a launch refuses a server of another Python, or one that lacks a module the
+launch preloads (its ranks would import it themselves, each, silently slow).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple
+
+VAR = "NEMO_LONGCTX_RANK_SERVER"  # in a launcher's environment: the server its ranks fork from (``RankServer.env``)
+SERVER_ENV: Optional[dict] = None  # in the server (and the ranks it forks): its environment as it started
+# what every server imports first (the console of a rank; the launcher's own module, which runs each rank)
+BASE_PRELOAD = ("nemo_longctx.shared.rank_preamble", "nemo_longctx.shared.launch")
+
+
+@dataclass(frozen=True)
+class ServerAddress:
+    """What a launch needs of a running server: its socket, its pid, the Python it runs, what it imported."""
+
+    address: str
+    pid: int
+    executable: str
+    preload: Tuple[str, ...]
+
+    def env(self) -> str:
+        return json.dumps({"address": self.address, "pid": self.pid, "executable": self.executable,
+                           "preload": list(self.preload)})
+
+    @classmethod
+    def parse(cls, value: str) -> "ServerAddress":
+        try:
+            d = json.loads(value)
+            return cls(str(d["address"]), int(d["pid"]), str(d["executable"]), tuple(map(str, d["preload"])))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{VAR}={value!r} is not a rank server's address (start one with "
+                             f"nemo_longctx.shared.rank_server.start): {e}") from None
+
+
+class RankServer:
+    """A fork server started by this process (``start``); ``env()`` is the value of ``VAR`` for the launches that
+    use it; ``close()`` ends it (so does this process's exit)."""
+
+    def __init__(self, preload: Sequence[str]) -> None:
+        from multiprocessing import forkserver
+
+        self._server = forkserver.ForkServer()  # a server of its own, not this process's default one
+        self.preload = tuple(dict.fromkeys([*BASE_PRELOAD, *preload]))
+        self._server.set_forkserver_preload(list(self.preload))
+        self._server.ensure_running()
+        self.address = ServerAddress(str(self._server._forkserver_address), int(self._server._forkserver_pid),
+                                     sys.executable, self.preload)
+        self.pid = self.address.pid
+
+    def env(self) -> str:
+        return self.address.env()
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """End the server: EOF on its "alive" pipe (it exits once it has no request in flight), then reap it."""
+        import time
+
+        fd, self._server._forkserver_alive_fd = self._server._forkserver_alive_fd, None
+        if fd is None:
+            return
+        os.close(fd)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if os.waitpid(self.pid, os.WNOHANG)[0]:
+                return
+            time.sleep(0.05)
+        os.kill(self.pid, 9)
+        os.waitpid(self.pid, 0)
+
+
+def start(preload: Sequence[str]) -> RankServer:
+    """Start a rank server that imports ``preload`` (the module names a launch passes as its ``preload``: for the
+    train app, ``nemo_longctx.apps.train.RANK_PRELOAD``) once; returns when it is listening (its imports may still be
+    running: the first rank waits for them)."""
+    return RankServer(preload)
+
+
+def attach(value: str, preload: Sequence[str]) -> ServerAddress:
+    """Make this process's ``forkserver`` start method fork from the server of ``value`` (``VAR``'s value) rather
+    than start a server of its own; ``preload``: what this launch's ranks need imported. Raises ``ValueError`` naming
+    the problem when that server cannot serve them: another Python, a module missing from its imports, or gone."""
+    from multiprocessing import forkserver
+
+    server = ServerAddress.parse(value)
+    if os.path.realpath(server.executable) != os.path.realpath(sys.executable):
+        raise ValueError(f"{VAR}: the rank server runs {server.executable}, this launch {sys.executable}: a rank "
+                         "must run the launcher's Python")
+    missing = [m for m in [*BASE_PRELOAD, *preload] if m not in server.preload]
+    if missing:
+        raise ValueError(f"{VAR}: the rank server does not import {', '.join(missing)} (it imports "
+                         f"{', '.join(server.preload)}): start it with this launch's preload")
+    try:
+        os.kill(server.pid, 0)
+    except ProcessLookupError:
+        raise ValueError(f"{VAR}: the rank server (pid {server.pid}) is not running") from None
+    if not os.path.exists(server.address):
+        raise ValueError(f"{VAR}: the rank server's socket {server.address} is gone")
+    default = forkserver._forkserver
+    with default._lock:
+        if default._forkserver_pid is not None:
+            raise ValueError(f"{VAR}: this process already started a fork server of its own")
+        read_end, alive = os.pipe()  # the "alive" fd each rank is handed: this launcher's, held while it lives
+        os.close(read_end)
+        default._forkserver_address = server.address
+        default._forkserver_alive_fd = alive
+        # the default ``ensure_running`` would start a server of this process's own (it knows only servers it
+        # started: it waits on their pid); a server someone else started is checked to be alive instead
+        default.ensure_running = _EnsureAlive(server)  # type: ignore[method-assign]
+    return server
+
+
+class _EnsureAlive:
+    """``ForkServer.ensure_running`` for a server this process did not start: its resource tracker running (as the
+    default one ensures), the server alive, else a clear error (not a new server)."""
+
+    def __init__(self, server: ServerAddress) -> None:
+        self.server = server
+        self._lock = threading.Lock()
+
+    def __call__(self) -> None:
+        from multiprocessing import resource_tracker
+
+        with self._lock:
+            resource_tracker.ensure_running()
+            try:
+                os.kill(self.server.pid, 0)
+            except ProcessLookupError:
+                raise RuntimeError(f"{VAR}: the rank server (pid {self.server.pid}) has ended") from None
+
+
+def remember_environment() -> None:
+    """In the server as it starts (``rank_preamble``): its environment, which every rank it forks starts with
+    (``launch.run_rank`` swaps it for the launcher's)."""
+    global SERVER_ENV
+    SERVER_ENV = dict(os.environ)
