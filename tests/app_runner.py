@@ -7,6 +7,7 @@ import os
 import shlex
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Tuple
@@ -16,25 +17,27 @@ MEMORY_LIMIT_KB = 8_000_000
 
 
 _SERVER = {}  # this test process's warm rank server (rank_server.start), started by its first run_app
+_SERVER_LOCK = threading.Lock()  # (a fixture may run apps from two threads)
 
 
 def rank_server_env() -> dict:
     """``{NEMO_LONGCTX_RANK_SERVER: ...}`` for a launch of the train app: its ranks fork from one server this test
     process starts once (NeMo & co. imported once per pytest worker instead of once per run: ~10 s of one core each)."""
+    import resource
+
     from nemo_longctx.apps.train import RANK_PRELOAD
     from nemo_longctx.shared import rank_server
 
-    if "server" not in _SERVER:
-        import resource
-
-        # the server and the ranks it forks under the memory bound a launch gets (``ulimit -v`` below)
-        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-        resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT_KB * 1024, hard))
-        try:
-            _SERVER["server"] = rank_server.start(RANK_PRELOAD)
-        finally:
-            resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
-    return {rank_server.VAR: _SERVER["server"].env()}
+    with _SERVER_LOCK:
+        if "server" not in _SERVER:
+            # the server and the ranks it forks under the memory bound a launch gets (``ulimit -v`` in run_app)
+            soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+            resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT_KB * 1024, hard))
+            try:
+                _SERVER["server"] = rank_server.start(RANK_PRELOAD)
+            finally:
+                resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+        return {rank_server.VAR: _SERVER["server"].env()}
 
 
 def run_app(cmd: Sequence[str], timeout: float = 400, shared_ranks: bool = True) -> Tuple[int, str]:

@@ -22,6 +22,7 @@ import os
 import re
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -79,18 +80,29 @@ def world(tmp_path_factory):
     docs.write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus(n=40, seed=1)))
     d = {k: base / k for k in ("imp_l31", "llama", "qwen", "exp_llama", "exp_qwen")}
 
-    if not SMOKE:
-        _ok(CLI + ["import", f"source={hf['l31']}", f"output={d['imp_l31']}"], "import")
-    llama_out = _ok(CLI + ["train", "--verbose", f"init_from={hf['llama']}", f"output_dir={d['llama']}", "cp=ring",
-                           "trainer.max_steps=3", "checkpoint.every_n_steps=3", *COMMON,
-                           *[f"++model.{k}={v}" for k, v in L31_OVERRIDE.items()]], "train_llama_ring")
-    qwen_args = [f"init_from={hf['qwen']}", f"output_dir={d['qwen']}", "cp=ulysses", "checkpoint.every_n_steps=2",
-                 "data=documents", f"data.paths=[{docs}]", "model.rotary_base=100000", *COMMON]
-    # --verbose: the resume assertions read NeMo's own INFO lines (which checkpoint it restores, no selective restore)
-    qwen_out = _ok(CLI + ["train", "--verbose", *qwen_args, "trainer.max_steps=2"], "train_qwen_ulysses")
-    qwen_resumed = _ok(CLI + ["train", "--verbose", *qwen_args, "trainer.max_steps=3"], "resume_qwen")
-    _ok(CLI + ["export", f"checkpoint={d['llama']}", f"output={d['exp_llama']}"], "export")
-    _ok(CLI + ["export", f"checkpoint={d['qwen']}", f"output={d['exp_qwen']}"], "export_qwen")
+    def llama_chain():
+        if not SMOKE:
+            _ok(CLI + ["import", f"source={hf['l31']}", f"output={d['imp_l31']}"], "import")
+        out = _ok(CLI + ["train", "--verbose", f"init_from={hf['llama']}", f"output_dir={d['llama']}", "cp=ring",
+                         "trainer.max_steps=3", "checkpoint.every_n_steps=3", *COMMON,
+                         *[f"++model.{k}={v}" for k, v in L31_OVERRIDE.items()]], "train_llama_ring")
+        _ok(CLI + ["export", f"checkpoint={d['llama']}", f"output={d['exp_llama']}"], "export")
+        return out
+
+    def qwen_chain():
+        qwen_args = [f"init_from={hf['qwen']}", f"output_dir={d['qwen']}", "cp=ulysses", "checkpoint.every_n_steps=2",
+                     "data=documents", f"data.paths=[{docs}]", "model.rotary_base=100000", *COMMON]
+        # --verbose: the resume assertions read NeMo's own INFO lines (which checkpoint it restores, no selective
+        # restore)
+        out = _ok(CLI + ["train", "--verbose", *qwen_args, "trainer.max_steps=2"], "train_qwen_ulysses")
+        resumed = _ok(CLI + ["train", "--verbose", *qwen_args, "trainer.max_steps=3"], "resume_qwen")
+        _ok(CLI + ["export", f"checkpoint={d['qwen']}", f"output={d['exp_qwen']}"], "export_qwen")
+        return out, resumed
+
+    # the two models' runs are independent: side by side (a worker with nothing else to run uses both cores)
+    with ThreadPoolExecutor(2) as pool:
+        llama, qwen = pool.submit(llama_chain), pool.submit(qwen_chain)
+        llama_out, (qwen_out, qwen_resumed) = llama.result(), qwen.result()
 
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(3, len(tok), (1, SEQ), generator=g)

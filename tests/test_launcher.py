@@ -6,7 +6,9 @@ Local launch (the app starts its ranks with torch's elastic agent) and torchrun:
   * SIGTERM to the launcher (what ``scancel`` sends) stops every rank and leaves no process of the run behind;
   * a user config directory with its own config name (3 layers, seq 2048) is what every rank trains;
   * ranks that resolve different configs refuse to train; ``--multirun`` is refused.
-Every command runs under ``timeout`` + ``ulimit -v`` (tests/app_runner.py).
+Every command runs under ``timeout`` + ``ulimit -v`` (tests/app_runner.py). The ranks of ``run_app``'s launches fork
+from the test process's warm rank server (``shared/rank_server.py``); the aborted-rank case and the SIGTERM case start
+their own server, as a launch from a shell does.
 """
 
 from __future__ import annotations
@@ -34,10 +36,12 @@ def _metrics(out_dir: Path):
     return metrics_rows(out_dir)
 
 
-def _timed(cmd, timeout=300):
-    """(exit code, output, seconds from the injected fault -- or the start when none was injected -- to the end)."""
+def _timed(cmd, timeout=300, shared_ranks=True):
+    """(exit code, output, seconds from the injected fault -- or the start when none was injected -- to the end).
+    The ranks fork from the test process's warm rank server (``run_app``), or (``shared_ranks=False``) from a server
+    of the launcher's own, as from a shell."""
     t0 = time.time()
-    code, out = run_app(cmd, timeout)
+    code, out = run_app(cmd, timeout, shared_ranks=shared_ranks)
     m = re.search(r"run\.fault: .* \(unix time ([0-9.]+)\)", out)
     return code, out, time.time() - (float(m.group(1)) if m else t0)
 
@@ -66,7 +70,7 @@ def test_an_aborted_rank_is_reported_with_its_last_stderr_lines(tmp_path):
     """A rank that dies by SIGABRT (a C++ std::terminate, a gloo/c10 fatal error, glibc's heap checks) prints its reason
     to stderr just before it dies: the launcher names the signal and quotes those lines, after the other ranks'
     consequential errors, and each rank's stderr is kept under <output_dir>/rank_logs."""
-    code, out, elapsed = _timed(APP + [f"output_dir={tmp_path}", *SMALL, "run.fault=abort@2:1"])
+    code, out, elapsed = _timed(APP + [f"output_dir={tmp_path}", *SMALL, "run.fault=abort@2:1"], shared_ranks=False)
     assert code == 128 + signal.SIGABRT, (code, out[-3000:])
     assert "nemo-longctx: FAILED: rank 1 killed by SIGABRT" in out, out[-3000:]
     report = out[out.index("nemo-longctx: rank 1 (SIGABRT) last wrote to stderr ("):]

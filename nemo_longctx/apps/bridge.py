@@ -496,6 +496,10 @@ def external_rank(spec: Any, bridge_overrides: List[str], launch: Any) -> int:
     return run_rank(spec, bridge_overrides, container)
 
 
+# what every rank imports: a local launch without CUDA imports it once in its fork server and forks the ranks
+RANK_PRELOAD = ("megatron.bridge", "megatron.core", "nemo_longctx.integrations.bridge.cpu_compat")
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     from nemo_longctx.shared import collector
 
@@ -513,7 +517,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     maybe_print_help("bridge", args, app_options=BRIDGE_OPTIONS)  # -h/--help: our groups and keys, exit 0
     from nemo_longctx.integrations.bridge.hf import init_from_problems
     from nemo_longctx.options import ConfigError, Context, raise_problems
-    from nemo_longctx.shared.launch import detect_external_launch, launch_local
+    from nemo_longctx.shared.launch import detect_external_launch, die_with_parent, launch_local
 
     try:
         args = recipe_flag(args)
@@ -527,6 +531,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         print(f"nemo-longctx bridge: {e}", file=sys.stderr)
         sys.exit(2)
     if os.environ.get("NEMO_LONGCTX_BRIDGE_RANK"):  # a rank of our local launcher (it checked the container)
+        die_with_parent()  # a rank of the local launcher never outlives it
         exit_process(run_rank(spec, bridge))  # without the interpreter's teardown (process_exit.py)
     launch = detect_external_launch()  # torchrun's or srun's ranks: SLURM_* -> RANK/WORLD_SIZE/MASTER_ADDR/...
     if launch is not None:
@@ -566,7 +571,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                         env={"NEMO_LONGCTX_BRIDGE_RANK": "1", **chosen_env(spec, report)},
                         forward_signals=signals,
                         signal_grace_s=float(spec.run.signal_grace_s),
-                        preload=("megatron.bridge", "megatron.core", "nemo_longctx.integrations.bridge.cpu_compat"),
+                        preload=RANK_PRELOAD,
                         start_method=str(spec.launcher.start_method))
     metrics = os.path.join(output_dir, "metrics.jsonl")
     save = getattr(getattr(container, "checkpoint", None), "save", None)

@@ -278,15 +278,16 @@ class _FromLauncher:
         """In the rank: the launcher's environment (plus what the elastic agent set for this rank: RANK & co.) and
         its stdout. A spawned rank (a fresh interpreter started with both) keeps its own."""
         base = rank_server.SERVER_ENV  # the server's environment as it started (None in a spawned rank)
+        fd = self.stdout.detach() if self.stdout is not None else None  # type: ignore[attr-defined]
         if base is not None and self.env is not None:
             agent = {k: v for k, v in os.environ.items() if base.get(k) != v}
             os.environ.clear()
             os.environ.update(self.env)
             os.environ.update(agent)
-        if base is not None and self.stdout is not None:
-            fd = self.stdout.detach()  # type: ignore[attr-defined]
-            sys.stdout.flush()
-            os.dup2(fd, 1)
+        if fd is not None:
+            if base is not None:
+                sys.stdout.flush()
+                os.dup2(fd, 1)
             os.close(fd)
 
 
