@@ -33,9 +33,11 @@ MAX_LINES = 40
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("console")
-    code1, out1 = run_app(APP + ["trainer.max_steps=5", f"output_dir={out_dir}"])
+    # the console as a launch from a shell prints it: the ranks' fork server of the run's own, which imports the
+    # libraries under the run's log.level (a shared warm server imported them, and printed what they print, once)
+    code1, out1 = run_app(APP + ["trainer.max_steps=5", f"output_dir={out_dir}"], shared_ranks=False)
     rows1 = metrics_rows(out_dir) if (out_dir / "metrics.jsonl").exists() else []
-    code2, out2 = run_app(APP + ["--verbose", "trainer.max_steps=2", f"output_dir={out_dir}"])
+    code2, out2 = run_app(APP + ["--verbose", "trainer.max_steps=2", f"output_dir={out_dir}"], shared_ranks=False)
     return {"dir": out_dir, "first": (code1, out1, rows1), "second": (code2, out2)}
 
 
