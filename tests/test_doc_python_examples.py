@@ -1,8 +1,9 @@
 """The manual's Python examples run as written (``tests/doc_python.py``: the block's own text, the documented shrink,
 on the CPU): the NeMo-Run page's two examples in ONE script (NeMo's ``llama3_8b`` recipe shrunk to the app's tiny
 model; 8 GPUs -> 2 torchrun processes; each ``run.run`` must train its 3 steps: ``run.run`` returns normally when a
-job fails), the Python API page's example on 2 gloo ranks. Every ```` ```python ```` block of the README and the
-manual is run here or by the Megatron-Bridge suite (``RUN_BY_BRIDGE``)."""
+job fails), the Python API page's example on 2 gloo ranks, the launching page's warm rank server (two runs). Every
+```` ```python ```` block of the README and the manual is run here or by the Megatron-Bridge suite
+(``RUN_BY_BRIDGE``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import doc_python as D
@@ -18,6 +20,7 @@ TESTS = Path(__file__).resolve().parent
 VENV_BIN = str(Path(sys.executable).parent)
 NEMO_RUN = [("docs/how-to/nemo-run.md", 0), ("docs/how-to/nemo-run.md", 1)]
 API = ("docs/how-to/python-api.md", 0)
+WARM_SERVER = ("docs/how-to/launching.md", 0)
 RUN_BY_BRIDGE = {  # the Megatron-Bridge stack (Python 3.12, .venv-bridge) runs these
     ("docs/how-to/bridge.md", 0): "tests_bridge/test_bridge_doc_examples.py",
 }
@@ -25,7 +28,7 @@ RUN_BY_BRIDGE = {  # the Megatron-Bridge stack (Python 3.12, .venv-bridge) runs 
 
 def test_every_python_block_of_the_docs_runs_somewhere():
     blocks = {(page, n) for page, n, _ in D.python_blocks()}
-    assert blocks == set(NEMO_RUN) | {API} | set(RUN_BY_BRIDGE), blocks
+    assert blocks == set(NEMO_RUN) | {API, WARM_SERVER} | set(RUN_BY_BRIDGE), blocks
 
 
 def test_the_shrink_leaves_no_gpu_only_line_and_catches_an_unknown_size():
@@ -87,4 +90,17 @@ def test_the_python_api_example_runs_as_written(tmp_path):
                        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(D.ROOT), str(TESTS)])})
     log = p.stdout + p.stderr
     assert p.returncode == 0 and log.count("the example ran; out (1, 32, 4, 16)") == 2, log[-4000:]
+
+
+def test_the_warm_server_example_runs_as_written(tmp_path):
+    """The launching page's example: one rank server, two runs whose ranks fork from it (each trains its steps)."""
+    script = tmp_path / "warm_server.py"
+    script.write_text(textwrap.dedent(D.block(*WARM_SERVER)))  # (the block sits in a list item)
+    p = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "PATH": VENV_BIN + os.pathsep + os.environ["PATH"]})
+    log = p.stdout + p.stderr
+    assert p.returncode == 0, log[-4000:]
+    for steps in (2, 4):
+        losses = _losses(tmp_path / "runs" / str(steps) / "metrics.jsonl")
+        assert len(losses) == steps and all(x == x for x in losses), (steps, losses)
 

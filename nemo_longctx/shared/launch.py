@@ -278,16 +278,17 @@ class _FromLauncher:
         """In the rank: the launcher's environment (plus what the elastic agent set for this rank: RANK & co.) and
         its stdout. A spawned rank (a fresh interpreter started with both) keeps its own."""
         base = rank_server.SERVER_ENV  # the server's environment as it started (None in a spawned rank)
-        fd = self.stdout.detach() if self.stdout is not None else None  # type: ignore[attr-defined]
-        if base is not None and self.env is not None:
+        if base is None:  # spawned: its own stdout is the launcher's, passed on as fd 1 itself
+            return
+        if self.env is not None:
             agent = {k: v for k, v in os.environ.items() if base.get(k) != v}
             os.environ.clear()
             os.environ.update(self.env)
             os.environ.update(agent)
-        if fd is not None:
-            if base is not None:
-                sys.stdout.flush()
-                os.dup2(fd, 1)
+        fd = self.stdout.detach() if self.stdout is not None else None  # type: ignore[attr-defined]
+        if fd is not None and fd != 1:  # forked: a copy of the launcher's stdout, received with the rank's start
+            sys.stdout.flush()
+            os.dup2(fd, 1)
             os.close(fd)
 
 
