@@ -7,12 +7,12 @@ count asked for.
 Each run is ``nemo-longctx train`` of the demo (seq 1024, a few steps, ring CP over all ranks) in a process that
 waits for every descendant (a Linux child subreaper), so the CPU column is the whole run's: the launcher, the fork
 server and the ranks (for ``shared``: the launcher, and the ranks' CPU as the shared server counts its children's;
-the server's own imports are paid once, printed on a line of their own). Prints one row per (ranks, start method):
-wall seconds, CPU seconds, final loss (equal across start methods: the same training), and exits 1 when the losses
-differ.
+the server's own imports are paid once, before the timed runs, and printed on a line of their own). Prints one row
+per (ranks, start method): wall seconds, CPU seconds, final loss (equal across start methods: the same training),
+and exits 1 when the losses differ.
 
     python bench/launch_start.py                     # 2 and 4 ranks, 6 steps, one run each
-    python bench/launch_start.py --ranks 2 --repeat 2   # (the shared server's first run includes its imports)
+    python bench/launch_start.py --ranks 2 --repeat 2
 """
 
 from __future__ import annotations
@@ -35,11 +35,23 @@ PR_SET_CHILD_SUBREAPER = 36
 CLI = str(Path(sys.executable).parent / "nemo-longctx")
 
 
-def _cpu_of(pid: int, children: bool = True) -> float:
-    """CPU seconds of process ``pid`` (with ``children``: and of its children it has waited for)."""
+def _cpu_of(pid: int, children: bool = False) -> float:
+    """CPU seconds of process ``pid`` itself, or (``children``) of the children it has waited for."""
     stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    ticks = int(stat[11]) + int(stat[12]) + ((int(stat[13]) + int(stat[14])) if children else 0)
+    ticks = (int(stat[13]) + int(stat[14])) if children else (int(stat[11]) + int(stat[12]))
     return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _children(pid: int) -> list:
+    """Pids of the children of process ``pid`` (zombies included: waiting for them reaps them)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry))
+        except (OSError, IndexError, ValueError):
+            pass
+    return found
 
 
 def run_once(ranks: int, method: str, steps: int, server=None) -> dict:
@@ -52,20 +64,25 @@ def run_once(ranks: int, method: str, steps: int, server=None) -> dict:
     env = {k: v for k, v in os.environ.items() if k != rank_server.VAR}
     if method == "shared":
         env[rank_server.VAR] = server.env()
+    staying = set(_children(os.getpid()))  # the shared server and its resource tracker
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    served = _cpu_of(server.pid) if method == "shared" else 0.0
+    served = _cpu_of(server.pid, children=True) if method == "shared" else 0.0
     t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     while True:  # the fork server outlives the launcher by a moment: wait for it (and so count its ranks' CPU)
-        try:
-            os.waitpid(-1, 0)
-        except ChildProcessError:
+        others = [pid for pid in _children(os.getpid()) if pid not in staying]
+        if not others:
             break
+        for pid in others:
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     if method == "shared":
-        cpu += _cpu_of(server.pid) - served
+        cpu += _cpu_of(server.pid, children=True) - served  # the ranks, reaped by the server
     if p.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout[-2000:]}{p.stderr[-2000:]}")
     rows = [json.loads(line) for line in Path(out, "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -80,20 +97,19 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     server = rank_server.start(RANK_PRELOAD)
+    run_once(args.ranks[0], "shared", 1, server)  # not printed: the server's imports done before any timed run
+    imports = _cpu_of(server.pid)
     print(f"{'ranks':>5} {'start method':>12} {'wall s':>7} {'CPU s':>7} {'final loss':>12}")
-    ok, imports = True, None
+    ok = True
     for ranks in args.ranks:
         losses = set()
         for _ in range(args.repeat):
             for method in ("spawn", "forkserver", "shared"):  # alternated: the machine's drift hits each
                 r = run_once(ranks, method, args.steps, server)
                 losses.add(r["loss"])
-                if method == "shared" and imports is None:  # the server's imports: printed once, below
-                    imports = _cpu_of(server.pid, children=False)
-                    r["cpu_s"] -= imports
                 print(f"{ranks:>5} {method:>12} {r['wall_s']:>7.1f} {r['cpu_s']:>7.1f} {r['loss']:>12.6f}", flush=True)
         ok &= len(losses) == 1
-    print(f"the shared server's own imports (once for all its runs; its first run waited): {imports:.1f} CPU s")
+    print(f"the shared server's own imports (once, before the runs): {imports:.1f} CPU s")
     server.close()
     if not ok:
         print("the start methods trained different losses", file=sys.stderr)
