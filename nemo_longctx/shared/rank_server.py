@@ -3,7 +3,7 @@ there (standard library only).
 
 A local launch without CUDA forks its ranks from a fork server that imports the frameworks every rank needs (NeMo,
 Megatron-core, Lightning: ~10 s of one core) -- one server per run. A process that starts many short runs one after
-the other (a test session, a notebook, a sweep of tiny runs) can start one server itself (``start``) and hand its
+the other (a test suite, a notebook, a sweep of tiny runs) can start one server itself (``start``) and hand its
 address to the runs it launches in the environment variable ``NEMO_LONGCTX_RANK_SERVER`` (``RankServer.env``); a
 launch that finds it forks its ranks from that server (``attach``) instead of starting one of its own. What a rank
 sees is the same either way: the launcher's environment, working directory, ``sys.path`` and standard output are
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import threading
 from dataclasses import dataclass
@@ -85,7 +86,7 @@ class RankServer:
             if os.waitpid(self.pid, os.WNOHANG)[0]:
                 return
             time.sleep(0.05)
-        os.kill(self.pid, 9)
+        os.kill(self.pid, signal.SIGKILL)
         os.waitpid(self.pid, 0)
 
 
@@ -117,6 +118,10 @@ def attach(value: str, preload: Sequence[str]) -> ServerAddress:
     if not os.path.exists(server.address):
         raise ValueError(f"{VAR}: the rank server's socket {server.address} is gone")
     default = forkserver._forkserver
+    known = ("_lock", "_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid")
+    if not all(hasattr(default, a) for a in known) or hasattr(default, "_forkserver_authkey"):
+        # written against the fork server of CPython 3.11-3.13 (a later one authenticates its clients)
+        raise ValueError(f"{VAR}: this Python's fork server ({sys.version.split()[0]}) is not one a launch can share")
     with default._lock:
         if default._forkserver_pid is not None:
             raise ValueError(f"{VAR}: this process already started a fork server of its own")
