@@ -128,22 +128,9 @@ def leftover_processes() -> list:
     this test process's rank server (its ranks: once a run has ended, none; tests of one process run one at a time)."""
     ours = f"PYTEST_CURRENT_TEST={os.environ.get('PYTEST_CURRENT_TEST', '').rsplit(' (', 1)[0]} (".encode()
     server = _SERVER.get("server")
-    forked = [f"{pid}: (forked by the rank server)" for pid in children(server.pid)] if server is not None else []
+    forked = [f"{pid}: (forked by the rank server)" for pid in server.children()] if server is not None else []
     return live_processes(lambda _, env: b"NEMO_LONGCTX_SPAWNED=1" in env and any(v.startswith(ours) for v in env)) \
         + forked
-
-
-def children(pid: int) -> list:
-    """Pids of the live children of process ``pid``."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            stat = (proc / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(stat[1]) == pid and stat[0] != "Z":
-            found.append(int(proc.name))
-    return found
 
 
 def train_config(overrides):

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 
-from app_runner import children
 from nemo_longctx.shared import rank_server
 
 PROBE = """\
@@ -85,7 +84,7 @@ def test_a_rank_of_a_shared_server_runs_with_the_launchers_environment_cwd_and_s
             assert r["server_only"] is None, (how, r)  # ... not the server's
     assert {r["ppid"] for r in results["shared"].values()} == {server.pid}  # forked by the shared server
     assert server.pid not in {r["ppid"] for r in results["own"].values()}
-    assert children(server.pid) == []
+    assert server.children() == []
 
 
 def test_a_killed_launcher_leaves_no_rank_of_a_shared_server(probe, server, tmp_path):
@@ -98,13 +97,13 @@ def test_a_killed_launcher_leaves_no_rank_of_a_shared_server(probe, server, tmp_
             assert p.poll() is None and time.time() < deadline, p.stderr.read()[-3000:]  # type: ignore[union-attr]
             time.sleep(0.2)
         pids = [r["pid"] for r in _ranks(out_file.read_text()).values()]
-        assert sorted(children(server.pid)) == sorted(pids)
+        assert sorted(server.children()) == sorted(pids)
         p.kill()  # SIGKILL: no handler of the launcher runs
         p.wait(timeout=30)
         deadline = time.time() + 20
-        while children(server.pid) and time.time() < deadline:
+        while server.children() and time.time() < deadline:
             time.sleep(0.1)
-        assert children(server.pid) == [], "ranks of a SIGKILLed launcher are still alive"
+        assert server.children() == [], "ranks of a SIGKILLed launcher are still alive"
     finally:
         if p.poll() is None:
             p.kill()
@@ -123,4 +122,4 @@ def test_a_server_that_cannot_serve_the_launch_is_refused(probe, server):
         out, err = p.communicate(timeout=120)
         assert p.returncode == 2 and f"nemo-longctx: {rank_server.VAR}" in err and message in err, (name, err[-2000:])
         assert not _ranks(out), name
-    assert children(server.pid) == []
+    assert server.children() == []

@@ -45,12 +45,15 @@ def run_bridge(tmp_path: Path, name: str, *args: str, timeout: float = 600,
 
 
 def processes_with_env(name: str, value: str, wait_s: float = 0.0) -> List[str]:
-    """The live processes (``pid: command line``) of this user whose environment has ``name=value``; polls up to
-    ``wait_s`` seconds for them to go."""
+    """The live processes (``pid: command line``) of this user whose environment has ``name=value``, and the live
+    ranks of this process's rank server (a rank forked from it carries the server's environment as the kernel shows
+    it; tests of one process run one at a time, so between runs it has none); polls up to ``wait_s`` seconds for
+    them to go."""
     marker = f"{name}={value}".encode()
     deadline = time.monotonic() + wait_s
     while True:
-        found = []
+        server = _SERVER.get("server")
+        found = [f"{pid}: (forked by the rank server)" for pid in server.children()] if server is not None else []
         for pid in (p for p in os.listdir("/proc") if p.isdigit()):
             try:
                 with open(f"/proc/{pid}/environ", "rb") as f:

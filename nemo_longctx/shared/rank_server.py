@@ -73,6 +73,21 @@ class RankServer:
     def env(self) -> str:
         return self.address.env()
 
+    def children(self) -> list:
+        """Pids of the live processes this server forked that are still running (its ranks; none between runs)."""
+        found = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read().rsplit(")", 1)[1].split()  # state ppid ...
+            except OSError:
+                continue
+            if int(stat[1]) == self.pid and stat[0] != "Z":
+                found.append(int(entry))
+        return found
+
     def close(self, timeout_s: float = 30.0) -> None:
         """End the server: EOF on its "alive" pipe (it exits once it has no request in flight), then reap it."""
         import time
