@@ -30,6 +30,7 @@ from pathlib import Path
 
 from nemo_longctx.apps.train import RANK_PRELOAD
 from nemo_longctx.shared import rank_server
+from nemo_longctx.shared.reaper import proc_stat
 
 PR_SET_CHILD_SUBREAPER = 36
 CLI = str(Path(sys.executable).parent / "nemo-longctx")
@@ -37,21 +38,9 @@ CLI = str(Path(sys.executable).parent / "nemo-longctx")
 
 def _cpu_of(pid: int, children: bool = False) -> float:
     """CPU seconds of process ``pid`` itself, or (``children``) of the children it has waited for."""
-    stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    stat = proc_stat(pid)
     ticks = (int(stat[13]) + int(stat[14])) if children else (int(stat[11]) + int(stat[12]))
     return ticks / os.sysconf("SC_CLK_TCK")
-
-
-def _children(pid: int) -> list:
-    """Pids of the children of process ``pid`` (zombies included: waiting for them reaps them)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        try:
-            if entry.isdigit() and int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry))
-        except (OSError, IndexError, ValueError):
-            pass
-    return found
 
 
 def run_once(ranks: int, method: str, steps: int, server=None) -> dict:
@@ -64,13 +53,13 @@ def run_once(ranks: int, method: str, steps: int, server=None) -> dict:
     env = {k: v for k, v in os.environ.items() if k != rank_server.VAR}
     if method == "shared":
         env[rank_server.VAR] = server.env()
-    staying = set(_children(os.getpid()))  # the shared server and its resource tracker
+    staying = set(rank_server.children_of(os.getpid(), zombies=True))  # the shared server and its resource tracker
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     served = _cpu_of(server.pid, children=True) if method == "shared" else 0.0
     t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     while True:  # the fork server outlives the launcher by a moment: wait for it (and so count its ranks' CPU)
-        others = [pid for pid in _children(os.getpid()) if pid not in staying]
+        others = [pid for pid in rank_server.children_of(os.getpid(), zombies=True) if pid not in staying]
         if not others:
             break
         for pid in others:

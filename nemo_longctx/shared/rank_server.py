@@ -22,9 +22,10 @@ import json
 import os
 import signal
 import sys
-import threading
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
+
+from nemo_longctx.shared.reaper import proc_stat
 
 VAR = "NEMO_LONGCTX_RANK_SERVER"  # in a launcher's environment: the server its ranks fork from (``RankServer.env``)
 SERVER_ENV: Optional[dict] = None  # in the server (and the ranks it forks): its environment as it started
@@ -75,18 +76,7 @@ class RankServer:
 
     def children(self) -> list:
         """Pids of the live processes this server forked that are still running (its ranks; none between runs)."""
-        found = []
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    stat = f.read().rsplit(")", 1)[1].split()  # state ppid ...
-            except OSError:
-                continue
-            if int(stat[1]) == self.pid and stat[0] != "Z":
-                found.append(int(entry))
-        return found
+        return children_of(self.pid)
 
     def close(self, timeout_s: float = 30.0) -> None:
         """End the server: EOF on its "alive" pipe (it exits once it has no request in flight), then reap it."""
@@ -103,6 +93,17 @@ class RankServer:
             time.sleep(0.05)
         os.kill(self.pid, signal.SIGKILL)
         os.waitpid(self.pid, 0)
+
+
+def children_of(pid: int, zombies: bool = False) -> list:
+    """Pids of the children of process ``pid`` that are running (with ``zombies``: and those ended, not yet
+    waited for)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        stat = proc_stat(int(entry)) if entry.isdigit() else None
+        if stat is not None and int(stat[1]) == pid and (zombies or stat[0] != "Z"):
+            found.append(int(entry))
+    return found
 
 
 def start(preload: Sequence[str]) -> RankServer:
@@ -156,17 +157,15 @@ class _EnsureAlive:
 
     def __init__(self, server: ServerAddress) -> None:
         self.server = server
-        self._lock = threading.Lock()
 
     def __call__(self) -> None:
         from multiprocessing import resource_tracker
 
-        with self._lock:
-            resource_tracker.ensure_running()
-            try:
-                os.kill(self.server.pid, 0)
-            except ProcessLookupError:
-                raise RuntimeError(f"{VAR}: the rank server (pid {self.server.pid}) has ended") from None
+        resource_tracker.ensure_running()  # (it locks itself)
+        try:
+            os.kill(self.server.pid, 0)
+        except ProcessLookupError:
+            raise RuntimeError(f"{VAR}: the rank server (pid {self.server.pid}) has ended") from None
 
 
 def remember_environment() -> None:

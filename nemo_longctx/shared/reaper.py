@@ -16,24 +16,25 @@ import shutil
 import signal
 import sys
 import time
+from typing import List, Optional
 
 RUN_TOKEN_VAR = "NEMO_LONGCTX_RUN_TOKEN"
 
 
-def carriers(token: str) -> list:
-    """Pids of the live processes (this one excepted) whose environment holds ``RUN_TOKEN_VAR=token``."""
-    mark = f"{RUN_TOKEN_VAR}={token}".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if mark in f.read().split(b"\0"):
-                    found.append(int(entry))
-        except OSError:
-            pass
-    return found
+def proc_stat(pid: int) -> Optional[List[str]]:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state, ppid, pgrp, session, ...); None when the
+    process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def session_of(pid: int) -> int:
+    """The session id of process ``pid`` (-1 when it is gone)."""
+    stat = proc_stat(pid)
+    return int(stat[3]) if stat else -1
 
 
 def rank_sessions(pid_dir: str) -> set:
@@ -51,30 +52,36 @@ def rank_sessions(pid_dir: str) -> set:
     return sessions
 
 
-def session_of(pid: int) -> int:
-    """The session id of process ``pid`` (-1 when it is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[3])  # state ppid pgrp session
-    except (OSError, ValueError, IndexError):
-        return -1
-
-
-def members(sessions: set) -> list:
-    """Pids of the live processes (this one excepted) in one of ``sessions``."""
-    if not sessions:
-        return []
-    return [int(e) for e in os.listdir("/proc") if e.isdigit() and int(e) != os.getpid()
-            and session_of(int(e)) in sessions]
+def targets(token: str, sessions: set) -> list:
+    """Pids of the live (not zombie) processes, this one excepted, whose environment holds ``RUN_TOKEN_VAR=token`` or
+    that are in one of ``sessions``."""
+    mark = f"{RUN_TOKEN_VAR}={token}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        stat = proc_stat(int(entry))
+        if stat is None or stat[0] == "Z":
+            continue
+        if int(stat[3]) in sessions:
+            found.append(int(entry))
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if mark in f.read().split(b"\0"):
+                    found.append(int(entry))
+        except OSError:
+            pass
+    return found
 
 
 def sweep(token: str, pid_dir: str = "", rounds: int = 50) -> int:
-    """SIGKILL the carriers of ``token`` and the members of the ranks' sessions until none is left (a dying rank may
-    still start one); how many were killed."""
+    """SIGKILL the processes carrying ``token`` and those in the ranks' sessions (``targets``) until none is left (a
+    dying rank may still start one); how many were killed."""
     killed = set()
     sessions = rank_sessions(pid_dir)
     for _ in range(rounds):
-        found = set(carriers(token)) | set(members(sessions))
+        found = targets(token, sessions)
         if not found:
             break
         for pid in found:
