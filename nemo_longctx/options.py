@@ -41,6 +41,9 @@ class ConfigError(ValueError):
         self.problems = list(problems)
         super().__init__("invalid configuration:\n  - " + "\n  - ".join(self.problems))
 
+    def __reduce__(self):  # pickled with its problems (the default would re-create it from the joined message)
+        return (ConfigError, (self.problems,))
+
 
 def raise_problems(problems: Sequence[str]) -> None:
     """Raise ``ConfigError`` listing ``problems`` (nothing when there are none)."""

@@ -9,8 +9,17 @@
 #   scripts/matrix_smoke.sh --install       # only create .venv-matrix (.ci/run does it beside the NeMo 2 suite)
 #   scripts/matrix_smoke.sh --ci 25.09 ...  # CI's set: a stack's file may name a smaller one for CI
 #                                           # (`# matrix_smoke.sh --ci: -m <marker> (why)`)
+#   scripts/matrix_smoke.sh --files MARKER  # the test files a set runs (below)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# the test files that hold a set's tests (those naming `pytest.mark.<marker>`): pytest is handed these alone, so its
+# workers import them and not the whole suite (~10 s of one core each, per stack); tests/test_repo.py checks that they
+# are every file whose tests pytest selects by the marker
+set_files() { grep -lE "mark\.$1\b" tests/test_*.py; }
+if [ "${1:-}" = --files ]; then
+  set_files "$2"
+  exit 0
+fi
 py=$(scripts/python312.sh matrix_smoke.sh)  # PYTHON312=... to choose it
 venv=.venv-matrix
 if [ ! -f "$venv/.installed" ]; then  # written last: an interrupted install is redone
@@ -58,8 +67,10 @@ for stack in "${stacks[@]}"; do
     fi
   fi
   echo "=== matrix stack $stack (-m $marker): $("$venv/bin/python" -m nemo_longctx.shared.versions 2>/dev/null | head -1)"
+  mapfile -t files < <(set_files "$marker")
+  [ ${#files[@]} -gt 0 ] || { echo "matrix_smoke: no test file names pytest.mark.$marker" >&2; exit 2; }
   start=$(date +%s)
-  if "$venv/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m "$marker" tests; then result=passed; else result=FAILED; status=1; fi
+  if "$venv/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m "$marker" "${files[@]}"; then result=passed; else result=FAILED; status=1; fi
   echo "=== matrix stack $stack (-m $marker): $result in $(( $(date +%s) - start )) s"
 done
 exit $status

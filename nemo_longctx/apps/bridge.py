@@ -438,6 +438,11 @@ def run_rank(spec: Any, bridge_overrides: List[str], container: Any = None) -> i
     from nemo_longctx.shared import collector, console
 
     console.setup(console.level(), console.rank_from_env())  # again: the libraries are imported now
+    threads = os.environ.get("OMP_NUM_THREADS")  # the launcher's share of the cores (torchrun's default: 1)
+    if threads and threads.isdigit():  # a rank forked from a fork server has OpenMP's setting of the server's start
+        import torch
+
+        torch.set_num_threads(int(threads))
     output_dir = os.path.abspath(str(spec.output_dir))
     world = os.environ.get("WORLD_SIZE")  # the local launcher's ranks (the agent sets it)
     container = container if container is not None else build(spec, bridge_overrides, output_dir,
@@ -536,51 +541,73 @@ def main(argv: Optional[List[str]] = None) -> None:
     launch = detect_external_launch()  # torchrun's or srun's ranks: SLURM_* -> RANK/WORLD_SIZE/MASTER_ADDR/...
     if launch is not None:
         exit_process(external_rank(spec, bridge, launch))
-    # the launching process: the container once (every problem before any rank starts), then the ranks
-    from nemo_longctx.integrations.bridge import cpu_compat
-    from nemo_longctx.integrations.bridge.checkpoint import checkpoint_problems
-    from nemo_longctx.integrations.bridge.config import cpu_problems, model_problems_of
-    from nemo_longctx.integrations.bridge.memory import memory_of
-    from nemo_longctx.integrations.bridge.preemption import latched_signals, save_time_warning
+    # the launching process: the container once (every problem before any rank starts), then the ranks. It is built
+    # where the ranks' imports are (a process forked from their fork server): this process imports no Megatron-Bridge
+    from nemo_longctx.shared.launch import RankServerError, call_with_rank_imports
 
-    cpu_compat.apply()
     output_dir = os.path.abspath(str(spec.output_dir))
-    report: dict = {}
     try:
-        container = build(spec, bridge, output_dir, spec.launcher.devices, report)
-        world = int(spec.launcher.devices or world_of(container))
-        raise_problems(model_problems_of(container, options, world) + checkpoint_problems(container, bridge)
-                       + cpu_problems(container, options))
+        checked = call_with_rank_imports(launch_check, (spec, bridge, output_dir), preload=RANK_PRELOAD,
+                                         start_method=str(spec.launcher.start_method), expected=(ConfigError,))
     except ConfigError as e:
         print(f"nemo-longctx bridge: {e}", file=sys.stderr)
         sys.exit(2)
+    except RankServerError as e:
+        print(f"nemo-longctx: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
     os.makedirs(output_dir, exist_ok=True)
-    print(f"nemo-longctx bridge: {run_kind(spec)}, cp={options.cp.describe()}, "
-          f"{memory_of(container).describe(container)}, world {world}", flush=True)
-    if report.get("recipe"):
-        print(settings_line(container, spec, report), flush=True)
-    signals = latched_signals(container, list(spec.run.signals))
-    warning = save_time_warning(container, float(spec.run.signal_grace_s)) if signals else None
-    if warning:
-        print(warning, flush=True)
+    print("\n".join(checked["lines"]), flush=True)
+    world = checked["world"]
     spawned_at = time.time()
     code = launch_local(world, args + ([console.VERBOSE_FLAG] if verbose else []),
                         max(1, (os.cpu_count() or 1) // world), wall_timeout_s=spec.run.timeout_s,
                         shutdown_timeout_s=int(spec.launcher.shutdown_timeout_s),
                         log_dir=os.path.join(output_dir, "rank_logs"), module="nemo_longctx.apps.bridge",
-                        env={"NEMO_LONGCTX_BRIDGE_RANK": "1", **chosen_env(spec, report)},
-                        forward_signals=signals,
+                        env={"NEMO_LONGCTX_BRIDGE_RANK": "1", **checked["env"]},
+                        forward_signals=checked["signals"],
                         signal_grace_s=float(spec.run.signal_grace_s),
                         preload=RANK_PRELOAD,
                         start_method=str(spec.launcher.start_method))
     metrics = os.path.join(output_dir, "metrics.jsonl")
-    save = getattr(getattr(container, "checkpoint", None), "save", None)
     print("\n".join(console.summary_lines(
         code, console.read_metrics(metrics, since=spawned_at), console.since_launch(),
-        max_steps=int(container.train.train_iters), prefix="nemo-longctx bridge",
-        paths=[("metrics", metrics), ("checkpoints", save), ("rank logs", os.path.join(output_dir, "rank_logs"))])),
+        max_steps=checked["train_iters"], prefix="nemo-longctx bridge",
+        paths=[("metrics", metrics), ("checkpoints", checked["save"]),
+               ("rank logs", os.path.join(output_dir, "rank_logs"))])),
         flush=True)
-    exit_process(code)  # this process imported Megatron-Bridge to check the container (process_exit.py)
+    exit_process(code)  # without the interpreter's teardown (process_exit.py)
+
+
+def launch_check(spec: Any, bridge_overrides: List[str], output_dir: str) -> dict:
+    """The launching process's check of the run (``main``, in a process forked from the ranks' fork server): the
+    container built once, every problem before any rank starts (``ConfigError``), and what the launcher needs of it
+    as plain values: ``world`` (its ranks), ``lines`` (the start lines), ``signals`` (forwarded to the ranks),
+    ``env`` (the ranks' extra environment), ``save`` (the checkpoint folder or None), ``train_iters``."""
+    from nemo_longctx.integrations.bridge import cpu_compat
+    from nemo_longctx.integrations.bridge.checkpoint import checkpoint_problems
+    from nemo_longctx.integrations.bridge.config import cpu_problems, model_problems_of
+    from nemo_longctx.integrations.bridge.memory import memory_of
+    from nemo_longctx.integrations.bridge.preemption import latched_signals, save_time_warning
+    from nemo_longctx.options import raise_problems
+
+    cpu_compat.apply()
+    options = spec.options
+    report: dict = {}
+    container = build(spec, bridge_overrides, output_dir, spec.launcher.devices, report)
+    world = int(spec.launcher.devices or world_of(container))
+    raise_problems(model_problems_of(container, options, world) + checkpoint_problems(container, bridge_overrides)
+                   + cpu_problems(container, options))
+    lines = [f"nemo-longctx bridge: {run_kind(spec)}, cp={options.cp.describe()}, "
+             f"{memory_of(container).describe(container)}, world {world}"]
+    if report.get("recipe"):
+        lines.append(settings_line(container, spec, report))
+    signals = latched_signals(container, list(spec.run.signals))
+    warning = save_time_warning(container, float(spec.run.signal_grace_s)) if signals else None
+    if warning:
+        lines.append(warning)
+    save = getattr(getattr(container, "checkpoint", None), "save", None)
+    return {"world": world, "lines": lines, "signals": [int(s) for s in signals], "env": chosen_env(spec, report),
+            "save": str(save) if save is not None else None, "train_iters": int(container.train.train_iters)}
 
 
 if __name__ == "__main__":

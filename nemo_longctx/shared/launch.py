@@ -23,7 +23,7 @@ import tempfile
 import threading
 import uuid
 from dataclasses import dataclass
-from typing import Dict, Optional, Sequence
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 from nemo_longctx.shared import rank_server
 from nemo_longctx.shared.reaper import RUN_TOKEN_VAR
@@ -146,14 +146,12 @@ def launch_local(nproc: int, argv: Sequence[str], threads_per_process: int, *, w
     os.environ.update(OMP_NUM_THREADS=str(threads_per_process), NEMO_LONGCTX_SPAWNED="1", **{
         LAUNCHER_PID_VAR: str(os.getpid()), RANK_PIDS_VAR: pid_dir, console.LOG_LEVEL_VAR: console.level()},
         **(env or {}))
-    start_method = start_method_for(preload, start_method)
-    if start_method == "forkserver" and os.environ.get(rank_server.VAR):
-        try:  # the ranks fork from a server started for many runs
-            rank_server.attach(os.environ[rank_server.VAR], preload)
-        except ValueError as e:
-            shutil.rmtree(pid_dir, ignore_errors=True)
-            print(f"nemo-longctx: {e}", file=sys.stderr, flush=True)
-            return CONFIG_ERROR_EXIT
+    try:
+        start_method = rank_start_method(preload, start_method)
+    except RankServerError as e:
+        shutil.rmtree(pid_dir, ignore_errors=True)
+        print(f"nemo-longctx: {e}", file=sys.stderr, flush=True)
+        return CONFIG_ERROR_EXIT
     forward = tuple(signal.Signals(s) for s in forward_signals)
     # the agent handles the signals it knows, except those forwarded (its handler would stop the ranks at once)
     agent_signals = ",".join(n for n in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT") if signal.Signals[n] not in forward)
@@ -258,25 +256,44 @@ def start_method_for(preload: Sequence[str], requested: str = "auto") -> str:
     return "forkserver"
 
 
-class _FromLauncher:
-    """One of each rank's arguments: the launcher's environment and standard output, taken as the rank is started
-    (when its arguments are pickled) and handed to it (``adopt``). A rank forked from a fork server starts with the
-    server's: the same as the launcher's when the launcher started the server, not when the server serves many runs
-    (``rank_server``)."""
+class RankServerError(ValueError):
+    """The shared rank server named by ``rank_server.VAR`` cannot serve this launch (the message says why)."""
 
-    def __init__(self, env: Optional[Dict[str, str]] = None, stdout: object = None) -> None:
-        self.env, self.stdout = env, stdout
+
+def rank_start_method(preload: Sequence[str], requested: str = "auto") -> str:
+    """``start_method_for``, and with ``forkserver`` under ``rank_server.VAR`` that shared server attached (once per
+    process: a second call finds it attached); ``RankServerError`` when it cannot serve ``preload``."""
+    method = start_method_for(preload, requested)
+    if method == "forkserver" and os.environ.get(rank_server.VAR):
+        try:  # the ranks fork from a server started for many runs
+            rank_server.attach(os.environ[rank_server.VAR], preload)
+        except ValueError as e:
+            raise RankServerError(str(e)) from None
+    return method
+
+
+class _FromLauncher:
+    """One of each rank's arguments: the launcher's environment and standard output (``stderr``: and its standard
+    error), taken as the rank is started (when its arguments are pickled) and handed to it (``adopt``). A rank forked
+    from a fork server starts with the server's: the same as the launcher's when the launcher started the server, not
+    when the server serves many runs (``rank_server``). A rank's stderr is the elastic agent's (its log file)."""
+
+    def __init__(self, env: Optional[Dict[str, str]] = None, stdout: object = None, stderr: object = None,
+                 *, with_stderr: bool = False) -> None:
+        self.env, self.stdout, self.stderr, self.with_stderr = env, stdout, stderr, with_stderr
 
     def __reduce__(self):
         from multiprocessing import context, reduction
 
-        # the launcher's stdout travels as a file descriptor (multiprocessing passes it with the rank's start)
-        stdout = reduction.DupFd(1) if context.get_spawning_popen() is not None else None
-        return (_FromLauncher, (dict(os.environ), stdout))
+        # the launcher's stdout (and stderr) travel as file descriptors (multiprocessing passes them with the start)
+        starting = context.get_spawning_popen() is not None
+        stdout = reduction.DupFd(1) if starting else None
+        stderr = reduction.DupFd(2) if starting and self.with_stderr else None
+        return (_FromLauncher, (dict(os.environ), stdout, stderr))
 
     def adopt(self) -> None:
         """In the rank: the launcher's environment (plus what the elastic agent set for this rank: RANK & co.) and
-        its stdout. A spawned rank (a fresh interpreter started with both) keeps its own."""
+        its stdout (and stderr). A spawned rank (a fresh interpreter started with them) keeps its own."""
         base = rank_server.SERVER_ENV  # the server's environment as it started (None in a spawned rank)
         if base is None:  # spawned: its own stdout is the launcher's, passed on as fd 1 itself
             return
@@ -285,11 +302,76 @@ class _FromLauncher:
             os.environ.clear()
             os.environ.update(self.env)
             os.environ.update(agent)
-        fd = self.stdout.detach() if self.stdout is not None else None  # type: ignore[attr-defined]
-        if fd is not None and fd != 1:  # forked: a copy of the launcher's stdout, received with the rank's start
-            sys.stdout.flush()
-            os.dup2(fd, 1)
-            os.close(fd)
+        for stream, target in ((self.stdout, sys.stdout), (self.stderr, sys.stderr)):
+            fd = stream.detach() if stream is not None else None  # type: ignore[attr-defined]
+            if fd is not None and fd != target.fileno():  # forked: a copy of the launcher's, received at the start
+                target.flush()
+                os.dup2(fd, target.fileno())
+                os.close(fd)
+
+
+def call_with_rank_imports(fn: Callable[..., Any], args: Sequence[Any] = (), *, preload: Sequence[str] = (),
+                           start_method: str = "auto", expected: Tuple[type, ...] = ()) -> Any:
+    """``fn(*args)`` where the ranks' frameworks are imported already: in a process forked from the fork server the
+    ranks of this launch will fork from (``start_method``, as ``launch_local`` takes it: the launcher's own server,
+    started now with ``preload``, or a shared one, ``rank_server``), so this process imports none of ``preload`` --
+    or, with ``spawn``, in this process. That process has this one's environment, working directory, standard output
+    and error; it ends when this process ends. Returns what ``fn`` returns (picklable); an exception of ``expected``
+    is raised here as it was raised there; any other one is printed there, as an uncaught exception is, and
+    ``SystemExit(1)`` is raised here. ``RankServerError``: the shared server cannot serve ``preload``."""
+    import multiprocessing
+
+    from nemo_longctx.shared import console
+
+    if rank_start_method(preload, start_method) != "forkserver":
+        return fn(*args)
+    os.environ[console.LOG_LEVEL_VAR] = console.level()  # the server's console (rank_preamble), as launch_local sets
+    ctx = multiprocessing.get_context("forkserver")
+    receive, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_call_child, args=(send, _FromLauncher(with_stderr=True), os.getpid(), fn, tuple(args),
+                                                  tuple(expected)), name="nemo-longctx-check")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    child.start()
+    send.close()
+    try:
+        kind, value = receive.recv()
+    except EOFError:  # it died before it answered (a signal, os._exit)
+        child.join()
+        raise RuntimeError(f"the process checking the run (forked from the ranks' fork server) ended with exit code "
+                           f"{child.exitcode} before it answered") from None
+    except BaseException:  # Ctrl-C or a signal here: the child goes too
+        child.kill()
+        child.join()
+        raise
+    finally:
+        receive.close()
+    child.join()
+    if kind == "raised":
+        raise value
+    if kind == "failed":
+        raise SystemExit(1)
+    return value
+
+
+def _call_child(send: Any, launcher: _FromLauncher, launcher_pid_: int, fn: Callable[..., Any], args: tuple,
+                expected: tuple) -> None:
+    """``call_with_rank_imports``' process: the launcher's environment and streams, killed when it ends."""
+    import traceback
+
+    launcher.adopt()
+    _watch_launcher(launcher_pid_)
+    try:
+        answer: tuple = ("value", fn(*args))
+    except expected as e:
+        answer = ("raised", e)
+    except BaseException:  # as Python prints an uncaught exception
+        traceback.print_exc()
+        answer = ("failed", None)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    send.send(answer)
+    send.close()
 
 
 def run_rank(module: str, argv: Sequence[str], launcher: Optional[_FromLauncher] = None) -> None:

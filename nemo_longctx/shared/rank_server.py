@@ -139,6 +139,8 @@ def attach(value: str, preload: Sequence[str]) -> ServerAddress:
         # written against the fork server of CPython 3.11-3.13 (a later one authenticates its clients)
         raise ValueError(f"{VAR}: this Python's fork server ({sys.version.split()[0]}) is not one a launch can share")
     with default._lock:
+        if isinstance(default.ensure_running, _EnsureAlive) and default.ensure_running.server == server:
+            return server  # attached already (a launch that ran a check in it first: launch.call_with_rank_imports)
         if default._forkserver_pid is not None:
             raise ValueError(f"{VAR}: this process already started a fork server of its own")
         read_end, alive = os.pipe()  # the "alive" fd each rank is handed: this launcher's, held while it lives
