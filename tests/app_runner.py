@@ -22,7 +22,9 @@ _SERVER_LOCK = threading.Lock()  # (a fixture may run apps from two threads)
 
 def rank_server_env() -> dict:
     """``{NEMO_LONGCTX_RANK_SERVER: ...}`` for a launch of the train app: its ranks fork from one server this test
-    process starts once (NeMo & co. imported once per pytest worker instead of once per run: ~10 s of one core each)."""
+    process starts once (NeMo & co. imported once per pytest worker instead of once per run: ~10 s of one core each);
+    ``{}`` while this process's Hugging Face settings differ from the server's (a test's own: the frameworks read them
+    as they are imported, ``rank_server.import_time_settings``), so that launch starts a server of its own."""
     import resource
 
     from nemo_longctx.apps.train import RANK_PRELOAD
@@ -37,7 +39,10 @@ def rank_server_env() -> dict:
                 _SERVER["server"] = rank_server.start(RANK_PRELOAD)
             finally:
                 resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
-        return {rank_server.VAR: _SERVER["server"].env()}
+        server = _SERVER["server"]
+    if rank_server.import_time_settings(os.environ) != dict(server.address.settings):
+        return {}
+    return {rank_server.VAR: server.env()}
 
 
 def run_app(cmd: Sequence[str], timeout: float = 400, shared_ranks: bool = True) -> Tuple[int, str]:

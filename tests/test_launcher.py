@@ -130,10 +130,15 @@ def test_sigterm_to_the_launcher_stops_every_rank(tmp_path):
 
 
 def test_run_timeout_stops_all_ranks(tmp_path):
+    # a run that never ends: rank 1 hangs at step 2 (rank 0 waits for it in a collective; neither burns the CPU
+    # meanwhile), with a collective timeout far past run.timeout_s; neither rank heeds SIGTERM there (SIGKILL after
+    # launcher.shutdown_timeout_s)
     code, out, _ = _timed(APP + [f"output_dir={tmp_path}", "model.seq_length=1024", "trainer.max_steps=100000",
-                                 "run.timeout_s=30", "memory.track=false"])
+                                 "run.fault=hang@2:1", "run.timeout_s=20", "launcher.shutdown_timeout_s=5",
+                                 "memory.track=false"])
     assert code == 124, (code, out[-3000:])
-    assert "run.timeout_s=30 exceeded; all ranks were stopped" in out
+    assert "run.timeout_s=20 exceeded; all ranks were stopped" in out
+    assert "rank 1 injects 'hang' at step 2" in out, out[-3000:]  # the run was hung when the timeout came
     assert _run_processes(str(tmp_path)) == []
 
 

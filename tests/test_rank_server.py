@@ -56,9 +56,10 @@ def server(monkeypatch):
     srv.close()
 
 
-def _launch(probe: Path, args, server=None, preload="json", **popen):
+def _launch(probe: Path, args, server=None, preload="json", extra_env=None, **popen):
     env = {k: v for k, v in os.environ.items() if k != rank_server.VAR}
-    env.update(PROBE_MARK="launcher", PYTHONUNBUFFERED="1", **({rank_server.VAR: server} if server else {}))
+    env.update(PROBE_MARK="launcher", PYTHONUNBUFFERED="1", **({rank_server.VAR: server} if server else {}),
+               **(extra_env or {}))
     popen = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **popen}
     return subprocess.Popen([sys.executable, str(probe / "launcher.py"), preload, *args], cwd=probe / "work", env=env,
                             text=True, **popen)
@@ -112,13 +113,18 @@ def test_a_killed_launcher_leaves_no_rank_of_a_shared_server(probe, server, tmp_
 def test_a_server_that_cannot_serve_the_launch_is_refused(probe, server):
     other = rank_server.start(["json"])
     other.close()
+    offline = {"HF_HUB_OFFLINE": "1"} if os.environ.get("HF_HUB_OFFLINE") != "1" else {"HF_HUB_OFFLINE": "0"}
     cases = {
-        "missing import": (server.env(), "json,csv", "the rank server does not import csv"),
-        "ended": (other.env(), "json", f"the rank server (pid {other.pid}) is not running"),
-        "not an address": ("/tmp/socket", "json", "is not a rank server's address"),
+        "missing import": (server.env(), "json,csv", {}, "the rank server does not import csv"),
+        "ended": (other.env(), "json", {}, f"the rank server (pid {other.pid}) is not running"),
+        "not an address": ("/tmp/socket", "json", {}, "is not a rank server's address"),
+        # a setting the frameworks read as they are imported: the ranks would have the server's
+        "other HF settings": (server.env(), "json", offline,
+                              f"HF_HUB_OFFLINE (this launch: {offline['HF_HUB_OFFLINE']}, the server: "
+                              f"{os.environ.get('HF_HUB_OFFLINE', 'unset')})"),
     }
-    for name, (value, preload, message) in cases.items():
-        p = _launch(probe, [], value, preload=preload)
+    for name, (value, preload, extra, message) in cases.items():
+        p = _launch(probe, [], value, preload=preload, extra_env=extra)
         out, err = p.communicate(timeout=120)
         assert p.returncode == 2 and f"nemo-longctx: {rank_server.VAR}" in err and message in err, (name, err[-2000:])
         assert not _ranks(out), name

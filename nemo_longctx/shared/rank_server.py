@@ -13,7 +13,9 @@ sessions however the launcher ends (``reaper``), as it stops the ranks of a serv
 The server is Python's own (``multiprocessing.forkserver``: ``main`` serves fork requests on a Unix socket); it ends
 when the process that started it closes it (``RankServer.close``) or exits. It serves the Python it was started with
 and imports what it was started with: a launch refuses a server of another Python, or one that lacks a module the
-launch preloads (its ranks would import it themselves, each, silently slow).
+launch preloads (its ranks would import it themselves, each, silently slow). What a library reads from the environment
+once, as it is imported, is the server's in every rank: a launch whose Hugging Face settings (``HF_HOME``,
+``HF_HUB_OFFLINE``, ...: ``IMPORT_TIME_PREFIXES``) differ from the server's is refused, naming them.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import os
 import signal
 import sys
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 from nemo_longctx.shared.reaper import proc_stat
 
@@ -31,26 +33,38 @@ VAR = "NEMO_LONGCTX_RANK_SERVER"  # in a launcher's environment: the server its 
 SERVER_ENV: Optional[dict] = None  # in the server (and the ranks it forks): its environment as it started
 # what every server imports first (the console of a rank; the launcher's own module, which runs each rank)
 BASE_PRELOAD = ("nemo_longctx.shared.rank_preamble", "nemo_longctx.shared.launch")
+# environment variables the preloaded frameworks read once, as they are imported (Hugging Face's hub settings are
+# module constants of huggingface_hub and transformers): a forked rank has the server's values
+IMPORT_TIME_PREFIXES = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_")
+
+
+def import_time_settings(env: Mapping[str, str]) -> Dict[str, str]:
+    """The variables of ``env`` a rank forked from a server gets from the server's environment, not the launcher's
+    (``IMPORT_TIME_PREFIXES``)."""
+    return {k: v for k, v in sorted(env.items()) if k.startswith(IMPORT_TIME_PREFIXES)}
 
 
 @dataclass(frozen=True)
 class ServerAddress:
-    """What a launch needs of a running server: its socket, its pid, the Python it runs, what it imported."""
+    """What a launch needs of a running server: its socket, its pid, the Python it runs, what it imported, and the
+    settings it imported them with (``import_time_settings`` of its environment)."""
 
     address: str
     pid: int
     executable: str
     preload: Tuple[str, ...]
+    settings: Tuple[Tuple[str, str], ...] = ()
 
     def env(self) -> str:
         return json.dumps({"address": self.address, "pid": self.pid, "executable": self.executable,
-                           "preload": list(self.preload)})
+                           "preload": list(self.preload), "settings": dict(self.settings)})
 
     @classmethod
     def parse(cls, value: str) -> "ServerAddress":
         try:
             d = json.loads(value)
-            return cls(str(d["address"]), int(d["pid"]), str(d["executable"]), tuple(map(str, d["preload"])))
+            return cls(str(d["address"]), int(d["pid"]), str(d["executable"]), tuple(map(str, d["preload"])),
+                       tuple((str(k), str(v)) for k, v in dict(d["settings"]).items()))
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{VAR}={value!r} is not a rank server's address (start one with "
                              f"nemo_longctx.shared.rank_server.start): {e}") from None
@@ -66,9 +80,9 @@ class RankServer:
         self._server = forkserver.ForkServer()  # a server of its own, not this process's default one
         self.preload = tuple(dict.fromkeys([*BASE_PRELOAD, *preload]))
         self._server.set_forkserver_preload(list(self.preload))
-        self._server.ensure_running()
+        self._server.ensure_running()  # (the server inherits this process's environment, as it is now)
         self.address = ServerAddress(str(self._server._forkserver_address), int(self._server._forkserver_pid),
-                                     sys.executable, self.preload)
+                                     sys.executable, self.preload, tuple(import_time_settings(os.environ).items()))
         self.pid = self.address.pid
 
     def env(self) -> str:
@@ -127,6 +141,13 @@ def attach(value: str, preload: Sequence[str]) -> ServerAddress:
     if missing:
         raise ValueError(f"{VAR}: the rank server does not import {', '.join(missing)} (it imports "
                          f"{', '.join(server.preload)}): start it with this launch's preload")
+    ours, its = import_time_settings(os.environ), dict(server.settings)
+    differ = [k for k in sorted(set(ours) | set(its)) if ours.get(k) != its.get(k)]
+    if differ:
+        shown = ", ".join(f"{k} (this launch: {ours.get(k, 'unset')}, the server: {its.get(k, 'unset')})"
+                          for k in differ)
+        raise ValueError(f"{VAR}: {shown}: the frameworks read it as they are imported, so a rank forked from the "
+                         "server would have the server's: start the server with this launch's environment")
     try:
         os.kill(server.pid, 0)
     except ProcessLookupError:
