@@ -2,6 +2,8 @@
 # The Megatron-Bridge stack in its own venv (default .venv-bridge): Python 3.12, megatron-bridge 0.6.2,
 # megatron-core 0.19.2, TransformerEngine 2.20.2 (prebuilt core + the PyTorch extension), transformers 5.x.
 #   scripts/install_bridge.sh [VENV]        (PYTHON312=<interpreter> to choose the Python 3.12)
+#   scripts/install_bridge.sh --deps [VENV] everything but the checkout itself, which it does not write to (CI runs it
+#                                           beside the NeMo 2 install, whose editable build writes the egg-info)
 # pip cannot install megatron-bridge with its declared deps (GPU-only packages that need torch to build), so:
 # 1. `pip install -c constraints/bridge.txt -e '.[bridge,test]'`: what Bridge's pretrain() really needs (pinned);
 # 2. --no-deps: megatron-bridge, transformer-engine (the Python package), its PyTorch extension;
@@ -12,12 +14,23 @@
 # prebuilt wheel in ../shared/wheels (CI machines) seeds the cache.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+DEPS_ONLY=0
+if [ "${1:-}" = --deps ]; then
+  DEPS_ONLY=1
+  shift
+fi
 VENV=${1:-.venv-bridge}
 TE=2.20.2
 PY=$(scripts/python312.sh install_bridge.sh)
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip)
-"${PIP[@]}" install -q -c constraints/bridge.txt -e '.[bridge,test]'
+if [ "$DEPS_ONLY" = 1 ]; then  # the requirements of '.[bridge,test]' as pyproject.toml declares them
+  mapfile -t REQS < <("$VENV/bin/python" -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]
+print("\n".join(p["dependencies"] + p["optional-dependencies"]["bridge"] + p["optional-dependencies"]["test"]))')
+  "${PIP[@]}" install -q -c constraints/bridge.txt "${REQS[@]}"
+else
+  "${PIP[@]}" install -q -c constraints/bridge.txt -e '.[bridge,test]'
+fi
 "${PIP[@]}" install -q --no-deps megatron-bridge==0.6.2 "transformer-engine==$TE"
 TORCH=$("$VENV/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')
 CACHE=${NEMO_LONGCTX_WHEEL_CACHE:-$HOME/.cache/nemo-longctx/wheels}/te$TE-torch$TORCH-cp312
@@ -46,4 +59,8 @@ fi
 (cd "$VENV/nvrx" && pwd) > "$SITE/nemo_longctx_nvrx.pth"
 "$VENV/bin/python" -c 'import torch, transformer_engine.pytorch, megatron.bridge, megatron.bridge.training.pretrain' \
   2>/dev/null || { echo "install_bridge.sh: import megatron.bridge failed in $VENV" >&2; exit 1; }
+if [ "$DEPS_ONLY" = 1 ]; then
+  echo "install_bridge.sh: $VENV has the dependencies (run it again without --deps for nemo_longctx itself)"
+  exit 0
+fi
 echo "install_bridge.sh: $VENV ready (megatron-bridge 0.6.2, megatron-core 0.19.2, TE $TE, torch $TORCH)"

@@ -23,8 +23,9 @@ _SERVER_LOCK = threading.Lock()  # (a fixture may run apps from two threads)
 def rank_server_env() -> dict:
     """``{NEMO_LONGCTX_RANK_SERVER: ...}`` for a launch of the train app: its ranks fork from one server this test
     process starts once (NeMo & co. imported once per pytest worker instead of once per run: ~10 s of one core each);
-    ``{}`` while this process's Hugging Face settings differ from the server's (a test's own: the frameworks read them
-    as they are imported, ``rank_server.import_time_settings``), so that launch starts a server of its own."""
+    ``{}`` while the launches' start-up or Hugging Face settings differ from the server's (a test's own: read as
+    the interpreter starts or the frameworks are imported, ``rank_server.import_time_settings``), so that launch
+    starts a server of its own."""
     import resource
 
     from nemo_longctx.apps.train import RANK_PRELOAD
@@ -35,14 +36,25 @@ def rank_server_env() -> dict:
             # the server and the ranks it forks under the memory bound a launch gets (``ulimit -v`` in run_app)
             soft, hard = resource.getrlimit(resource.RLIMIT_AS)
             resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT_KB * 1024, hard))
+            unbuffered = os.environ.get("PYTHONUNBUFFERED")
+            os.environ["PYTHONUNBUFFERED"] = "1"  # as run_app's launches have it
             try:
                 _SERVER["server"] = rank_server.start(RANK_PRELOAD)
             finally:
                 resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+                if unbuffered is None:
+                    os.environ.pop("PYTHONUNBUFFERED")
+                else:
+                    os.environ["PYTHONUNBUFFERED"] = unbuffered
         server = _SERVER["server"]
-    if rank_server.import_time_settings(os.environ) != dict(server.address.settings):
+    if rank_server.import_time_settings(launch_env()) != dict(server.address.settings):
         return {}
     return {rank_server.VAR: server.env()}
+
+
+def launch_env() -> dict:  # noqa: N802
+    """The environment of ``run_app``'s launches (without the rank server's address)."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
 def run_app(cmd: Sequence[str], timeout: float = 400, shared_ranks: bool = True) -> Tuple[int, str]:
@@ -51,7 +63,7 @@ def run_app(cmd: Sequence[str], timeout: float = 400, shared_ranks: bool = True)
     A local launch forks its ranks from this process's warm rank server (``rank_server_env``), unless
     ``shared_ranks=False`` (a server of its own, as a launch from a shell has)."""
     shell = f"ulimit -v {MEMORY_LIMIT_KB}; exec {' '.join(shlex.quote(str(c)) for c in cmd)}"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(rank_server_env() if shared_ranks else {})}
+    env = {**launch_env(), **(rank_server_env() if shared_ranks else {})}
     try:
         p = subprocess.run(["bash", "-c", shell], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired as e:  # the output so far, for the assertion message (the process was killed)

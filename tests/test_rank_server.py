@@ -49,6 +49,7 @@ def probe(tmp_path):
 
 @pytest.fixture
 def server(monkeypatch):
+    monkeypatch.setenv("PYTHONUNBUFFERED", "1")  # as the launchers have it (``_launch``)
     monkeypatch.setenv("PROBE_SERVER_ONLY", "1")  # in the server's environment, not in the launchers'
     srv = rank_server.start(["json"])
     monkeypatch.delenv("PROBE_SERVER_ONLY")

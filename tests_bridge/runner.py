@@ -22,9 +22,9 @@ _SERVER: dict = {}  # this test process's warm rank server, started by its first
 def rank_server_env(env: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     """``{NEMO_LONGCTX_RANK_SERVER: ...}``: the ranks of every run of this test process fork from one server
     (``shared/rank_server.py``) that imports Megatron-Bridge once, instead of one server per run. ``{}`` for a run
-    whose environment (``os.environ`` and ``env``) has other Hugging Face settings than the server's (a test's offline
-    hub cache: the frameworks read them as they are imported, ``rank_server.import_time_settings``): it starts a
-    server of its own."""
+    whose environment (``os.environ`` and ``env``) has other start-up or Hugging Face settings than the server's
+    (a test's offline hub cache, a sitecustomize on PYTHONPATH: read as the interpreter starts or the frameworks are
+    imported, ``rank_server.import_time_settings``): it starts a server of its own."""
     from nemo_longctx.apps.bridge import RANK_PRELOAD
     from nemo_longctx.shared import rank_server
 
@@ -40,7 +40,7 @@ def run_bridge(tmp_path: Path, name: str, *args: str, timeout: float = 600,
                env: Optional[Dict[str, str]] = None) -> Tuple[int, str, List[dict]]:
     """(exit code, stdout + stderr, rank 0's metrics rows) of one ``nemo-longctx bridge`` run writing to
     ``tmp_path/name``; ``env``: extra environment variables (inherited by the ranks and their children). Its ranks
-    fork from this process's rank server (``rank_server_env``) when its Hugging Face settings are the server's."""
+    fork from this process's rank server (``rank_server_env``) when its start-up settings are the server's."""
     out = tmp_path / name
     p = subprocess.run([sys.executable, "-m", "nemo_longctx.apps.bridge", f"output_dir={out}", *args],
                        capture_output=True, text=True, timeout=timeout, cwd=ROOT,

@@ -13,9 +13,10 @@ sessions however the launcher ends (``reaper``), as it stops the ranks of a serv
 The server is Python's own (``multiprocessing.forkserver``: ``main`` serves fork requests on a Unix socket); it ends
 when the process that started it closes it (``RankServer.close``) or exits. It serves the Python it was started with
 and imports what it was started with: a launch refuses a server of another Python, or one that lacks a module the
-launch preloads (its ranks would import it themselves, each, silently slow). What a library reads from the environment
-once, as it is imported, is the server's in every rank: a launch whose Hugging Face settings (``HF_HOME``,
-``HF_HUB_OFFLINE``, ...: ``IMPORT_TIME_PREFIXES``) differ from the server's is refused, naming them.
+launch preloads (its ranks would import it themselves, each, silently slow). What the interpreter or a library reads
+from the environment once, as it starts or is imported, is the server's in every rank: a launch whose
+``PYTHONPATH``, ``PYTHONHASHSEED``, ``PYTHONUNBUFFERED`` or Hugging Face settings (``HF_HOME``, ``HF_HUB_OFFLINE``,
+...: ``import_time_settings``) differ from the server's is refused, naming them.
 """
 
 from __future__ import annotations
@@ -33,15 +34,18 @@ VAR = "NEMO_LONGCTX_RANK_SERVER"  # in a launcher's environment: the server its 
 SERVER_ENV: Optional[dict] = None  # in the server (and the ranks it forks): its environment as it started
 # what every server imports first (the console of a rank; the launcher's own module, which runs each rank)
 BASE_PRELOAD = ("nemo_longctx.shared.rank_preamble", "nemo_longctx.shared.launch")
-# environment variables the preloaded frameworks read once, as they are imported (Hugging Face's hub settings are
-# module constants of huggingface_hub and transformers): a forked rank has the server's values
+# environment variables read once, as the interpreter starts or the frameworks are imported: a forked rank has the
+# server's values -- the interpreter's path (and a sitecustomize on it), hash seed and stdout buffering, and Hugging
+# Face's hub settings (module constants of huggingface_hub and transformers: HF_HOME, HF_HUB_OFFLINE, ...). (Warning
+# filters are set again in each rank by the console, ``console.setup``.)
+IMPORT_TIME_VARS = ("PYTHONPATH", "PYTHONHASHSEED", "PYTHONUNBUFFERED")
 IMPORT_TIME_PREFIXES = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_")
 
 
 def import_time_settings(env: Mapping[str, str]) -> Dict[str, str]:
     """The variables of ``env`` a rank forked from a server gets from the server's environment, not the launcher's
-    (``IMPORT_TIME_PREFIXES``)."""
-    return {k: v for k, v in sorted(env.items()) if k.startswith(IMPORT_TIME_PREFIXES)}
+    (``IMPORT_TIME_VARS``, ``IMPORT_TIME_PREFIXES``)."""
+    return {k: v for k, v in sorted(env.items()) if k in IMPORT_TIME_VARS or k.startswith(IMPORT_TIME_PREFIXES)}
 
 
 @dataclass(frozen=True)
@@ -146,8 +150,9 @@ def attach(value: str, preload: Sequence[str]) -> ServerAddress:
     if differ:
         shown = ", ".join(f"{k} (this launch: {ours.get(k, 'unset')}, the server: {its.get(k, 'unset')})"
                           for k in differ)
-        raise ValueError(f"{VAR}: {shown}: the frameworks read it as they are imported, so a rank forked from the "
-                         "server would have the server's: start the server with this launch's environment")
+        raise ValueError(f"{VAR}: {shown}: read as the interpreter starts or the frameworks are imported, so a rank "
+                         "forked from the server would have the server's: start the server with this launch's "
+                         "environment")
     try:
         os.kill(server.pid, 0)
     except ProcessLookupError:
