@@ -273,8 +273,8 @@ def rank_start_method(preload: Sequence[str], requested: str = "auto") -> str:
 
 
 class _FromLauncher:
-    """One of each rank's arguments: the launcher's environment and standard output (``stderr``: and its standard
-    error), taken as the rank is started (when its arguments are pickled) and handed to it (``adopt``). A rank forked
+    """One of each rank's arguments: the launcher's environment and standard output (``with_stderr``: and its
+    standard error), taken as the rank is started (when its arguments are pickled) and handed to it (``adopt``). A rank forked
     from a fork server starts with the server's: the same as the launcher's when the launcher started the server, not
     when the server serves many runs (``rank_server``). A rank's stderr is the elastic agent's (its log file)."""
 
