@@ -274,9 +274,10 @@ def rank_start_method(preload: Sequence[str], requested: str = "auto") -> str:
 
 class _FromLauncher:
     """One of each rank's arguments: the launcher's environment and standard output (``with_stderr``: and its
-    standard error), taken as the rank is started (when its arguments are pickled) and handed to it (``adopt``). A rank forked
-    from a fork server starts with the server's: the same as the launcher's when the launcher started the server, not
-    when the server serves many runs (``rank_server``). A rank's stderr is the elastic agent's (its log file)."""
+    standard error), taken as the rank is started (when its arguments are pickled) and handed to it (``adopt``). A
+    rank forked from a fork server starts with the server's: the same as the launcher's when the launcher started the
+    server, not when the server serves many runs (``rank_server``). A rank's stderr is the elastic agent's (its log
+    file)."""
 
     def __init__(self, env: Optional[Dict[str, str]] = None, stdout: object = None, stderr: object = None,
                  *, with_stderr: bool = False) -> None:
