@@ -47,12 +47,10 @@ def rank_server_env() -> dict:
                 else:
                     os.environ["PYTHONUNBUFFERED"] = unbuffered
         server = _SERVER["server"]
-    if rank_server.import_time_settings(launch_env()) != dict(server.address.settings):
-        return {}
-    return {rank_server.VAR: server.env()}
+    return {rank_server.VAR: server.env()} if server.serves(launch_env()) else {}
 
 
-def launch_env() -> dict:  # noqa: N802
+def launch_env() -> dict:
     """The environment of ``run_app``'s launches (without the rank server's address)."""
     return {**os.environ, "PYTHONUNBUFFERED": "1"}
 

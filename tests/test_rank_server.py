@@ -66,6 +66,16 @@ def _launch(probe: Path, args, server=None, preload="json", extra_env=None, **po
                             text=True, **popen)
 
 
+def _kill_and_wait_for_no_children(launcher: subprocess.Popen, server, message: str) -> None:
+    """SIGKILL ``launcher`` (no handler of it runs), then assert the server has no live child within 20 s."""
+    launcher.kill()
+    launcher.wait(timeout=30)
+    deadline = time.time() + 20
+    while server.children() and time.time() < deadline:
+        time.sleep(0.1)
+    assert server.children() == [], message
+
+
 def _ranks(stdout: str) -> dict:
     rows = [json.loads(ln) for ln in stdout.splitlines() if ln.startswith("{")]
     return {r["rank"]: r for r in rows}
@@ -100,12 +110,7 @@ def test_a_killed_launcher_leaves_no_rank_of_a_shared_server(probe, server, tmp_
             time.sleep(0.2)
         pids = [r["pid"] for r in _ranks(out_file.read_text()).values()]
         assert sorted(server.children()) == sorted(pids)
-        p.kill()  # SIGKILL: no handler of the launcher runs
-        p.wait(timeout=30)
-        deadline = time.time() + 20
-        while server.children() and time.time() < deadline:
-            time.sleep(0.1)
-        assert server.children() == [], "ranks of a SIGKILLed launcher are still alive"
+        _kill_and_wait_for_no_children(p, server, "ranks of a SIGKILLed launcher are still alive")
     finally:
         if p.poll() is None:
             p.kill()
@@ -222,11 +227,6 @@ def test_the_launchers_check_runs_where_the_ranks_imports_are(tmp_path, monkeypa
             assert p.poll() is None and time.time() < deadline, p.stderr.read()[-3000:]  # type: ignore[union-attr]
             time.sleep(0.1)
         assert len(server.children()) == 1
-        p.kill()
-        p.wait(timeout=30)
-        deadline = time.time() + 20
-        while server.children() and time.time() < deadline:
-            time.sleep(0.1)
-        assert server.children() == [], "the check of a SIGKILLed launcher is still running"
+        _kill_and_wait_for_no_children(p, server, "the check of a SIGKILLed launcher is still running")
     finally:
         server.close()

@@ -31,9 +31,7 @@ def rank_server_env(env: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     if "server" not in _SERVER:
         _SERVER["server"] = rank_server.start(RANK_PRELOAD)
     server = _SERVER["server"]
-    if rank_server.import_time_settings({**os.environ, **(env or {})}) != dict(server.address.settings):
-        return {}
-    return {rank_server.VAR: server.env()}
+    return {rank_server.VAR: server.env()} if server.serves({**os.environ, **(env or {})}) else {}
 
 
 def run_bridge(tmp_path: Path, name: str, *args: str, timeout: float = 600,

@@ -26,7 +26,7 @@ import os
 import signal
 import sys
 from dataclasses import dataclass
-from typing import Dict, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from nemo_longctx.shared.reaper import proc_stat
 
@@ -63,6 +63,13 @@ class ServerAddress:
         return json.dumps({"address": self.address, "pid": self.pid, "executable": self.executable,
                            "preload": list(self.preload), "settings": dict(self.settings)})
 
+    def differences(self, env: Mapping[str, str]) -> List[str]:
+        """The ``import_time_settings`` of ``env`` (a launch's environment) that differ from this server's, each as
+        ``NAME (this launch: ..., the server: ...)``; empty when a rank forked from it would see the launch's."""
+        ours, its = import_time_settings(env), dict(self.settings)
+        return [f"{k} (this launch: {ours.get(k, 'unset')}, the server: {its.get(k, 'unset')})"
+                for k in sorted(set(ours) | set(its)) if ours.get(k) != its.get(k)]
+
     @classmethod
     def parse(cls, value: str) -> "ServerAddress":
         try:
@@ -91,6 +98,11 @@ class RankServer:
 
     def env(self) -> str:
         return self.address.env()
+
+    def serves(self, env: Mapping[str, str]) -> bool:
+        """Whether a launch with environment ``env`` can fork its ranks from this server (``attach`` would refuse
+        one whose start-up settings differ: ``ServerAddress.differences``)."""
+        return not self.address.differences(env)
 
     def children(self) -> list:
         """Pids of the live processes this server forked that are still running (its ranks; none between runs)."""
@@ -145,14 +157,11 @@ def attach(value: str, preload: Sequence[str]) -> ServerAddress:
     if missing:
         raise ValueError(f"{VAR}: the rank server does not import {', '.join(missing)} (it imports "
                          f"{', '.join(server.preload)}): start it with this launch's preload")
-    ours, its = import_time_settings(os.environ), dict(server.settings)
-    differ = [k for k in sorted(set(ours) | set(its)) if ours.get(k) != its.get(k)]
+    differ = server.differences(os.environ)
     if differ:
-        shown = ", ".join(f"{k} (this launch: {ours.get(k, 'unset')}, the server: {its.get(k, 'unset')})"
-                          for k in differ)
-        raise ValueError(f"{VAR}: {shown}: read as the interpreter starts or the frameworks are imported, so a rank "
-                         "forked from the server would have the server's: start the server with this launch's "
-                         "environment")
+        raise ValueError(f"{VAR}: {', '.join(differ)}: read as the interpreter starts or the frameworks are "
+                         "imported, so a rank forked from the server would have the server's: start the server with "
+                         "this launch's environment")
     try:
         os.kill(server.pid, 0)
     except ProcessLookupError:
